@@ -36,7 +36,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
+if sys.version_info >= (3, 11):  # noqa: UP036 - the backend also runs on 3.9+
     import tomllib
 else:  # pragma: no cover - exercised only on older interpreters
     import tomli as tomllib
@@ -263,7 +263,9 @@ def _write_wheel(path: Path, files: dict[str, bytes], record: str) -> None:
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerows(rows)
         writer.writerow((record, "", ""))
-        zf.writestr(zipfile.ZipInfo(record, date_time=(2025, 1, 1, 0, 0, 0)), buf.getvalue())
+        zf.writestr(
+            zipfile.ZipInfo(record, date_time=(2025, 1, 1, 0, 0, 0)), buf.getvalue()
+        )
     os.replace(tmp, path)
 
 
@@ -332,7 +334,9 @@ def build_sdist(sdist_directory, config_settings=None):
             path = ROOT / rel
             if path.exists():
                 tar.add(path, arcname=f"{base}/{rel}", filter=_sdist_filter)
-        pkg_info = _metadata(_upstream_dist_info(_upstream_wheel(cfg, config_settings))["METADATA"], cfg)
+        pkg_info = _metadata(
+            _upstream_dist_info(_upstream_wheel(cfg, config_settings))["METADATA"], cfg
+        )
         info = tarfile.TarInfo(f"{base}/PKG-INFO")
         info.size = len(pkg_info)
         tar.addfile(info, io.BytesIO(pkg_info))
