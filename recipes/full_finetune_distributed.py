@@ -1,0 +1,666 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+import functools
+import math
+import sys
+import time
+from typing import Any
+from warnings import warn
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torch.distributed import destroy_process_group, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from tqdm import tqdm
+
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training import PROFILER_KEY
+from torchtune.training.activations import apply_selective_activation_checkpointing
+from torchtune.training.checkpointing._checkpoint_client import (
+    CheckpointClient,
+    TrainingProgress,
+)
+
+log = utils.get_logger("DEBUG")
+
+
+class FullFinetuneRecipeDistributed(FTRecipeInterface):
+    """
+    Full finetuning recipe for dense transformer LLMs such as Llama2, on one or more
+    processes (``tune run --nproc_per_node N``; multi-node through torchrun's own
+    arguments). Runs on CUDA with NCCL and on CPU with gloo.
+
+    Features:
+        - FSDP2. Parameters, gradients and optimizer states are sharded over the data
+          parallel ranks. ``fsdp_cpu_offload`` offloads them to CPU;
+          ``fsdp_reshard_after_forward: False`` keeps parameters gathered between
+          forward and backward (SHARD_GRAD_OP); ``custom_sharded_layers`` names extra
+          modules to shard on their own (e.g. ``['tok_embeddings', 'output']``).
+        - Tensor parallelism. ``tensor_parallel_dim`` > 1 splits each model over that
+          many ranks with ``tensor_parallel_plan``; FSDP shards over the rest.
+        - Optimizer in backward. ``optimizer_in_bwd: True`` builds the optimizer as a
+          ``training.OptimizerInBackward``, which updates each parameter as soon as its
+          gradient is ready and frees the gradient, so the gradients of the whole model
+          never exist at once. Everything else (LR scheduler, logging, checkpoints)
+          treats it as the plain optimizer it imitates; checkpoints of either mode
+          resume in the other.
+        - Activation checkpointing (``enable_activation_checkpointing``, or selective
+          with ``ac_mode``/``ac_option``) and activation offloading
+          (``enable_activation_offloading``, CUDA only).
+        - Precision: fp32 or bf16 (``dtype``). fp16 is refused.
+        - Gradient accumulation: the global batch is
+          ``batch_size * data parallel ranks * gradient_accumulation_steps``.
+        - Gradient clipping (``clip_grad_norm``). ``grad_norm`` is logged in every mode.
+        - ``compile``: ``True`` compiles model and loss; a mapping with keys ``model``,
+          ``loss`` and ``optimizer_step`` chooses each.
+        - Checkpointing at the end of every epoch, written by rank 0 through the
+          configured checkpointer; intermediate checkpoints carry the optimizer and
+          recipe state for ``resume_from_checkpoint``. With
+          ``enable_async_checkpointing`` intermediate checkpoints are saved
+          asynchronously as distributed checkpoints, and resuming reads the latest one.
+        - Logging (metrics from rank 0), profiling and memory snapshots as in the other
+          recipes.
+
+    Args:
+        cfg (DictConfig): OmegaConf object parsed from yaml file
+
+    Raises:
+        ValueError: If ``optimizer_in_bwd`` is True and ``clip_grad_norm`` is set.
+        ValueError: If ``optimizer_in_bwd`` is True and ``gradient_accumulation_steps`` > 1.
+        ValueError: If ``optimizer_in_bwd`` is True and ``compile.optimizer_step`` is True.
+        ValueError: If ``dtype`` is fp16.
+        ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
+            with a fused optimizer, or not dividing the world size.
+        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
+            CUDA or ``enable_activation_checkpointing`` is False.
+        RuntimeError: If ``left_pad_sequence`` is set as the data collator.
+        RuntimeError: If ``dtype`` is bf16 and the hardware does not support it.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        # Every refusal comes before the process group, the model or any file.
+        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._compile = _parse_compile(cfg.get("compile", False))
+        if self._optimizer_in_bwd:
+            if self._clip_grad_norm is not None:
+                raise ValueError(
+                    f"optimizer_in_bwd=True cannot be combined with clip_grad_norm={self._clip_grad_norm}: "
+                    "the global gradient norm is only known after backward, when in-backward updates "
+                    "have already happened. Set clip_grad_norm=null or optimizer_in_bwd=False."
+                )
+            if self._gradient_accumulation_steps > 1:
+                raise ValueError(
+                    f"optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps={self._gradient_accumulation_steps}: "
+                    "each parameter is updated as soon as its gradient is ready, so gradients cannot be "
+                    "accumulated over several batches. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
+                )
+            if self._compile["optimizer_step"]:
+                raise ValueError(
+                    "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
+                    "in-backward updates run one parameter at a time inside autograd hooks, where a "
+                    "compiled whole-optimizer step cannot run. Set compile.optimizer_step=False or "
+                    "optimizer_in_bwd=False."
+                )
+
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError(
+                "full fp16 training is not supported with this recipe. Please use bf16 or fp32 instead."
+            )
+        self._enable_activation_checkpointing = cfg.get(
+            "enable_activation_checkpointing", False
+        )
+        self._enable_activation_offloading = cfg.get(
+            "enable_activation_offloading", False
+        )
+        if self._enable_activation_offloading and self._device.type != "cuda":
+            raise RuntimeError(
+                "enable_activation_offloading should only be True when training on CUDA"
+            )
+        if self._enable_activation_offloading and not (
+            self._enable_activation_checkpointing
+        ):
+            raise RuntimeError(
+                "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
+            )
+        self._tp_dim = cfg.get("tensor_parallel_dim", 1)
+        self._tp_plan = config.instantiate(cfg.get("tensor_parallel_plan", None))
+        if self._tp_dim > 1 and self._tp_plan is None:
+            raise ValueError(
+                "Tensor Parallel plan needs to be provided when tensor parallel is enabled."
+            )
+        if self._tp_dim > 1 and cfg.optimizer.get("fused", False):
+            raise ValueError(
+                "Tensor parallelism is currently incompatible with fused optimizer."
+            )
+
+        # gloo on CPU; NCCL on CUDA, plus gloo for the CPU-side collectives of FSDP's
+        # CPU offload and of asynchronous checkpoint saves.
+        self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
+        self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
+        torch.distributed.init_process_group(
+            "gloo"
+            if self._device.type == "cpu"
+            else training.get_distributed_backend(
+                self._device.type,
+                offload_ops_to_cpu=self._fsdp_cpu_offload
+                or self._enable_async_checkpointing,
+            )
+        )
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        if self.world_size % self._tp_dim != 0:
+            raise ValueError(
+                f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
+            )
+
+        self._output_dir = cfg.output_dir
+        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
+        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
+        if self._log_peak_memory_stats and self._device.type != "cuda":
+            utils.log_rank_zero(
+                log, "log_peak_memory_stats needs CUDA; not logging memory stats."
+            )
+            self._log_peak_memory_stats = False
+        if self._enable_activation_checkpointing and not (
+            self._enable_activation_offloading
+        ):
+            utils.log_rank_zero(
+                log,
+                "Hint: enable_activation_checkpointing is True, but enable_activation_offloading "
+                "isn't. Enabling activation offloading should reduce memory further.",
+            )
+        # clip_grad_norm_ with an infinite max_norm measures the norm and leaves the
+        # gradients bitwise unchanged (they are multiplied by exactly 1.0).
+        self._max_grad_norm = (
+            math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
+        )
+        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._checkpoint_client = CheckpointClient(cfg)
+
+        # Public: updated from the checkpoint on resume, read by tests.
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.max_steps_per_epoch
+        self.global_step = 0
+
+    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
+        """Restores epochs run, seed and max steps from a resumed checkpoint."""
+        try:
+            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
+            # The data order depends on seed and max_steps_per_epoch: the checkpoint wins.
+            for attr, key in (
+                ("seed", training.SEED_KEY),
+                ("max_steps_per_epoch", training.MAX_STEPS_KEY),
+            ):
+                if getattr(self, attr) != ckpt_dict[key]:
+                    warn(
+                        f"Config value for {attr} does not match the checkpoint value, "
+                        f"using the checkpoint value: {ckpt_dict[key]}",
+                        stacklevel=2,
+                    )
+                    setattr(self, attr, ckpt_dict[key])
+            if self.total_epochs != ckpt_dict[training.TOTAL_EPOCHS_KEY]:
+                warn(
+                    "Config value for total_epochs does not match the checkpoint value, "
+                    f"using the config value: {self.total_epochs}",
+                    stacklevel=2,
+                )
+        except KeyError as e:
+            raise KeyError(
+                "Checkpoint does not contain the required keys needed for updating recipe state. "
+                "Are you sure you passed in the right recipe checkpoint?"
+            ) from e
+
+    def setup(self, cfg: DictConfig) -> None:
+        """
+        Builds, in order: metric logger, model (sharded, with the base or resumed
+        weights), tokenizer, optimizer (with resumed state), loss, data, LR scheduler
+        and profiler.
+        """
+        if self._fsdp_cpu_offload:
+            # The CPU optimizer step is ~2x faster with every core in intra-op use.
+            training.set_torch_num_threads()
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        self._model = self._setup_model(
+            cfg_model=cfg.model,
+            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            model_state_dict=checkpoint_dict[training.MODEL_KEY],
+            ac_mode=cfg.get("ac_mode", None),
+            ac_option=cfg.get("ac_option", None),
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._optimizer = self._setup_optimizer(
+            cfg_optimizer=cfg.optimizer,
+            opt_state_dict=checkpoint_dict.get(training.OPT_KEY),
+        )
+        if self._resume_from_checkpoint:
+            if self._enable_async_checkpointing:
+                # Intermediate checkpoints were written by DCP, not by the configured
+                # checkpointer: take weights, optimizer and progress from the latest.
+                checkpoint_dict = self._checkpoint_client.load_distributed_checkpoint(
+                    self._model, self._optimizer
+                )
+            self._update_recipe_state(checkpoint_dict)
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._compile["loss"]:
+            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        utils.log_rank_zero(log, "Loss is initialized.")
+
+        self._dataloader = self._setup_data(
+            cfg_dataset=cfg.dataset,
+            shuffle=cfg.shuffle,
+            batch_size=cfg.batch_size,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        )
+        # A step is one optimizer update: gradient_accumulation_steps batches.
+        self._steps_per_epoch = (
+            len(self._dataloader) // self._gradient_accumulation_steps
+        )
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        self.global_step = self.epochs_run * self._steps_per_epoch
+
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+        # Appended to the shifted labels so logits need no slicing.
+        self.ignore_labels_cache = torch.full(
+            (cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device
+        )
+
+    def _setup_model(
+        self,
+        cfg_model: DictConfig,
+        custom_sharded_layers: list[str] | None,
+        reshard_after_forward: bool,
+        model_state_dict: dict[str, Any],
+        ac_mode: str | None = None,
+        ac_option: int | str | None = None,
+    ) -> nn.Module:
+        """
+        Builds the model on the meta device (no memory), applies tensor parallelism,
+        activation checkpointing and FSDP2, then loads the full state dict into the
+        shards; each rank materializes only its own shards.
+        """
+        init_start = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model)
+        if self._compile["model"]:
+            training.compile_model(model, verbose=self._is_rank_zero)
+
+        dp_dim = self.world_size // self._tp_dim
+        device_mesh = init_device_mesh(
+            self._device.type,
+            mesh_shape=(dp_dim, self._tp_dim),
+            mesh_dim_names=("dp", "tp"),
+        )
+        self.dp_size = device_mesh["dp"].size()
+        self.dp_rank = device_mesh["dp"].get_local_rank()
+        if self._tp_dim > 1:
+            # Heads and embed_dim become per-rank numbers before the plan splits them.
+            model = training.prepare_mha_for_tp(model, device_mesh["tp"])
+            parallelize_module(model, device_mesh["tp"], self._tp_plan)
+
+        # Selective AC (ac_mode/ac_option) only applies without full AC.
+        if self._enable_activation_checkpointing and ac_mode is None:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        elif not self._enable_activation_checkpointing and ac_mode is not None:
+            apply_selective_activation_checkpointing(model, ac_mode, ac_option)
+
+        if dp_dim > 1:
+            training.shard_model(
+                model=model,
+                shard_conditions=[
+                    functools.partial(
+                        training.get_shard_conditions,
+                        names_to_match=custom_sharded_layers,
+                    )
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=reshard_after_forward,
+                dp_mesh=device_mesh["dp"],
+            )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                # RoPE buffers are not in the state dict: compute them on the device.
+                if hasattr(m, "rope_init"):
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            model,
+            model_state_dict,
+            self._device,
+            strict=True,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        training.validate_no_params_on_meta_device(model)
+        utils.log_rank_zero(
+            log,
+            f"Instantiating model and loading checkpoint took {time.perf_counter() - init_start:.2f} secs",
+        )
+        if self._is_rank_zero and self._device.type == "cuda":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        torch.distributed.barrier()
+        return model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None = None
+    ) -> torch.optim.Optimizer:
+        """
+        The only place that tells the two modes apart. ``OptimizerInBackward`` has the
+        plain optimizer's groups, state and state dict format, so the state of either
+        mode loads here, and nothing downstream needs to know which one it got.
+        """
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        if self._optimizer_in_bwd:
+            optimizer = training.OptimizerInBackward(
+                params, functools.partial(config.instantiate, cfg_optimizer)
+            )
+        else:
+            optimizer = config.instantiate(cfg_optimizer, params)
+        if self._compile["optimizer_step"]:
+            optimizer.step = torch.compile(optimizer.step)
+        if opt_state_dict:
+            training.load_from_full_optimizer_state_dict(
+                self._model, optimizer, opt_state_dict, self._device
+            )
+        utils.log_rank_zero(
+            log, f"Optimizer is initialized: {type(optimizer).__name__}."
+        )
+        return optimizer
+
+    def _setup_lr_scheduler(
+        self,
+        cfg_lr_scheduler: DictConfig | None,
+        num_training_steps: int,
+        last_epoch: int,
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """Builds the scheduler on the optimizer; ``None`` keeps the lr constant."""
+        if cfg_lr_scheduler is None:
+            utils.log_rank_zero(log, "No learning rate scheduler configured.")
+            return None
+        lr_scheduler = config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+        utils.log_rank_zero(log, "Learning rate scheduler is initialized.")
+        return lr_scheduler
+
+    def _setup_profiler(
+        self, cfg_profiler: DictConfig | None = None
+    ) -> torch.profiler.profile | training.DummyProfiler:
+        """
+        Builds the torch profiler from the ``profiler`` section (see
+        ``training.setup_torch_profiler`` for its keys); a missing or disabled section
+        gives a ``DummyProfiler`` whose methods do nothing.
+        """
+        if cfg_profiler is None:
+            cfg_profiler = DictConfig({"enabled": False})
+        component = cfg_profiler.get("_component_", None)
+        if component is None:
+            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
+        elif component != "torchtune.training.setup_torch_profiler":
+            raise ValueError(
+                "Only torch profiler supported currently: component must be "
+                f"`torchtune.training.setup_torch_profiler`, got {component}"
+            )
+        profiler, profiler_cfg = config.instantiate(cfg_profiler)
+        utils.log_rank_zero(
+            log, f" Profiler config after instantiation: {profiler_cfg}"
+        )
+        # CUDA memory history is recorded for the profiler's active steps of epoch 0.
+        self._memory_history_steps = None
+        if (
+            self._is_rank_zero
+            and self._device.type == "cuda"
+            and profiler_cfg["enabled"]
+            and profiler_cfg.get("profile_memory", False)
+        ):
+            start = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
+            self._memory_history_steps = (start, start + profiler_cfg["active_steps"])
+        return profiler
+
+    def _setup_data(
+        self,
+        cfg_dataset: DictConfig,
+        shuffle: bool,
+        batch_size: int,
+        collate_fn: str,
+    ) -> StatefulDataLoader:
+        """
+        Map-style dataset (or a list of them, concatenated) split over the data
+        parallel ranks; tensor parallel ranks of one replica read the same batches.
+        """
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+            packed = getattr(ds, "packed", False)
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+            packed = cfg_dataset.get("packed", False)
+        if "left_pad_sequence" in collate_fn:
+            raise RuntimeError("left_pad_sequence collator is only for inference.")
+        collate = _get_component_from_path(collate_fn)
+        sampler = StatefulDistributedSampler(
+            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle
+        )
+        return StatefulDataLoader(
+            dataset=ds,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=(
+                padded_collate_packed
+                if packed
+                else functools.partial(
+                    collate,
+                    padding_idx=self._tokenizer.pad_id,
+                    ignore_idx=self._loss_fn.ignore_index,
+                )
+            ),
+            # Full batches only: avoids shape changes under compile + flex attention.
+            drop_last=True,
+        )
+
+    def train(self) -> None:
+        """
+        The training loop. Each step sums ``token-mean loss * tokens`` over its
+        batches and normalizes by the step's global token count: before backward with
+        an in-backward optimizer (it updates during backward), on the gradients after
+        accumulation otherwise.
+        """
+        training.cleanup_before_training()
+        self._optimizer.zero_grad(set_to_none=True)
+        # Summed over the step's batches; all-reduced over ranks once per step.
+        running_loss = torch.zeros((), device=self._device)
+        num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
+        t0 = time.perf_counter()
+
+        self._profiler.start()
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            pbar = tqdm(total=self._steps_per_epoch, disable=not self._is_rank_zero)
+            self._dataloader.sampler.set_epoch(curr_epoch)
+            for idx, batch in enumerate(self._dataloader):
+                self._record_memory_history(curr_epoch, idx, start=True)
+                utils.batch_to_device(batch, self._device)
+                current_num_tokens = (
+                    batch["labels"] != self._loss_fn.ignore_index
+                ).sum()
+                num_tokens += current_num_tokens
+                labels = batch.pop("labels")
+                with self.activations_handling_ctx:
+                    logits = self._model(**batch)
+                # Shift labels left by one (next-token targets), ignoring the last.
+                labels = torch.hstack(
+                    (labels[..., 1:], self.ignore_labels_cache[: labels.shape[0]])
+                )
+                if not isinstance(logits, list):
+                    labels = labels.reshape(-1)
+                    logits = logits.reshape(-1, logits.size(-1))
+                # The loss fn averages over this batch's tokens; undo it so batches and
+                # ranks can be summed and divided by the total once.
+                loss = self._loss_fn(logits, labels) * current_num_tokens
+                del logits  # frees the logits before backward's peak
+                running_loss += loss.detach()
+                if self._optimizer_in_bwd:
+                    # Parameters are updated inside backward, so the loss must already
+                    # be divided by the step's global token count. FSDP averages the
+                    # gradients over ranks; world_size undoes that average.
+                    torch.distributed.all_reduce(num_tokens)
+                    loss = loss * (self.world_size / num_tokens)
+                loss.backward()
+                if (idx + 1) % self._gradient_accumulation_steps != 0:
+                    continue
+
+                if self._optimizer_in_bwd:
+                    # Updates already happened; the optimizer measured the gradients
+                    # it consumed (a collective: every rank reads it).
+                    grad_norm = self._optimizer.grad_norm
+                else:
+                    torch.distributed.all_reduce(num_tokens)
+                    training.scale_grads(self._model, self.world_size / num_tokens)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        self._model.parameters(), max_norm=self._max_grad_norm
+                    )
+                    if isinstance(grad_norm, DTensor):
+                        grad_norm = grad_norm.full_tensor()
+                # No-ops after an in-backward backward; the plain update otherwise.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                self.global_step += 1
+
+                torch.distributed.all_reduce(running_loss)
+                loss_to_log = running_loss.item() / num_tokens.item()
+                pbar.update(1)
+                pbar.set_description(
+                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                )
+                if (
+                    self._is_rank_zero
+                    and self.global_step % self._log_every_n_steps == 0
+                ):
+                    time_per_step = time.perf_counter() - t0
+                    log_dict = {
+                        "loss": loss_to_log,
+                        "lr": training.get_lr(self._optimizer),
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_second_per_gpu": num_tokens.item()
+                        / (time_per_step * self.world_size),
+                    }
+                    if self._log_peak_memory_stats:
+                        log_dict.update(training.get_memory_stats(device=self._device))
+                    self._metric_logger.log_dict(log_dict, step=self.global_step)
+
+                running_loss.zero_()
+                num_tokens.zero_()
+                t0 = time.perf_counter()
+                self._record_memory_history(curr_epoch, idx, start=False)
+                # One profiler step per optimizer step (all its batches).
+                self._profiler.step()
+                # Batches past the epoch's last full step are left unused.
+                if (
+                    idx + 1
+                ) // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
+
+            self.epochs_run += 1
+            self._checkpoint_client.save_checkpoint(
+                model=self._model,
+                optimizer=self._optimizer,
+                training_progress=TrainingProgress(
+                    seed=self.seed,
+                    epochs_run=self.epochs_run,
+                    total_epochs=self.total_epochs,
+                    max_steps_per_epoch=self.max_steps_per_epoch,
+                    dataloader_state_dict=self._dataloader.state_dict(),
+                ),
+                epoch=curr_epoch,
+            )
+        self._profiler.stop()
+
+    def _record_memory_history(self, epoch: int, idx: int, start: bool) -> None:
+        """Starts/stops the CUDA memory snapshot around the profiler's active steps."""
+        if self._memory_history_steps is None or epoch != 0:
+            return
+        if start and idx == self._memory_history_steps[0]:
+            torch.cuda.memory._record_memory_history()
+        elif not start and idx == self._memory_history_steps[1]:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def cleanup(self) -> None:
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        destroy_process_group()
+
+
+def _parse_compile(cfg_compile: bool | DictConfig) -> dict[str, bool]:
+    """``compile: True`` compiles model and loss (as in 0.6.1); a mapping picks each."""
+    if isinstance(cfg_compile, DictConfig | dict):
+        return {
+            key: bool(cfg_compile.get(key, False))
+            for key in ("model", "loss", "optimizer_step")
+        }
+    return {
+        "model": bool(cfg_compile),
+        "loss": bool(cfg_compile),
+        "optimizer_step": False,
+    }
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """
+    Entry point for the recipe.
+
+    Configurable parameters are read in the following order:
+        - Parameters specified in config (see available configs through ``tune ls``)
+        - Overwritten by arguments from the command-line
+    """
+    config.log_config(recipe_name="FullFinetuneRecipeDistributed", cfg=cfg)
+    recipe = FullFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())
