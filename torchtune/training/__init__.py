@@ -1,0 +1,160 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Training utilities: distributed setup, checkpointing, precision, memory, LR
+schedules, and :class:`OptimizerInBackward`."""
+
+from torchtune.training._activation_offloading import (
+    get_act_offloading_ctx_manager,
+    NoOpManager,
+    OffloadActivations,
+)
+from torchtune.training._compile import compile_loss, compile_model
+from torchtune.training._distributed import (
+    gather_cpu_state_dict,
+    get_distributed_backend,
+    get_full_optimizer_state_dict,
+    get_shard_conditions,
+    get_world_size_and_rank,
+    init_distributed,
+    is_distributed,
+    load_from_full_model_state_dict,
+    load_from_full_optimizer_state_dict,
+    prepare_mha_for_tp,
+    set_torch_num_threads,
+    shard_model,
+    validate_no_params_on_meta_device,
+)
+from torchtune.training._grad_scaler import scale_grads
+from torchtune.training._model_util import disable_dropout
+from torchtune.training._profiler import (
+    DEFAULT_PROFILE_DIR,
+    DEFAULT_PROFILER_ACTIVITIES,
+    DEFAULT_SCHEDULE,
+    DEFAULT_TRACE_OPTS,
+    DummyProfiler,
+    PROFILER_KEY,
+    setup_torch_profiler,
+)
+from torchtune.training.activations import apply_selective_activation_checkpointing
+from torchtune.training.checkpointing import (
+    ADAPTER_CONFIG,
+    ADAPTER_KEY,
+    Checkpointer,
+    DATALOADER_KEY,
+    DistributedCheckpointer,
+    EPOCHS_KEY,
+    FormattedCheckpointFiles,
+    FullModelHFCheckpointer,
+    FullModelMetaCheckpointer,
+    FullModelTorchTuneCheckpointer,
+    MAX_STEPS_KEY,
+    MODEL_KEY,
+    ModelType,
+    OPT_KEY,
+    RNG_KEY,
+    SEED_KEY,
+    STEPS_KEY,
+    TOTAL_EPOCHS_KEY,
+    update_state_dict_for_classifier,
+)
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
+from torchtune.training.memory import (
+    cleanup_before_training,
+    convert_legacy_optim_in_bwd_state_dict,
+    create_optim_in_bwd_wrapper,
+    get_memory_stats,
+    log_memory_stats,
+    OptimizerInBackward,
+    OptimizerInBackwardWrapper,
+    register_optim_in_bwd_hooks,
+    set_activation_checkpointing,
+)
+from torchtune.training.pooling import get_unmasked_sequence_lengths
+from torchtune.training.precision import (
+    get_dtype,
+    set_default_dtype,
+    validate_expected_param_dtype,
+)
+from torchtune.training.quantization import get_quantizer_mode
+from torchtune.training.seed import set_seed
+
+__all__ = [
+    # activation offloading and checkpointing
+    "NoOpManager",
+    "OffloadActivations",
+    "apply_selective_activation_checkpointing",
+    "get_act_offloading_ctx_manager",
+    "set_activation_checkpointing",
+    # compile
+    "compile_loss",
+    "compile_model",
+    # distributed
+    "gather_cpu_state_dict",
+    "get_distributed_backend",
+    "get_full_optimizer_state_dict",
+    "get_shard_conditions",
+    "get_world_size_and_rank",
+    "init_distributed",
+    "is_distributed",
+    "load_from_full_model_state_dict",
+    "load_from_full_optimizer_state_dict",
+    "prepare_mha_for_tp",
+    "set_torch_num_threads",
+    "shard_model",
+    "validate_no_params_on_meta_device",
+    # gradients and models
+    "disable_dropout",
+    "scale_grads",
+    # profiler
+    "DEFAULT_PROFILE_DIR",
+    "DEFAULT_PROFILER_ACTIVITIES",
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_TRACE_OPTS",
+    "DummyProfiler",
+    "PROFILER_KEY",
+    "setup_torch_profiler",
+    # checkpointing
+    "ADAPTER_CONFIG",
+    "ADAPTER_KEY",
+    "Checkpointer",
+    "DATALOADER_KEY",
+    "DistributedCheckpointer",
+    "EPOCHS_KEY",
+    "FormattedCheckpointFiles",
+    "FullModelHFCheckpointer",
+    "FullModelMetaCheckpointer",
+    "FullModelTorchTuneCheckpointer",
+    "MAX_STEPS_KEY",
+    "MODEL_KEY",
+    "ModelType",
+    "OPT_KEY",
+    "RNG_KEY",
+    "SEED_KEY",
+    "STEPS_KEY",
+    "TOTAL_EPOCHS_KEY",
+    "update_state_dict_for_classifier",
+    # learning rate
+    "get_cosine_schedule_with_warmup",
+    "get_lr",
+    # memory and optimizer in backward
+    "OptimizerInBackward",
+    "cleanup_before_training",
+    "convert_legacy_optim_in_bwd_state_dict",
+    "get_memory_stats",
+    "log_memory_stats",
+    # deprecated 0.6.1 optimizer-in-backward API
+    "OptimizerInBackwardWrapper",
+    "create_optim_in_bwd_wrapper",
+    "register_optim_in_bwd_hooks",
+    # data, precision, quantization, seed
+    "get_unmasked_sequence_lengths",
+    "get_dtype",
+    "set_default_dtype",
+    "validate_expected_param_dtype",
+    "get_quantizer_mode",
+    "set_seed",
+]

@@ -1,0 +1,88 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Learning-rate schedule helpers. They take any ``torch.optim.Optimizer``,
+:class:`torchtune.training.OptimizerInBackward` included, with no special case."""
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def get_cosine_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warmup from 0 to each group's base lr, then cosine decay.
+
+    During the first ``num_warmup_steps`` steps the lr factor rises linearly from 0 to 1.
+    Over the remaining ``num_training_steps - num_warmup_steps`` steps it follows
+    ``0.5 * (1 + cos(2 * pi * num_cycles * progress))`` with ``progress`` going from 0
+    to 1, so the default ``num_cycles=0.5`` is one half-cosine down to 0. The factor is
+    never negative. This is the schedule Hugging Face ``transformers`` calls
+    ``get_cosine_schedule_with_warmup``.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer whose param groups' lr the
+            schedule sets.
+        num_warmup_steps (int): number of warmup steps.
+        num_training_steps (int): total number of training steps.
+        num_cycles (float): number of cosine periods after warmup. Default: ``0.5``
+        last_epoch (int): index of the last step taken when resuming; ``-1`` starts
+            from scratch. Default: ``-1``
+
+    Returns:
+        torch.optim.lr_scheduler.LambdaLR: the scheduler.
+
+    Example:
+        >>> scheduler = get_cosine_schedule_with_warmup(optimizer, 100, 1000)
+        >>> for step in range(1000):
+        ...     train_step()
+        ...     scheduler.step()
+    """
+
+    def lr_factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return step / max(1, num_warmup_steps)
+        progress = (step - num_warmup_steps) / max(
+            1, num_training_steps - num_warmup_steps
+        )
+        return max(0.0, 0.5 * (1.0 + math.cos(2.0 * math.pi * num_cycles * progress)))
+
+    return LambdaLR(optimizer, lr_factor, last_epoch)
+
+
+def get_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate shared by all of ``optimizer``'s param groups.
+
+    torchtune recipes schedule one lr for every group; this returns it and checks that
+    the groups agree.
+
+    Args:
+        optimizer (torch.optim.Optimizer): any optimizer, including
+            :class:`torchtune.training.OptimizerInBackward`.
+
+    Returns:
+        float: the learning rate (a tensor if the optimizer keeps lr as a tensor).
+
+    Raises:
+        RuntimeError: if the optimizer has no param groups, or its groups have
+            different learning rates.
+    """
+    groups = optimizer.param_groups
+    if not groups:
+        raise RuntimeError("optimizer has no param groups, so it has no learning rate")
+    lr = groups[0]["lr"]
+    if any(group["lr"] != lr for group in groups[1:]):
+        raise RuntimeError(
+            "param groups have different learning rates "
+            f"{[group['lr'] for group in groups]}; get_lr expects one shared lr"
+        )
+    return lr
