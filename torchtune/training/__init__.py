@@ -8,9 +8,9 @@
 schedules, and :class:`OptimizerInBackward`."""
 
 from torchtune.training._activation_offloading import (
-    get_act_offloading_ctx_manager,
     NoOpManager,
     OffloadActivations,
+    get_act_offloading_ctx_manager,
 )
 from torchtune.training._compile import compile_loss, compile_model
 from torchtune.training._distributed import (
@@ -35,41 +35,41 @@ from torchtune.training._profiler import (
     DEFAULT_PROFILER_ACTIVITIES,
     DEFAULT_SCHEDULE,
     DEFAULT_TRACE_OPTS,
-    DummyProfiler,
     PROFILER_KEY,
+    DummyProfiler,
     setup_torch_profiler,
 )
 from torchtune.training.activations import apply_selective_activation_checkpointing
 from torchtune.training.checkpointing import (
     ADAPTER_CONFIG,
     ADAPTER_KEY,
-    Checkpointer,
     DATALOADER_KEY,
-    DistributedCheckpointer,
     EPOCHS_KEY,
-    FormattedCheckpointFiles,
-    FullModelHFCheckpointer,
-    FullModelMetaCheckpointer,
-    FullModelTorchTuneCheckpointer,
     MAX_STEPS_KEY,
     MODEL_KEY,
-    ModelType,
     OPT_KEY,
     RNG_KEY,
     SEED_KEY,
     STEPS_KEY,
     TOTAL_EPOCHS_KEY,
+    Checkpointer,
+    DistributedCheckpointer,
+    FormattedCheckpointFiles,
+    FullModelHFCheckpointer,
+    FullModelMetaCheckpointer,
+    FullModelTorchTuneCheckpointer,
+    ModelType,
     update_state_dict_for_classifier,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
+    OptimizerInBackward,
+    OptimizerInBackwardWrapper,
     cleanup_before_training,
     convert_legacy_optim_in_bwd_state_dict,
     create_optim_in_bwd_wrapper,
     get_memory_stats,
     log_memory_stats,
-    OptimizerInBackward,
-    OptimizerInBackwardWrapper,
     register_optim_in_bwd_hooks,
     set_activation_checkpointing,
 )

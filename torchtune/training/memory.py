@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
+
 from torchtune.utils import get_device_support, get_logger
 
 _log: logging.Logger = get_logger()
