@@ -1,0 +1,61 @@
+"""Shared pytest setup: the ``integration_test`` marker and the tiny test assets.
+
+Every test runs by default; ``-m "not integration_test"`` skips the recipe runs.
+
+The asset fixtures are session-scoped. The first one used generates
+``tests/assets/generated/`` (about 10 s, most of it importing torchtune) unless it is
+already up to date; ``tests/assets/make_assets.py`` locks the folder, so concurrent
+sessions wait for one generator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.assets.make_assets import DEFAULT_OUT, TinyAssets, ensure_assets
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers used in this test suite."""
+    config.addinivalue_line(
+        "markers",
+        "integration_test: runs a recipe end to end in a subprocess (tune run)",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_assets() -> TinyAssets:
+    """All tiny assets: tokenizer, instruct data, HF checkpoint, model sizes."""
+    return ensure_assets(DEFAULT_OUT)
+
+
+@pytest.fixture(scope="session")
+def tiny_assets_dir(tiny_assets: TinyAssets) -> Path:
+    """The folder that holds the assets; the tiny configs' ``assets_dir``."""
+    return tiny_assets.root
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_path(tiny_assets: TinyAssets) -> Path:
+    """The sentencepiece ``tokenizer.model`` for ``llama2_tokenizer``."""
+    return tiny_assets.tokenizer_path
+
+
+@pytest.fixture(scope="session")
+def tiny_train_data(tiny_assets: TinyAssets) -> Path:
+    """The training split: a JSON list of ``input``/``output`` records."""
+    return tiny_assets.train_data
+
+
+@pytest.fixture(scope="session")
+def tiny_test_data(tiny_assets: TinyAssets) -> Path:
+    """The held-out split, disjoint from the training split."""
+    return tiny_assets.test_data
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tiny_assets: TinyAssets) -> Path:
+    """The Hugging Face checkpoint folder (``config.json`` + ``model.safetensors``)."""
+    return tiny_assets.checkpoint_dir

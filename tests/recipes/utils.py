@@ -1,0 +1,408 @@
+"""Helpers for recipe tests: run ``tune run`` in a subprocess and read its metrics back.
+
+A typical recipe test::
+
+    run = run_tune(
+        "full_finetune_single_device",
+        tiny_config("tiny_full_single_device"),
+        {"assets_dir": tiny_assets.root, "max_steps_per_epoch": 3},
+        output_dir=tmp_path,
+    )
+    assert len(run.losses) == 3
+
+``run_tune`` always sends the metrics to a ``DiskLogger`` file of its own under
+``output_dir/logs`` and parses that file, so a test sees exactly the steps its run
+logged, even when a second run (a resume) writes into the same ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.assets.make_assets import TinyAssets
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+DISK_LOGGER = "torchtune.training.metric_logging.DiskLogger"
+# Keys that run_tune sets itself; pass ``output_dir=`` to run_tune instead.
+_RESERVED_KEYS = ("output_dir", "metric_logger")
+_OUTPUT_TAIL_CHARS = 6000
+
+_STEP_LINE = re.compile(r"^Step (\d+) \| (.*)$")
+# A metric name at the start of the payload or after whitespace, followed by ':'.
+_METRIC_NAME = re.compile(r"(?:^|\s)([A-Za-z_][\w./-]*):")
+_NUMBER = re.compile(r"[-+]?(?:nan|inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
+
+
+class TuneRunError(RuntimeError):
+    """A ``tune run`` subprocess failed or ran past its timeout.
+
+    Attributes:
+        command (list[str]): the command that was run.
+        returncode (int | None): its exit status, None if it was killed on timeout.
+        output (str): everything it wrote to stdout and stderr.
+    """
+
+    def __init__(
+        self, message: str, command: list[str], returncode: int | None, output: str
+    ):
+        tail = output[-_OUTPUT_TAIL_CHARS:]
+        super().__init__(
+            f"{message}\ncommand: {' '.join(command)}\n"
+            f"--- last {len(tail)} characters of stdout+stderr ---\n{tail}"
+        )
+        self.command = command
+        self.returncode = returncode
+        self.output = output
+
+
+@dataclass
+class TuneRun:
+    """What one ``tune run`` left behind.
+
+    Attributes:
+        losses (list[float]): the ``loss`` logged at each step, in step order.
+        metrics (dict[int, dict[str, float]]): every metric logged, by step
+            (``loss``, ``lr``, ``tokens_per_second_per_gpu``, ``grad_norm``, ...).
+        output_dir (Path): the run's ``output_dir`` (checkpoints, ``logs/``).
+        log_file (Path): the ``DiskLogger`` file the metrics were read from.
+        command (list[str]): the command that was run.
+        output (str): everything the run wrote to stdout and stderr.
+        wall_s (float): wall-clock seconds the subprocess took.
+    """
+
+    losses: list[float]
+    metrics: dict[int, dict[str, float]]
+    output_dir: Path
+    log_file: Path
+    command: list[str] = field(repr=False)
+    output: str = field(repr=False)
+    wall_s: float
+
+
+def tiny_config(name: str) -> Path:
+    """Path of a tiny config shipped in ``tests/recipes/configs``.
+
+    Args:
+        name (str): the file name, with or without ``.yaml``
+            (e.g. ``"tiny_full_single_device"``).
+
+    Returns:
+        Path: the absolute path of the YAML file.
+
+    Raises:
+        FileNotFoundError: if there is no such config.
+    """
+    path = CONFIGS_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file():
+        available = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"No tiny config {name!r}; available: {available}")
+    return path
+
+
+def tiny_overrides(
+    assets: TinyAssets,
+    *,
+    lora: bool = False,
+    seed: int = 0,
+    max_steps_per_epoch: int = 3,
+) -> dict[str, Any]:
+    """Overrides that turn any llama2 fine-tuning config into a tiny CPU run.
+
+    The tiny configs in ``tests/recipes/configs`` already hold all of this and only
+    need ``assets_dir``; these overrides make an upstream config (for example
+    ``llama2/7B_full``) use the tiny model, tokenizer, data and checkpoint too. The
+    optimizer and LR scheduler are left as the config has them.
+
+    Args:
+        assets (TinyAssets): the generated assets (the ``tiny_assets`` fixture).
+        lora (bool): build ``lora_llama2`` instead of ``llama2``. Default: False.
+        seed (int): the recipe seed. Default: 0.
+        max_steps_per_epoch (int): steps per epoch (one epoch is run). Default: 3.
+
+    Returns:
+        dict[str, Any]: ``key -> value`` overrides for ``run_tune``.
+    """
+    model_kwargs = {k: v for k, v in assets.model_kwargs.items() if k != "rope_base"}
+    overrides: dict[str, Any] = {
+        "assets_dir": assets.root,
+        "tokenizer._component_": "torchtune.models.llama2.llama2_tokenizer",
+        "tokenizer.path": assets.tokenizer_path,
+        "tokenizer.max_seq_len": 128,
+        "tokenizer.prompt_template": None,
+        "dataset._component_": "torchtune.datasets.instruct_dataset",
+        "dataset.source": "json",
+        "dataset.data_files": assets.train_data,
+        "dataset.split": "train",
+        "dataset.train_on_input": False,
+        "dataset.packed": False,
+        "model._component_": (
+            "torchtune.models.llama2.lora_llama2"
+            if lora
+            else "torchtune.models.llama2.llama2"
+        ),
+        **{f"model.{k}": v for k, v in model_kwargs.items()},
+        "checkpointer._component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpointer.checkpoint_dir": assets.checkpoint_dir,
+        "checkpointer.checkpoint_files": list(assets.checkpoint_files),
+        "checkpointer.model_type": "LLAMA2",
+        "checkpointer.recipe_checkpoint": None,
+        "device": "cpu",
+        "dtype": "fp32",
+        "seed": seed,
+        "epochs": 1,
+        "max_steps_per_epoch": max_steps_per_epoch,
+        "compile": False,
+        "enable_activation_checkpointing": False,
+        "enable_activation_offloading": False,
+        "log_every_n_steps": 1,
+        "log_peak_memory_stats": False,
+    }
+    if lora:
+        overrides.update(
+            {
+                "model.lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+                "model.apply_lora_to_mlp": True,
+                "model.apply_lora_to_output": False,
+                "model.lora_rank": 4,
+                "model.lora_alpha": 8,
+                "model.lora_dropout": 0.0,
+            }
+        )
+    return overrides
+
+
+def format_override(key: str, value: Any) -> str:
+    """Write one ``key=value`` command-line override as ``tune run`` parses it.
+
+    Args:
+        key (str): a dotted config key.
+        value (Any): None, a bool, a number, a string, a path, or a list of those.
+
+    Returns:
+        str: the override, e.g. ``"optimizer_in_bwd=True"`` or ``"seed=null"``.
+
+    Raises:
+        ValueError: if the value contains ``=``, which ``tune run`` cannot parse.
+    """
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(fmt(item) for item in v) + "]"
+        return str(v)
+
+    text = fmt(value)
+    if "=" in text:
+        raise ValueError(
+            f"Override {key}={text!r} contains '=', which tune run cannot parse "
+            "(it splits each override on '='). Use a value without '='."
+        )
+    return f"{key}={text}"
+
+
+def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        items = [format_override(k, v) for k, v in overrides.items()]
+    else:
+        items = [str(item) for item in overrides]
+    for item in items:
+        key = item.lstrip("~").split("=", 1)[0]
+        if key.split(".", 1)[0] in _RESERVED_KEYS:
+            raise ValueError(
+                f"Override {item!r} sets {key}, which run_tune sets itself so it can "
+                "read the metrics back; pass output_dir= to run_tune instead."
+            )
+    return items
+
+
+def read_disk_log(path: Path | str) -> dict[int, dict[str, float]]:
+    """Parse a ``DiskLogger`` file into metrics by step.
+
+    ``DiskLogger`` writes ``Step <n> | name:value name:value ...`` lines (one per
+    ``log_dict`` call) and ``Step <n> | name:value`` lines (one per ``log`` call).
+    Lines for the same step are merged; a later value of a metric wins. A value that
+    prints as a tensor (``tensor(0.25)``) is read as its first number.
+
+    Args:
+        path (Path | str): the log file.
+
+    Returns:
+        dict[int, dict[str, float]]: ``{step: {metric: value}}``, steps in file order.
+
+    Raises:
+        ValueError: if a line starting with ``Step`` has a value with no number in it.
+    """
+    metrics: dict[int, dict[str, float]] = {}
+    for line in Path(path).read_text().splitlines():
+        match = _STEP_LINE.match(line.strip())
+        if match is None:
+            continue
+        step, payload = int(match.group(1)), match.group(2)
+        names = list(_METRIC_NAME.finditer(payload))
+        for i, name in enumerate(names):
+            end = names[i + 1].start() if i + 1 < len(names) else len(payload)
+            raw = payload[name.end() : end].strip()
+            number = _NUMBER.search(raw)
+            if number is None:
+                raise ValueError(
+                    f"{path}: step {step} metric {name.group(1)!r} has no number in "
+                    f"{raw!r}"
+                )
+            metrics.setdefault(step, {})[name.group(1)] = float(number.group())
+    return metrics
+
+
+def _next_log_name(log_dir: Path) -> str:
+    """The first ``metrics_<k>.txt`` not yet in ``log_dir``."""
+    k = 0
+    while (log_dir / f"metrics_{k}.txt").exists():
+        k += 1
+    return f"metrics_{k}.txt"
+
+
+def _subprocess_env(
+    output_dir: Path, extra: Mapping[str, str] | None
+) -> dict[str, str]:
+    env = dict(os.environ)
+    # Never reach the Hugging Face hub; keep the datasets cache out of $HOME.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env["HF_DATASETS_CACHE"] = str(output_dir / ".hf_datasets_cache")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_tune(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+    *,
+    nproc: int = 1,
+    distributed: bool | None = None,
+    output_dir: Path | str,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> TuneRun:
+    """Run ``tune run [--nproc_per_node N] <recipe> --config <config> k=v ...``.
+
+    The subprocess runs from the repository root with the current interpreter, so it
+    imports the same (installed) ``torchtune``. Its metrics go to a new
+    ``DiskLogger`` file under ``output_dir/logs``, which is parsed back.
+
+    Args:
+        recipe (str): a recipe name known to ``tune ls`` (e.g.
+            ``"full_finetune_single_device"``) or a custom recipe as ``tune run`` takes it.
+        config (Path | str): a config name known to ``tune ls`` or a YAML path.
+        overrides (Mapping[str, Any] | Sequence[str] | None): config overrides, as a
+            mapping (values formatted by ``format_override``) or as ready
+            ``"key=value"`` / ``"~key"`` strings. Must not set ``output_dir`` or
+            ``metric_logger``.
+        nproc (int): number of processes. Default: 1.
+        distributed (bool | None): launch through torchrun (``--nproc_per_node``).
+            Default None: when ``nproc > 1`` or the recipe name contains
+            ``"distributed"`` (a distributed recipe needs torchrun even on 1 process).
+        output_dir (Path | str): the run's ``output_dir``; created if missing.
+        timeout (float): seconds before the whole process group is killed.
+            Default: 300.
+        env (Mapping[str, str] | None): extra environment variables.
+
+    Returns:
+        TuneRun: losses and metrics by step, paths, output and wall time.
+
+    Raises:
+        ValueError: if ``nproc < 1`` or an override sets a reserved key.
+        TuneRunError: if the run exits non-zero, times out, or logs no metrics. The
+            message holds the tail of the run's stdout and stderr.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if distributed is None:
+        distributed = nproc > 1 or "distributed" in recipe
+    output_dir = Path(output_dir).resolve()
+    log_dir = output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = log_dir / _next_log_name(log_dir)
+    # Reserve the name now, so two runs started back to back never share a file.
+    log_file.touch()
+
+    command = [sys.executable, "-m", "torchtune._cli.tune", "run"]
+    if distributed:
+        command += ["--nproc_per_node", str(nproc)]
+    elif nproc > 1:
+        raise ValueError(f"nproc={nproc} needs distributed=True (torchrun)")
+    command += [recipe, "--config", str(config)]
+    command += _override_list(overrides)
+    command += [
+        f"output_dir={output_dir}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_dir}",
+        f"metric_logger.filename={log_file.name}",
+    ]
+
+    start = time.perf_counter()
+    # A new session lets a timeout kill torchrun and all its workers together.
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=_subprocess_env(output_dir, env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise TuneRunError(
+            f"tune run {recipe} ran past its {timeout:.0f} s timeout and was killed",
+            command,
+            None,
+            output,
+        ) from None
+    wall_s = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise TuneRunError(
+            f"tune run {recipe} exited with status {proc.returncode}",
+            command,
+            proc.returncode,
+            output,
+        )
+
+    metrics = read_disk_log(log_file)
+    if not metrics:
+        raise TuneRunError(
+            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
+            command,
+            proc.returncode,
+            output,
+        )
+    losses = [
+        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
+    ]
+    return TuneRun(
+        losses=losses,
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=command,
+        output=output,
+        wall_s=wall_s,
+    )
