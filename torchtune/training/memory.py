@@ -777,10 +777,11 @@ class OptimizerInBackward(Optimizer):
                     for i, p in enumerate(params)
                     if i >= len(saved_ids)
                 ]
-                extra = [f"id {pid}" for pid in saved_ids[len(params) :]]
+                extra = [f"saved id {pid}" for pid in saved_ids[len(params) :]]
                 problems.append(
                     f"group {group_index} holds {len(params)} parameters, the state "
-                    f"dict's holds {len(saved_ids)}: missing {missing}, extra {extra}"
+                    f"dict's holds {len(saved_ids)}: missing [{', '.join(missing)}], "
+                    f"extra [{', '.join(extra)}]"
                 )
             index += len(params)
         known_ids = {pid for saved in saved_groups for pid in saved["params"]}

@@ -1,0 +1,24 @@
+"""Fixtures shared by the torchtune unit tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.torchtune.distributed_launcher import DistributedRun, run_distributed
+
+
+@pytest.fixture(scope="session")
+def optimizer_in_backward_distributed_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> DistributedRun:
+    """All 2-process gloo scenarios of
+    ``tests/torchtune/training/optimizer_in_backward_scenarios.py``, run once per
+    session (about 20 s on 2 cores); tests assert on their per-scenario reports.
+    A hung collective fails after 60 s (gloo timeout), the whole run after 240 s."""
+    return run_distributed(
+        "tests.torchtune.training.optimizer_in_backward_scenarios",
+        "main",
+        tmp_path_factory.mktemp("optimizer_in_backward_distributed"),
+        world_size=2,
+        timeout_s=240,
+    )

@@ -1,0 +1,172 @@
+"""Tests for CheckpointClient with plain and in-backward optimizers.
+
+In one process and on 2 gloo processes with FSDP2 (the latter run by
+``tests/torchtune/training/optimizer_in_backward_scenarios.py``). Resumed runs are
+compared with uninterrupted ones bitwise (``rtol=0, atol=0``): a checkpoint restores
+exactly the tensors that were saved, and training then runs the same kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+from tests.torchtune.distributed_launcher import DistributedRun
+from tests.torchtune.training.optimizer_in_backward_scenarios import SCENARIOS
+from torchtune import training
+from torchtune.training import OptimizerInBackward
+from torchtune.training.checkpointing._checkpoint_client import (
+    CheckpointClient,
+    TrainingProgress,
+)
+
+BITWISE = {"rtol": 0, "atol": 0}
+ADAMW = {"lr": 0.05, "weight_decay": 0.1}
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def make_optimizer(in_backward: bool, model: nn.Module) -> torch.optim.Optimizer:
+    if in_backward:
+        return OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
+    return torch.optim.AdamW(model.parameters(), **ADAMW)
+
+
+def client_config(tmp_path: Path, *, asynchronous: bool, resume: bool) -> DictConfig:
+    base = tmp_path / "base"
+    base.mkdir(exist_ok=True)
+    torch.save(make_model().state_dict(), base / "model.pt")
+    return OmegaConf.create(
+        {
+            "device": "cpu",
+            "resume_from_checkpoint": resume,
+            "enable_async_checkpointing": asynchronous,
+            "checkpointer": {
+                "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
+                "checkpoint_dir": str(base),
+                "checkpoint_files": ["model.pt"],
+                "output_dir": str(tmp_path / "out"),
+                "model_type": "LLAMA2",
+            },
+        }
+    )
+
+
+PROGRESS = TrainingProgress(seed=7, epochs_run=1, total_epochs=3, max_steps_per_epoch=3)
+
+
+def reference_after_6_steps() -> nn.Module:
+    reference = make_model()
+    train(reference, make_optimizer(False, reference), range(6))
+    return reference
+
+
+# DCP notes that it saves and loads in a single process: intended here.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("load_in_backward", [True, False], ids=["in_bwd", "plain"])
+def test_async_save_then_load_restores_in_backward_optimizer_state(
+    tmp_path: Path, load_in_backward: bool
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(True, model)
+    train(model, optimizer, range(3))
+    saved_state = copy.deepcopy(optimizer.state_dict()["state"])
+    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=False))
+    client.save_checkpoint(model, optimizer, PROGRESS, epoch=0)
+    client.wait_for_async_save()
+
+    resumed = make_model(seed=1)
+    new_optimizer = make_optimizer(load_in_backward, resumed)
+    loaded = CheckpointClient(
+        client_config(tmp_path, asynchronous=True, resume=True)
+    ).load_distributed_checkpoint(resumed, new_optimizer)
+    assert loaded[training.EPOCHS_KEY] == 1 and loaded[training.SEED_KEY] == 7
+    # 0.6.1 restored no in-backward optimizer state here, and said nothing.
+    torch.testing.assert_close(
+        new_optimizer.state_dict()["state"], saved_state, **BITWISE
+    )
+    train(resumed, new_optimizer, range(3, 6))
+    torch.testing.assert_close(
+        dict(resumed.named_parameters()),
+        dict(reference_after_6_steps().named_parameters()),
+        **BITWISE,
+    )
+
+
+def test_async_load_without_a_checkpoint_raises(tmp_path: Path) -> None:
+    model = make_model()
+    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=True))
+    with pytest.raises(ValueError, match="No intermediate checkpoint"):
+        client.load_distributed_checkpoint(model, make_optimizer(True, model))
+
+
+def test_sync_intermediate_save_holds_full_in_backward_state_and_progress(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(True, model)
+    train(model, optimizer, range(3))
+    client = CheckpointClient(client_config(tmp_path, asynchronous=False, resume=False))
+    client.save_checkpoint(model, optimizer, PROGRESS, epoch=0)
+
+    (recipe_state,) = (tmp_path / "out").rglob("recipe_state.pt")
+    checkpoint = torch.load(recipe_state, weights_only=False)
+    assert checkpoint[training.EPOCHS_KEY] == 1
+    (weights,) = (tmp_path / "out" / "epoch_0").glob("*.bin")
+    resumed = make_model(seed=1)
+    resumed.load_state_dict(torch.load(weights, weights_only=True))
+    new_optimizer = make_optimizer(True, resumed)
+    # Keyed by parameter name, like the distributed save (full state dict format).
+    assert set(checkpoint[training.OPT_KEY]["state"]) == {
+        n for n, _ in resumed.named_parameters()
+    }
+    set_optimizer_state_dict(resumed, new_optimizer, checkpoint[training.OPT_KEY])
+    train(resumed, new_optimizer, range(3, 6))
+    torch.testing.assert_close(
+        dict(resumed.named_parameters()),
+        dict(reference_after_6_steps().named_parameters()),
+        **BITWISE,
+    )
+
+
+def test_final_save_writes_weights_without_optimizer_state(tmp_path: Path) -> None:
+    model = make_model()
+    optimizer = make_optimizer(True, model)
+    train(model, optimizer, range(1))
+    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=False))
+    last = TrainingProgress(seed=7, epochs_run=3, total_epochs=3, max_steps_per_epoch=3)
+    client.save_checkpoint(model, optimizer, last, epoch=2)  # last epoch: synchronous
+    (weights,) = (tmp_path / "out" / "epoch_2").glob("*.bin")
+    torch.testing.assert_close(
+        torch.load(weights, weights_only=True), model.state_dict(), **BITWISE
+    )
+    assert not list((tmp_path / "out").rglob("recipe_state.pt"))
+
+
+@pytest.mark.parametrize(
+    "scenario", [n for n in SCENARIOS if n.startswith("checkpoint_client")]
+)
+def test_two_gloo_processes_fsdp2(
+    optimizer_in_backward_distributed_run: DistributedRun, scenario: str
+) -> None:
+    """Async DCP save + load and sync full save of an FSDP2 model's in-backward
+    optimizer, resumed bitwise; see optimizer_in_backward_scenarios.py."""
+    outcome = optimizer_in_backward_distributed_run.outcome(scenario)
+    assert outcome == "ok", outcome
