@@ -1,0 +1,608 @@
+"""``lora_finetune_single_device``: in-backward equals plain, resume equals
+uninterrupted, checkpoints load back, and saving leaves the model alone.
+
+The runs are real ``tune run`` command lines of the tiny LoRA Llama2 on CPU (see
+``tests/recipes/configs/tiny_lora_single_device.yaml``). One goes through a
+subprocess, to prove ``tune run lora_finetune_single_device`` end to end; the others
+run the same command line in this process (``tune_run_here``), which saves the ~10 s
+of imports each subprocess pays. Runs are module-scoped and shared between tests.
+
+Tolerances:
+
+- Same mode, same computation (a resume against the uninterrupted run of the same
+  mode, a resumed run's first step in any mode): the same CPU kernels see the same
+  values, so the losses must be bitwise equal: ``rtol=0, atol=0``.
+- In-backward against plain (and a resume that switches mode): the gradients differ
+  by float rounding only. In-backward backpropagates the batch's mean loss; plain
+  backpropagates ``mean * tokens`` and multiplies the gradients by ``1 / tokens``
+  (and, with accumulation, sums two half batches). That is about 1e-7 relative per
+  step in fp32; ``rtol=2e-6`` leaves room for it to grow over a few steps and stays
+  far below a real error: 0.6.1 backpropagated ``mean * tokens`` in-backward, a
+  learning rate ~100x too high for SGD, which moves the second loss by more than 1e-2
+  relative.
+- The merged checkpoint against the adapter model it came from: ``x (W + s B A)^T``
+  against ``x W^T + s (x A^T) B^T`` is the same sum in a different order, a few fp32
+  ulps per layer: ``rtol=atol=1e-5`` on logits of order 1.
+- Learning rates come from the same scheduler arithmetic in both modes: equal
+  exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import (
+    DISK_LOGGER,
+    REPO_ROOT,
+    TuneRun,
+    format_override,
+    read_disk_log,
+    run_tune,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "lora_finetune_single_device"
+RECIPE_FILE = REPO_ROOT / "recipes" / f"{RECIPE}.py"
+CONFIG = tiny_config("tiny_lora_single_device")
+STEPS_PER_EPOCH = 3
+# In-backward vs plain: float rounding only (see the module docstring).
+MODE_TOLERANCE = {"rtol": 2e-6, "atol": 0.0}
+EXACT = {"rtol": 0.0, "atol": 0.0}
+SHARD = "model-00001-of-00001.safetensors"
+# The tiny config's adapters.
+LORA_KWARGS = {
+    "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
+    "apply_lora_to_mlp": True,
+    "apply_lora_to_output": False,
+    "lora_rank": 4,
+    "lora_alpha": 8,
+}
+
+
+def tune_run_here(
+    config: Path,
+    overrides: Mapping[str, object] | list[str],
+    output_dir: Path,
+) -> TuneRun:
+    """``tune run RECIPE --config config overrides`` in this process.
+
+    Same command line as ``run_tune`` (metrics to a ``DiskLogger`` file of the run's
+    own), same parsing (``torchtune._cli.tune.main``), same recipe file. Exceptions
+    the recipe raises propagate.
+    """
+    from torchtune._cli.tune import main as tune_main
+
+    if isinstance(overrides, Mapping):
+        overrides = [format_override(k, v) for k, v in overrides.items()]
+    log_dir = output_dir / "logs"
+    log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
+    argv = ["tune", "run", RECIPE, "--config", str(config), *overrides]
+    argv += [
+        f"output_dir={output_dir}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_dir}",
+        f"metric_logger.filename={log_file.name}",
+    ]
+    saved_argv, sys.argv = sys.argv, argv
+    start = time.perf_counter()
+    try:
+        tune_main()
+    except SystemExit as e:  # the recipe file ends with sys.exit(recipe_main())
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved_argv
+    metrics = read_disk_log(log_file)
+    return TuneRun(
+        losses=[metrics[s]["loss"] for s in sorted(metrics)],
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=argv,
+        output="",
+        wall_s=time.perf_counter() - start,
+    )
+
+
+def _mode_overrides(optimizer_in_bwd: bool) -> dict[str, object]:
+    # clip_grad_norm=null is given on the command line on purpose: it must mean
+    # "no clipping", which in-backward runs accept.
+    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": None}
+
+
+def _name(optimizer_in_bwd: bool) -> str:
+    return "bwd" if optimizer_in_bwd else "plain"
+
+
+def _series(run: TuneRun, metric: str, steps: range | None = None) -> list[float]:
+    """``metric`` at each of ``steps`` (default: every logged step, in order)."""
+    return [run.metrics[s][metric] for s in (steps or sorted(run.metrics))]
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Two epochs of AdamW + cosine warmup (the tiny config's), in each mode.
+
+    The plain run saves merged weights too (in a subprocess); the in-backward run
+    saves the adapter only, so the in-backward resumes start from adapter-only
+    checkpoints.
+    """
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "epochs": 2,
+        "max_steps_per_epoch": STEPS_PER_EPOCH,
+    }
+    return {
+        "plain": run_tune(
+            RECIPE,
+            CONFIG,
+            overrides | _mode_overrides(False),
+            output_dir=tmp_path_factory.mktemp("adamw_plain"),
+        ),
+        "bwd": tune_run_here(
+            CONFIG,
+            overrides | _mode_overrides(True) | {"save_adapter_weights_only": True},
+            tmp_path_factory.mktemp("adamw_bwd"),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def sgd_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny config with SGD + momentum and no LR scheduler (optional in 0.6.1's
+    full fine-tune recipes, and here)."""
+    from omegaconf import OmegaConf
+
+    # `tune run` cannot remove a component from the command line: write a config.
+    cfg = OmegaConf.load(CONFIG)
+    del cfg["lr_scheduler"]
+    cfg.optimizer = {"_component_": "torch.optim.SGD", "lr": 0.5, "momentum": 0.9}
+    path = tmp_path_factory.mktemp("sgd_config") / "tiny_lora_sgd.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(
+    tiny_assets: TinyAssets,
+    sgd_config: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, TuneRun]:
+    """Four steps of SGD with momentum, in each mode.
+
+    SGD's update is proportional to the gradient, so a wrong loss normalization shows
+    (AdamW's barely does). The plain run accumulates two batches of 4 per step and
+    clips at a norm it never reaches, so it also checks that accumulation normalizes
+    over the whole step's tokens: a step sees the same 8 examples in both runs.
+    """
+    common = {"assets_dir": tiny_assets.root, "epochs": 1, "max_steps_per_epoch": 4}
+    plain = {
+        "optimizer_in_bwd": False,
+        "batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "clip_grad_norm": 1e6,
+    }
+    bwd = {"batch_size": 8, **_mode_overrides(True)}
+    return {
+        name: tune_run_here(
+            sgd_config, common | mode, tmp_path_factory.mktemp(f"sgd_{name}")
+        )
+        for name, mode in (("plain", plain), ("bwd", bwd))
+    }
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, str], TuneRun]:
+    """Each 2-epoch AdamW run resumed from its epoch-0 checkpoint, in each mode.
+
+    Same-mode resumes find the adapter in the latest ``epoch_*`` folder; mode-switching
+    ones name it with ``checkpointer.adapter_checkpoint``.
+    """
+    runs = {}
+    for source in ("plain", "bwd"):
+        for target in (False, True):
+            # A fresh output_dir holding only what epoch 0 left.
+            out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
+            for part in ("epoch_0", "recipe_state"):
+                shutil.copytree(adamw_runs[source].output_dir / part, out / part)
+            overrides = {
+                "assets_dir": tiny_assets.root,
+                "epochs": 2,
+                "max_steps_per_epoch": STEPS_PER_EPOCH,
+                "resume_from_checkpoint": True,
+                **_mode_overrides(target),
+            }
+            if source != _name(target):
+                overrides["checkpointer.adapter_checkpoint"] = (
+                    "epoch_0/adapter_model.pt"
+                )
+            runs[source, _name(target)] = tune_run_here(CONFIG, overrides, out)
+    return runs
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_cosine_warmup", "sgd_momentum"])
+def test_in_backward_gives_the_plain_loss_at_every_step(
+    optimizer: str, request: pytest.FixtureRequest
+) -> None:
+    runs = request.getfixturevalue(
+        "adamw_runs" if optimizer == "adamw_cosine_warmup" else "sgd_runs"
+    )
+    plain, bwd = runs["plain"], runs["bwd"]
+    assert len(plain.losses) >= 4 and len(bwd.losses) == len(plain.losses)
+    # The loss must move, or equal losses would prove nothing.
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert_close(bwd.losses, plain.losses, **MODE_TOLERANCE)
+    assert_close(_series(bwd, "lr"), _series(plain, "lr"), **EXACT)
+    # Both modes log the norm of the same normalized gradients (in-backward: the one
+    # the optimizer recorded during backward); the norm sums squares in a different
+    # order, so it gets a little more room than the loss.
+    assert_close(
+        _series(bwd, "grad_norm"), _series(plain, "grad_norm"), rtol=1e-5, atol=0
+    )
+    for run in (plain, bwd):
+        for values in run.metrics.values():
+            assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
+                values
+            )
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [("plain", "plain"), ("bwd", "bwd"), ("plain", "bwd"), ("bwd", "plain")],
+    ids=lambda mode: mode,
+)
+def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
+    source: str,
+    target: str,
+    adamw_runs: dict[str, TuneRun],
+    resumed_runs: dict[tuple[str, str], TuneRun],
+) -> None:
+    # 0.6.1 failed this on CPU in every mode: its epoch-0 save merged the adapter
+    # into the live base weights, so the uninterrupted epoch 1 trained a corrupted
+    # model, while the resumed one started from clean base weights.
+    uninterrupted = adamw_runs[source]
+    resumed = resumed_runs[source, target]
+    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+    # The resumed run starts at the step after epoch 0, on the scheduler's position.
+    assert sorted(resumed.metrics) == list(epoch_1)
+    assert_close(
+        _series(resumed, "lr", epoch_1), _series(uninterrupted, "lr", epoch_1), **EXACT
+    )
+    losses, expected = (
+        _series(resumed, "loss", epoch_1),
+        _series(uninterrupted, "loss", epoch_1),
+    )
+    # The first step's forward runs on the same weights whatever the mode.
+    assert_close(losses[0], expected[0], **EXACT)
+    assert_close(losses, expected, **(EXACT if source == target else MODE_TOLERANCE))
+
+
+def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
+    """The tiny LoRA model with the asset's base weights and the saved adapter."""
+    from torchtune import training
+    from torchtune.models.llama2 import lora_llama2
+    from torchtune.modules.peft import validate_missing_and_unexpected_for_lora
+
+    # lora_llama2 takes no rope_base; the assets use its default.
+    kwargs = {k: v for k, v in tiny_assets.model_kwargs.items() if k != "rope_base"}
+    model = lora_llama2(**kwargs, **LORA_KWARGS)
+    checkpointer = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(tiny_assets.checkpoint_dir),
+        checkpoint_files=list(tiny_assets.checkpoint_files),
+        model_type="LLAMA2",
+        output_dir=str(adapter_file.parent / "unused"),
+    )
+    base = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    base_missing, base_unexpected = model.load_state_dict(base, strict=False)
+    adapter = torch.load(adapter_file, weights_only=True)
+    lora_missing, lora_unexpected = model.load_state_dict(adapter, strict=False)
+    # Every base weight and every adapter weight, nothing else.
+    validate_missing_and_unexpected_for_lora(
+        lora_attn_modules=LORA_KWARGS["lora_attn_modules"],
+        apply_lora_to_mlp=LORA_KWARGS["apply_lora_to_mlp"],
+        apply_lora_to_output=LORA_KWARGS["apply_lora_to_output"],
+        base_missing=base_missing,
+        base_unexpected=base_unexpected,
+        lora_missing=lora_missing,
+        lora_unexpected=lora_unexpected,
+    )
+    return model
+
+
+def test_merged_checkpoint_loads_back_and_computes_what_the_adapter_model_does(
+    tiny_assets: TinyAssets, adamw_runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from torchtune import training
+    from torchtune.models.llama2 import llama2
+
+    final = adamw_runs["plain"].output_dir / "epoch_1"
+    original = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
+    merged = load_file(final / SHARD)
+    # HF key names and shapes, an index, the model's config.
+    assert set(merged) == set(original)
+    assert (final / "model.safetensors.index.json").is_file()
+    assert (final / "config.json").is_file()
+    # The adapter was merged where there is one, and nowhere else.
+    for key in original:
+        adapted = any(m in key for m in ("q_proj", "v_proj", "o_proj", "mlp"))
+        assert torch.equal(merged[key], original[key]) != adapted, key
+
+    checkpointer = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(final),
+        checkpoint_files=[SHARD],
+        model_type="LLAMA2",
+        output_dir=str(tmp_path),
+    )
+    model = llama2(**tiny_assets.model_kwargs)
+    # strict: every key, every shape
+    model.load_state_dict(checkpointer.load_checkpoint()[training.MODEL_KEY])
+    lora_model = _lora_model(tiny_assets, final / "adapter_model.pt")
+    tokens = torch.randint(
+        0, tiny_assets.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        assert_close(model(tokens), lora_model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_only_checkpoint_loads_back(
+    tiny_assets: TinyAssets, adamw_runs: dict[str, TuneRun]
+) -> None:
+    from safetensors.torch import load_file
+
+    from torchtune.models.convert_weights import tune_to_peft_adapter_weights
+
+    out = adamw_runs["bwd"].output_dir
+    for epoch in ("epoch_0", "epoch_1"):
+        assert not list((out / epoch).glob("model-*.safetensors")), epoch
+    final = out / "epoch_1"
+    # Loads into the LoRA model as its exact set of adapter weights (checked inside).
+    lora_model = _lora_model(tiny_assets, final / "adapter_model.pt")
+    adapter = torch.load(final / "adapter_model.pt", weights_only=True)
+    assert all(torch.equal(lora_model.state_dict()[k], v) for k, v in adapter.items())
+
+    # The PEFT copy holds the same numbers under PEFT's names and layout.
+    kwargs = tiny_assets.model_kwargs
+    peft = tune_to_peft_adapter_weights(
+        adapter,
+        num_heads=kwargs["num_heads"],
+        num_kv_heads=kwargs["num_kv_heads"],
+        dim=kwargs["embed_dim"],
+    )
+    assert_close(load_file(final / "adapter_model.safetensors"), peft, **EXACT)
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["r"] == LORA_KWARGS["lora_rank"]
+    assert config["lora_alpha"] == LORA_KWARGS["lora_alpha"]
+    assert config["peft_type"] == "LORA"
+
+    # Both modes trained the same adapter, up to the rounding their losses show.
+    plain = torch.load(
+        adamw_runs["plain"].output_dir / "epoch_1" / "adapter_model.pt",
+        weights_only=True,
+    )
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
+    assert_close(adapter, plain, rtol=1e-4, atol=1e-6)
+
+
+def _load_recipe_class() -> type:
+    """The recipe class, from the recipe file (``recipes`` is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", RECIPE_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LoRAFinetuneRecipeSingleDevice
+
+
+@pytest.fixture(scope="module")
+def qlora_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer Llama2 wide enough for NF4 (whose blocks need >= 16384 weights per
+    matrix; the tiny asset model's are 4096), as a Hugging Face checkpoint."""
+    from safetensors.torch import save_file
+
+    from torchtune.models.convert_weights import tune_to_hf
+    from torchtune.models.llama2 import llama2
+
+    model = llama2(**QLORA_MODEL_KWARGS)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            param.copy_(
+                torch.ones_like(param)
+                if name.endswith("scale")
+                else torch.normal(0.0, 0.02, param.shape, generator=generator)
+            )
+    out = tmp_path_factory.mktemp("qlora_checkpoint")
+    state_dict = tune_to_hf(
+        model.state_dict(),
+        num_heads=QLORA_MODEL_KWARGS["num_heads"],
+        num_kv_heads=QLORA_MODEL_KWARGS["num_kv_heads"],
+        dim=QLORA_MODEL_KWARGS["embed_dim"],
+    )
+    save_file(
+        {k: v.contiguous() for k, v in state_dict.items()}, out / "model.safetensors"
+    )
+    kwargs = QLORA_MODEL_KWARGS
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": kwargs["embed_dim"],
+                "intermediate_size": kwargs["intermediate_dim"],
+                "num_attention_heads": kwargs["num_heads"],
+                "num_key_value_heads": kwargs["num_kv_heads"],
+                "num_hidden_layers": kwargs["num_layers"],
+                "vocab_size": kwargs["vocab_size"],
+                "rms_norm_eps": kwargs["norm_eps"],
+                "max_position_embeddings": kwargs["max_seq_len"],
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    return out
+
+
+QLORA_MODEL_KWARGS = {
+    "vocab_size": 512,
+    "num_layers": 1,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 256,
+    "intermediate_dim": 512,
+    "max_seq_len": 256,
+    "norm_eps": 1e-5,
+}
+
+
+def _variant_overrides(variant: str, qlora_checkpoint_dir: Path) -> dict[str, object]:
+    if variant == "dora":
+        return {"model.use_dora": True}
+    if variant == "qlora":
+        return {
+            "model.quantize_base": True,
+            **{f"model.{k}": v for k, v in QLORA_MODEL_KWARGS.items()},
+            "checkpointer.checkpoint_dir": qlora_checkpoint_dir,
+            "low_cpu_ram": True,
+        }
+    return {}
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora", "qlora"])
+def test_saving_a_checkpoint_leaves_the_model_unchanged(
+    variant: str,
+    tiny_assets: TinyAssets,
+    qlora_checkpoint_dir: Path,
+    tmp_path: Path,
+) -> None:
+    from omegaconf import OmegaConf
+
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "output_dir": tmp_path,
+        "epochs": 2,  # epoch 0's checkpoint is an intermediate one: all of it
+        **_variant_overrides(variant, qlora_checkpoint_dir),
+    }
+    cfg = OmegaConf.merge(
+        OmegaConf.load(CONFIG),
+        OmegaConf.from_dotlist([format_override(k, v) for k, v in overrides.items()]),
+    )
+    recipe = _load_recipe_class()(cfg)
+    recipe.setup(cfg)
+    model = recipe._model
+    # A trained adapter: 0.6.1's in-place merge of a fresh one (lora_b = 0) adds 0.
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in recipe.adapter_params.values():
+            param.normal_(1.0, 0.5, generator=generator)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    recipe.save_checkpoint(epoch=0)
+
+    after = model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"saving changed {changed}"
+    assert (tmp_path / "epoch_0" / "adapter_model.pt").is_file()
+    assert (tmp_path / "epoch_0" / SHARD).is_file()
+
+
+@pytest.mark.parametrize("variant", ["dora", "qlora"])
+def test_dora_and_qlora_train_in_backward_as_in_plain(
+    variant: str,
+    tiny_assets: TinyAssets,
+    qlora_checkpoint_dir: Path,
+    tmp_path: Path,
+) -> None:
+    runs = {
+        _name(bwd): tune_run_here(
+            CONFIG,
+            {
+                "assets_dir": tiny_assets.root,
+                "max_steps_per_epoch": 3,
+                **_mode_overrides(bwd),
+                **_variant_overrides(variant, qlora_checkpoint_dir),
+            },
+            tmp_path / _name(bwd),
+        )
+        for bwd in (False, True)
+    }
+    assert len(runs["plain"].losses) == 3
+    assert runs["plain"].losses[-1] != runs["plain"].losses[0]
+    assert_close(runs["bwd"].losses, runs["plain"].losses, **MODE_TOLERANCE)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``root``: content hash and modification time."""
+    return {
+        str(p.relative_to(root)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+REFUSALS = {
+    "clip_grad_norm": (
+        ["clip_grad_norm=1.0"],
+        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
+        "gradient norm is only known after backward, when in-backward updates have "
+        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
+    ),
+    "gradient_accumulation_steps": (
+        ["gradient_accumulation_steps=4"],
+        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
+        "each parameter is updated as soon as its gradient is ready, so gradients "
+        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
+        "or optimizer_in_bwd=False.",
+    ),
+    "compile.optimizer_step": (
+        ["~compile", "compile.optimizer_step=True"],
+        "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
+        "in-backward updates run one parameter at a time inside autograd hooks, where "
+        "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
+        "or optimizer_in_bwd=False.",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", REFUSALS)
+def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
+    key: str,
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path: Path,
+) -> None:
+    # An output_dir that holds a finished run's checkpoints.
+    out = tmp_path / "out"
+    shutil.copytree(adamw_runs["plain"].output_dir, out)
+    before = _snapshot(out)
+    overrides, message = REFUSALS[key]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tune_run_here(
+            CONFIG,
+            [f"assets_dir={tiny_assets.root}", "optimizer_in_bwd=True", *overrides],
+            out,
+        )
+    assert _snapshot(out) == before
