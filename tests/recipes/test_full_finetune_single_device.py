@@ -1,0 +1,383 @@
+"""``full_finetune_single_device``: in-backward equals plain, resume equals uninterrupted.
+
+Every run here is a ``tune run`` of the tiny Llama2 on CPU (see
+``tests/recipes/configs/tiny_full_single_device.yaml``); runs are module-scoped and
+shared between tests. One run goes through ``run_tune`` (a fresh ``tune``
+process); the other seven call the same ``tune`` entry point in this process, which
+parses the same command line and runs the same recipe file, without paying ~15 s of
+imports each. A resume in this process that matches the subprocess run bitwise also
+shows the two ways of running agree.
+
+Tolerances:
+
+- Same mode, same computation (a resume against the uninterrupted run of the same
+  mode): the same CPU kernels see the same values, so the losses must be bitwise
+  equal: ``rtol=0, atol=0``.
+- In-backward against plain (and a resume that switches mode): the gradients differ
+  by float rounding only. In-backward backpropagates the mean loss; plain
+  backpropagates ``mean * tokens`` and multiplies the gradients by ``1 / tokens``
+  (and, with accumulation, sums two half batches whose padding differs). That is
+  about 1e-7 relative per step in fp32. Measured: AdamW losses bitwise equal over
+  six steps, SGD losses within 1.7e-7 relative over four. ``rtol=2e-6`` leaves ten
+  times that for rounding to grow over a few steps, and stays far below a real
+  error: backpropagating ``mean * tokens`` in-backward, as 0.6.1 did (an SGD step
+  ~24x too large here), moves the second SGD loss by 47% (checked by putting that
+  bug back).
+- ``grad_norm``: plain takes one norm over all gradients, in-backward sums squared
+  per-parameter norms as gradients arrive; measured within 2.1e-6 relative, checked
+  at ``rtol=1e-5``.
+- Final weights of the two modes: measured max difference 1e-7 (weights are
+  ~0.02 to 1), checked at ``atol=1e-6, rtol=1e-5``.
+- Learning rates come from the same scheduler arithmetic in both modes: equal
+  exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import (
+    DISK_LOGGER,
+    TuneRun,
+    format_override,
+    read_disk_log,
+    run_tune,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "full_finetune_single_device"
+CONFIG = tiny_config("tiny_full_single_device")
+STEPS_PER_EPOCH = 3
+# In-backward vs plain: float rounding only (see the module docstring).
+MODE_TOLERANCE = {"rtol": 2e-6, "atol": 0.0}
+EXACT = {"rtol": 0.0, "atol": 0.0}
+SHARD = "model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
+    """What run_tune gives its subprocesses, for the runs in this process.
+
+    Hugging Face libraries read these when first imported, which for this process is
+    normally the first in-process run below.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        yield
+
+
+def _mode_overrides(optimizer_in_bwd: bool) -> dict[str, object]:
+    # clip_grad_norm=null is given on the command line on purpose: it must mean
+    # "no clipping", which in-backward runs accept.
+    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": None}
+
+
+def _name(optimizer_in_bwd: bool) -> str:
+    return "bwd" if optimizer_in_bwd else "plain"
+
+
+def tune_run_here(
+    config: Path,
+    overrides: Mapping[str, object] | list[str],
+    output_dir: Path,
+) -> TuneRun:
+    """``tune run RECIPE --config config overrides`` in this process.
+
+    Same command line as ``run_tune`` (metrics to a ``DiskLogger`` file of the run's
+    own), same parsing (``torchtune._cli.tune.main``), same recipe file. Exceptions
+    the recipe raises propagate.
+    """
+    from torchtune._cli.tune import main as tune_main
+
+    if isinstance(overrides, Mapping):
+        overrides = [format_override(k, v) for k, v in overrides.items()]
+    log_dir = output_dir / "logs"
+    log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
+    argv = [
+        "tune",
+        "run",
+        RECIPE,
+        "--config",
+        str(config),
+        *overrides,
+        f"output_dir={output_dir}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_dir}",
+        f"metric_logger.filename={log_file.name}",
+    ]
+    saved_argv, sys.argv = sys.argv, argv
+    start = time.perf_counter()
+    try:
+        tune_main()
+    except SystemExit as e:  # the recipe file ends with sys.exit(recipe_main())
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved_argv
+    metrics = read_disk_log(log_file)
+    return TuneRun(
+        losses=[metrics[s]["loss"] for s in sorted(metrics)],
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=argv,
+        output="",
+        wall_s=time.perf_counter() - start,
+    )
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Two epochs of AdamW + cosine warmup (the tiny config's), in each mode."""
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "epochs": 2,
+        "max_steps_per_epoch": STEPS_PER_EPOCH,
+    }
+    return {
+        "plain": run_tune(
+            RECIPE,
+            CONFIG,
+            overrides | _mode_overrides(False),
+            output_dir=tmp_path_factory.mktemp("adamw_plain"),
+        ),
+        "bwd": tune_run_here(
+            CONFIG,
+            overrides | _mode_overrides(True),
+            tmp_path_factory.mktemp("adamw_bwd"),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Four steps of SGD with momentum and no LR scheduler, in each mode.
+
+    The plain run accumulates two batches of 4 per step and clips at a norm it never
+    reaches, so it also checks that accumulation normalizes over the whole step's
+    tokens: a step sees the same 8 examples, in the same order, in both runs.
+    """
+    from omegaconf import OmegaConf
+
+    # `tune run` cannot remove a component from the command line: write a config
+    # without lr_scheduler.
+    cfg = OmegaConf.load(CONFIG)
+    del cfg["lr_scheduler"]
+    cfg.optimizer = {"_component_": "torch.optim.SGD", "lr": 0.2, "momentum": 0.9}
+    config = tmp_path_factory.mktemp("sgd_config") / "tiny_sgd.yaml"
+    OmegaConf.save(cfg, config)
+
+    common = {"assets_dir": tiny_assets.root, "epochs": 1, "max_steps_per_epoch": 4}
+    plain = {
+        "optimizer_in_bwd": False,
+        "batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "clip_grad_norm": 1e6,
+    }
+    # Peak memory is asked for but skipped on CPU, without failing.
+    bwd = {"batch_size": 8, "log_peak_memory_stats": True, **_mode_overrides(True)}
+    return {
+        name: tune_run_here(
+            config, common | mode, tmp_path_factory.mktemp(f"sgd_{name}")
+        )
+        for name, mode in (("plain", plain), ("bwd", bwd))
+    }
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, str], TuneRun]:
+    """Each 2-epoch AdamW run resumed from its epoch-0 checkpoint, in each mode."""
+    runs = {}
+    for source in ("plain", "bwd"):
+        for target in (False, True):
+            # A fresh output_dir holding only what epoch 0 left.
+            out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
+            for part in ("epoch_0", "recipe_state"):
+                shutil.copytree(adamw_runs[source].output_dir / part, out / part)
+            runs[source, _name(target)] = tune_run_here(
+                CONFIG,
+                {
+                    "assets_dir": tiny_assets.root,
+                    "epochs": 2,
+                    "max_steps_per_epoch": STEPS_PER_EPOCH,
+                    "resume_from_checkpoint": True,
+                    "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+                    "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+                    **_mode_overrides(target),
+                },
+                out,
+            )
+    return runs
+
+
+def _series(run: TuneRun, metric: str, steps: range | None = None) -> list[float]:
+    """``metric`` at each of ``steps`` (default: every logged step, in order)."""
+    return [run.metrics[s][metric] for s in (steps or sorted(run.metrics))]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_cosine_warmup", "sgd_momentum"])
+def test_in_backward_gives_the_plain_loss_at_every_step(
+    optimizer: str, request: pytest.FixtureRequest
+) -> None:
+    runs = request.getfixturevalue(
+        "adamw_runs" if optimizer == "adamw_cosine_warmup" else "sgd_runs"
+    )
+    plain, bwd = runs["plain"], runs["bwd"]
+    assert len(plain.losses) >= 4 and len(bwd.losses) == len(plain.losses)
+    # The loss must move, or equal losses would prove nothing.
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert_close(bwd.losses, plain.losses, **MODE_TOLERANCE)
+    assert_close(_series(bwd, "lr"), _series(plain, "lr"), **EXACT)
+    # Both modes log the norm of the same normalized gradients (in-backward: the one
+    # the optimizer recorded during backward).
+    assert_close(
+        _series(bwd, "grad_norm"), _series(plain, "grad_norm"), rtol=1e-5, atol=0
+    )
+    for run in (plain, bwd):
+        for values in run.metrics.values():
+            assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
+                values
+            )
+            # CPU: no peak memory stats, even though nothing failed.
+            assert not any(name.startswith("peak_memory") for name in values)
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [("plain", "plain"), ("bwd", "bwd"), ("plain", "bwd"), ("bwd", "plain")],
+    ids=lambda mode: mode,
+)
+def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
+    source: str,
+    target: str,
+    adamw_runs: dict[str, TuneRun],
+    resumed_runs: dict[tuple[str, str], TuneRun],
+) -> None:
+    uninterrupted = adamw_runs[source]
+    resumed = resumed_runs[source, target]
+    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+    # The resumed run starts at the step after epoch 0, on the scheduler's position.
+    assert sorted(resumed.metrics) == list(epoch_1)
+    assert_close(
+        _series(resumed, "lr", epoch_1), _series(uninterrupted, "lr", epoch_1), **EXACT
+    )
+    tolerance = EXACT if source == target else MODE_TOLERANCE
+    assert_close(
+        _series(resumed, "loss", epoch_1),
+        _series(uninterrupted, "loss", epoch_1),
+        **tolerance,
+    )
+
+
+def test_final_checkpoint_is_in_hf_format_and_loads_back(
+    tiny_assets: TinyAssets, adamw_runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from torchtune import training
+    from torchtune.models.llama2 import llama2
+
+    final = adamw_runs["bwd"].output_dir / "epoch_1"
+    original = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
+    written = load_file(final / SHARD)
+    # The HF checkpointer's layout: HF key names, an index, the model's config.
+    assert set(written) == set(original)
+    assert (final / "model.safetensors.index.json").is_file()
+    assert (final / "config.json").is_file()
+    assert any(not torch.equal(written[k], original[k]) for k in original), (
+        "not trained"
+    )
+
+    checkpointer = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(final),
+        checkpoint_files=[SHARD],
+        model_type="LLAMA2",
+        output_dir=str(tmp_path),
+    )
+    state_dict = checkpointer.load_checkpoint()[training.MODEL_KEY]
+    model = llama2(**tiny_assets.model_kwargs)
+    model.load_state_dict(state_dict)  # strict: every key, every shape
+
+    # The final weights of both modes agree up to rounding (module docstring).
+    plain = load_file(adamw_runs["plain"].output_dir / "epoch_1" / SHARD)
+    assert_close(written, plain, rtol=1e-5, atol=1e-6)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``root``: content hash and modification time."""
+    return {
+        str(p.relative_to(root)): (
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+            p.stat().st_mtime_ns,
+        )
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+REFUSALS = {
+    "clip_grad_norm": (
+        ["clip_grad_norm=1.0"],
+        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
+        "gradient norm is only known after backward, when in-backward updates have "
+        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
+    ),
+    "gradient_accumulation_steps": (
+        ["gradient_accumulation_steps=4"],
+        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
+        "each parameter is updated as soon as its gradient is ready, so gradients "
+        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
+        "or optimizer_in_bwd=False.",
+    ),
+    "compile.optimizer_step": (
+        ["~compile", "compile.optimizer_step=True"],
+        "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
+        "in-backward updates run one parameter at a time inside autograd hooks, where "
+        "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
+        "or optimizer_in_bwd=False.",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", REFUSALS)
+def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
+    key: str,
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path: Path,
+) -> None:
+    # An output_dir that holds a finished run's checkpoints.
+    out = tmp_path / "out"
+    shutil.copytree(adamw_runs["bwd"].output_dir, out)
+    before = _snapshot(out)
+    overrides, message = REFUSALS[key]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tune_run_here(
+            CONFIG,
+            [f"assets_dir={tiny_assets.root}", "optimizer_in_bwd=True", *overrides],
+            out,
+        )
+    assert _snapshot(out) == before
