@@ -352,14 +352,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """Build the optimizer: the one place that tells plain from in-backward.
 
         Both kinds have the same param groups and state-dict format, so the state of
-        either mode loads into either.
+        either mode loads into either (torchtune 0.6.1's in-backward format too).
         """
-        params = list(self._model.parameters())
         make_optimizer = partial(config.instantiate, cfg_optimizer)
+        # Parameter names let the in-backward optimizer also load the name-keyed
+        # in-backward checkpoints of torchtune 0.6.1.
         optimizer = (
-            training.OptimizerInBackward(params, make_optimizer)
+            training.OptimizerInBackward(self._model.named_parameters(), make_optimizer)
             if self._optimizer_in_bwd
-            else make_optimizer(params)
+            else make_optimizer(self._model.parameters())
         )
         if opt_state_dict is not None:
             optimizer.load_state_dict(opt_state_dict)

@@ -233,6 +233,51 @@ def resumed_runs(
     return runs
 
 
+@pytest.fixture(scope="module")
+def resumed_from_0_6_1(
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> TuneRun:
+    """The plain run's epoch 0, its optimizer state rewritten the way torchtune 0.6.1
+    saved in-backward runs, resumed in-backward."""
+    from torchtune import training
+    from torchtune.models.llama2 import llama2
+
+    out = tmp_path_factory.mktemp("resume_0_6_1_to_bwd")
+    shutil.copytree(adamw_runs["plain"].output_dir / "epoch_0", out / "epoch_0")
+    recipe_state = adamw_runs["plain"].output_dir / "recipe_state" / "recipe_state.pt"
+    state = torch.load(recipe_state, weights_only=False)
+    # 0.6.1: {parameter name: that parameter's own optimizer's state_dict()}.
+    names = [name for name, _ in llama2(**tiny_assets.model_kwargs).named_parameters()]
+    optimizer, (group,) = (
+        state[training.OPT_KEY],
+        state[training.OPT_KEY]["param_groups"],
+    )
+    state[training.OPT_KEY] = {
+        name: {
+            "state": {0: optimizer["state"][index]},
+            "param_groups": [group | {"params": [0]}],
+        }
+        for index, name in zip(group["params"], names, strict=True)
+    }
+    (out / "recipe_state").mkdir()
+    torch.save(state, out / "recipe_state" / "recipe_state.pt")
+    return tune_run_here(
+        CONFIG,
+        {
+            "assets_dir": tiny_assets.root,
+            "epochs": 2,
+            "max_steps_per_epoch": STEPS_PER_EPOCH,
+            "resume_from_checkpoint": True,
+            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+            **_mode_overrides(True),
+        },
+        out,
+    )
+
+
 def _series(run: TuneRun, metric: str, steps: range | None = None) -> list[float]:
     """``metric`` at each of ``steps`` (default: every logged step, in order)."""
     return [run.metrics[s][metric] for s in (steps or sorted(run.metrics))]
@@ -290,6 +335,19 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
         _series(uninterrupted, "loss", epoch_1),
         **tolerance,
     )
+
+
+def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
+    adamw_runs: dict[str, TuneRun], resumed_from_0_6_1: TuneRun
+) -> None:
+    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+    assert sorted(resumed_from_0_6_1.metrics) == list(epoch_1)
+    for metric, tolerance in (("lr", EXACT), ("loss", MODE_TOLERANCE)):
+        assert_close(
+            _series(resumed_from_0_6_1, metric, epoch_1),
+            _series(adamw_runs["plain"], metric, epoch_1),
+            **tolerance,
+        )
 
 
 def test_final_checkpoint_is_in_hf_format_and_loads_back(
