@@ -20,6 +20,13 @@ Tolerances:
   far below a real error: 0.6.1 backpropagated ``mean * tokens`` in-backward, a
   learning rate ~100x too high for SGD, which moves the second loss by more than 1e-2
   relative.
+  Measured: below 2.4e-7 relative on every loss of these runs. The logged grad
+  norms sum the same squares in another order (per parameter in backward, against
+  ``get_total_norm``): ``rtol=1e-5`` (measured below 3e-7).
+- The final adapters of the two modes: AdamW divides each entry by its own
+  sqrt(second moment), so the rounding of a near-zero gradient entry moves its
+  weight by more than the loss moves: ``rtol=1e-4, atol=1e-5`` on weights up to
+  1.5e-2 (measured: 6e-7 absolute at most).
 - The merged checkpoint against the adapter model it came from: ``x (W + s B A)^T``
   against ``x W^T + s (x A^T) B^T`` is the same sum in a different order, a few fp32
   ulps per layer: ``rtol=atol=1e-5`` on logits of order 1.
@@ -403,7 +410,8 @@ def test_adapter_only_checkpoint_loads_back(
         weights_only=True,
     )
     assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
-    assert_close(adapter, plain, rtol=1e-4, atol=1e-6)
+    # Tolerance: see the module docstring.
+    assert_close(adapter, plain, rtol=1e-4, atol=1e-5)
 
 
 def _load_recipe_class() -> type:
@@ -414,10 +422,23 @@ def _load_recipe_class() -> type:
     return module.LoRAFinetuneRecipeSingleDevice
 
 
+# A 1-layer Llama2 wide enough for NF4, whose blocks need >= 16384 weights per
+# matrix (the tiny asset model's hold 4096).
+QLORA_MODEL_KWARGS = {
+    "vocab_size": 512,
+    "num_layers": 1,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 256,
+    "intermediate_dim": 512,
+    "max_seq_len": 256,
+    "norm_eps": 1e-5,
+}
+
+
 @pytest.fixture(scope="module")
 def qlora_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 1-layer Llama2 wide enough for NF4 (whose blocks need >= 16384 weights per
-    matrix; the tiny asset model's are 4096), as a Hugging Face checkpoint."""
+    """A random ``QLORA_MODEL_KWARGS`` Llama2 as a Hugging Face checkpoint."""
     from safetensors.torch import save_file
 
     from torchtune.models.convert_weights import tune_to_hf
@@ -461,18 +482,6 @@ def qlora_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     )
     return out
-
-
-QLORA_MODEL_KWARGS = {
-    "vocab_size": 512,
-    "num_layers": 1,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "embed_dim": 256,
-    "intermediate_dim": 512,
-    "max_seq_len": 256,
-    "norm_eps": 1e-5,
-}
 
 
 def _variant_overrides(variant: str, qlora_checkpoint_dir: Path) -> dict[str, object]:
@@ -527,7 +536,7 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
 
 
 @pytest.mark.parametrize("variant", ["dora", "qlora"])
-def test_dora_and_qlora_train_in_backward_as_in_plain(
+def test_dora_and_qlora_with_activation_checkpointing_train_in_backward_as_in_plain(
     variant: str,
     tiny_assets: TinyAssets,
     qlora_checkpoint_dir: Path,
@@ -538,7 +547,12 @@ def test_dora_and_qlora_train_in_backward_as_in_plain(
             CONFIG,
             {
                 "assets_dir": tiny_assets.root,
-                "max_steps_per_epoch": 3,
+                # The second step's loss follows an update at the peak lr.
+                "max_steps_per_epoch": 2,
+                "lr_scheduler.num_warmup_steps": 0,
+                # Recomputing activations in backward must not upset the in-backward
+                # updates, which run as each gradient is accumulated.
+                "enable_activation_checkpointing": True,
                 **_mode_overrides(bwd),
                 **_variant_overrides(variant, qlora_checkpoint_dir),
             },
@@ -546,9 +560,13 @@ def test_dora_and_qlora_train_in_backward_as_in_plain(
         )
         for bwd in (False, True)
     }
-    assert len(runs["plain"].losses) == 3
-    assert runs["plain"].losses[-1] != runs["plain"].losses[0]
     assert_close(runs["bwd"].losses, runs["plain"].losses, **MODE_TOLERANCE)
+    for run in runs.values():
+        adapter = torch.load(
+            run.output_dir / "epoch_0" / "adapter_model.pt", weights_only=True
+        )
+        # lora_b starts at zero: it moved, so the adapter trained.
+        assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
 
 
 def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
