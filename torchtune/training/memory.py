@@ -371,7 +371,7 @@ def convert_legacy_optim_in_bwd_state_dict(
 
     Example:
         >>> from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        >>> legacy = torch.load("recipe_state.pt")["opt_state_dict"]
+        >>> legacy = torch.load("recipe_state.pt")[training.OPT_KEY]
         >>> set_optimizer_state_dict(
         ...     model, optimizer, convert_legacy_optim_in_bwd_state_dict(legacy)
         ... )
@@ -508,6 +508,8 @@ class OptimizerInBackward(Optimizer):
         self._adopted = adopted
         # Names known from outside param_groups (0.6.1 API).
         self._extra_names = names
+        # True while the 0.6.1 API builds this object from its per-parameter optimizers.
+        self._adopting = bool(adopted)
         # The per-parameter optimizer of every parameter this instance updates.
         self._inner: dict[torch.Tensor, Optimizer] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
@@ -628,7 +630,7 @@ class OptimizerInBackward(Optimizer):
             RuntimeError: on the deprecated :class:`OptimizerInBackwardWrapper`,
                 which has no ``optimizer_cls`` to build optimizers for new parameters.
         """
-        if self._optimizer_cls is None and not self._adopted:
+        if self._optimizer_cls is None and not self._adopting:
             raise RuntimeError(
                 "add_param_group is not supported on an optimizer built from 0.6.1-style "
                 "per-parameter optimizers; build OptimizerInBackward(params, "
@@ -935,6 +937,7 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
         group["params"] = list(adopted)
         self._setup(None, {}, adopted=adopted, names=names)
         Optimizer.__init__(self, [group], dict(first.defaults))
+        self._adopting = False
         self.lr_scheduler: LRScheduler | None = None
 
     @property
