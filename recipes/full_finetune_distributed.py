@@ -5,9 +5,11 @@
 # LICENSE file in the root directory of this source tree.
 
 import functools
-import math
+import os
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 from warnings import warn
 
@@ -152,6 +154,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         # gloo on CPU; NCCL on CUDA, plus gloo for the CPU-side collectives of FSDP's
         # CPU offload and of asynchronous checkpoint saves.
         self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
+        if self._fsdp_cpu_offload and self._device.type == "cpu":
+            # Everything is in CPU memory already (and FSDP's offload pins memory,
+            # which needs an accelerator).
+            log.info(
+                "fsdp_cpu_offload is ignored on CPU, where it has nothing to move."
+            )
+            self._fsdp_cpu_offload = False
         self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
         torch.distributed.init_process_group(
             "gloo"
@@ -172,9 +181,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
         self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
-        if self._log_peak_memory_stats and self._device.type != "cuda":
+        if self._log_peak_memory_stats and self._device.type == "cpu":
             utils.log_rank_zero(
-                log, "log_peak_memory_stats needs CUDA; not logging memory stats."
+                log, "log_peak_memory_stats is ignored on CPU, which has no such stats."
             )
             self._log_peak_memory_stats = False
         if self._enable_activation_checkpointing and not (
@@ -185,11 +194,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 "Hint: enable_activation_checkpointing is True, but enable_activation_offloading "
                 "isn't. Enabling activation offloading should reduce memory further.",
             )
-        # clip_grad_norm_ with an infinite max_norm measures the norm and leaves the
-        # gradients bitwise unchanged (they are multiplied by exactly 1.0).
-        self._max_grad_norm = (
-            math.inf if self._clip_grad_norm is None else float(self._clip_grad_norm)
-        )
         self._resume_from_checkpoint = cfg.resume_from_checkpoint
         self._checkpoint_client = CheckpointClient(cfg)
 
@@ -292,6 +296,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
+        if self._compile["optimizer_step"]:
+            # After the scheduler, which wraps the bound step() to check call order.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
         self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
         # Appended to the shifted labels so logits need no slicing.
         self.ignore_labels_cache = torch.full(
@@ -373,7 +383,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             log,
             f"Instantiating model and loading checkpoint took {time.perf_counter() - init_start:.2f} secs",
         )
-        if self._is_rank_zero and self._device.type == "cuda":
+        if self._is_rank_zero and self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         torch.distributed.barrier()
         return model
@@ -393,8 +403,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             )
         else:
             optimizer = config.instantiate(cfg_optimizer, params)
-        if self._compile["optimizer_step"]:
-            optimizer.step = torch.compile(optimizer.step)
         if opt_state_dict:
             training.load_from_full_optimizer_state_dict(
                 self._model, optimizer, opt_state_dict, self._device
@@ -414,6 +422,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         if cfg_lr_scheduler is None:
             utils.log_rank_zero(log, "No learning rate scheduler configured.")
             return None
+        # A scheduler resumed at last_epoch >= 0 reads each group's initial_lr, which
+        # a DCP checkpoint cannot restore: DCP loads only the keys that a freshly built
+        # optimizer has. The base lr is what the optimizer was built with.
+        for group in self._optimizer.param_groups:
+            group.setdefault("initial_lr", self._optimizer.defaults["lr"])
         lr_scheduler = config.instantiate(
             cfg_lr_scheduler,
             self._optimizer,
@@ -556,11 +569,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 else:
                     torch.distributed.all_reduce(num_tokens)
                     training.scale_grads(self._model, self.world_size / num_tokens)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        self._model.parameters(), max_norm=self._max_grad_norm
-                    )
-                    if isinstance(grad_norm, DTensor):
-                        grad_norm = grad_norm.full_tensor()
+                    grad_norm = _grad_norm(self._model.parameters())
+                    if self._clip_grad_norm is not None:
+                        # clip_grad_norm_'s rule, without its norm (see _grad_norm).
+                        clip_coef = float(self._clip_grad_norm) / (grad_norm + 1e-6)
+                        training.scale_grads(self._model, clip_coef.clamp(max=1.0))
                 # No-ops after an in-backward backward; the plain update otherwise.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -627,9 +640,27 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def cleanup(self) -> None:
+        # An asynchronous save still in flight needs the process group.
+        self._checkpoint_client.wait_for_async_save()
         if self._is_rank_zero:
             self._metric_logger.close()
         destroy_process_group()
+
+
+def _grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """
+    Global L2 norm of the gradients. ``clip_grad_norm_`` fails on a mix of DTensors
+    from different meshes and plain tensors (tensor parallel leaves some parameters
+    unsharded), so DTensor gradients are reduced per mesh; plain tensors are
+    replicated, so their local norm is already global.
+    """
+    grads_by_mesh = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            grads_by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
+    norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _parse_compile(cfg_compile: bool | DictConfig) -> dict[str, bool]:

@@ -1,0 +1,313 @@
+"""``full_finetune_distributed`` on CPU with 2 gloo processes (issue 5).
+
+Every claim is an equivalence between runs on the same seed and data:
+
+- in-backward vs plain, 2 processes vs 1 at the same global batch, tensor parallel
+  vs 1 process;
+- resumed vs uninterrupted, from a synchronous full checkpoint and from an
+  asynchronous distributed (DCP) checkpoint, within a mode and across modes.
+
+Runs are shared through module-scoped fixtures: each uninterrupted run trains 2
+epochs of ``STEPS`` steps, and the resume tests restart from its epoch-0 checkpoint.
+
+Tolerances, from the arithmetic:
+
+- ``EXACT``: the same kernels on the same values, in the same process layout. A
+  resumed run reloads exact fp32 weights and optimizer state and recomputes the same
+  lr from the step count, so it must agree bitwise; so must runs that differ only in
+  how checkpoints are written.
+- ``ACROSS_MODES``: in-backward divides the loss by the token count before backward,
+  plain scales the gradients after it. Both are the same update up to fp32 rounding
+  (~1e-7 relative per gradient), which Adam's normalization carries into the weights
+  at about that relative size; the loss moves less than 1e-5 relative in a few steps.
+- ``ACROSS_LAYOUTS``: 2 processes vs 1 (or tensor parallel vs 1) sum the same terms
+  in a different order (per-rank partial sums, a reduce-scatter) and pad batches to
+  different lengths, so matmuls block differently: a few ulps per op, amplified a
+  little by each update.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import TuneRun, run_tune, tiny_config
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "full_finetune_distributed"
+CONFIG = tiny_config("tiny_full_distributed")
+EPOCHS, STEPS = 3, 2  # every run is configured for 3 epochs of 2 steps
+ALL_STEPS = range(1, EPOCHS * STEPS + 1)
+TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+ACROSS_MODES = {"rtol": 1e-5, "atol": 1e-6}
+ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _train(
+    out: Path, assets: TinyAssets, *, nproc: int = 2, **overrides: Any
+) -> TuneRun:
+    base = {
+        "assets_dir": assets.root,
+        "epochs": EPOCHS,
+        "max_steps_per_epoch": STEPS,
+        # As a user writes it on the command line: null means no clipping.
+        "clip_grad_norm": None,
+    }
+    return run_tune(
+        RECIPE, CONFIG, base | overrides, nproc=nproc, output_dir=out, timeout=TIMEOUT_S
+    )
+
+
+def _resume(
+    source: TuneRun, epoch: int, out: Path, assets: TinyAssets, **overrides: Any
+) -> TuneRun:
+    """Resume from ``source``'s checkpoint of ``epoch``, in a copy of its output_dir.
+
+    Synchronous: the configured checkpointer reads the weights named here and the
+    recipe state that the run saved last (so ``epoch`` must be its last intermediate
+    one). Asynchronous: the recipe loads the latest ``dist_epoch_*``, so later ones
+    are left out of the copy.
+    """
+    later_dcp = [f"dist_epoch_{e}" for e in range(epoch + 1, EPOCHS)]
+    shutil.copytree(
+        source.output_dir,
+        out,
+        ignore=shutil.ignore_patterns(".hf_datasets_cache", *later_dcp),
+    )
+    resume: dict[str, Any] = {"resume_from_checkpoint": True}
+    if not overrides.get("enable_async_checkpointing", False):
+        weights = f"epoch_{epoch}/model-00001-of-00001.safetensors"
+        resume["checkpointer.checkpoint_files"] = [weights]
+    run = _train(out, assets, **resume, **overrides)
+    assert list(run.metrics) == list(_steps_after(epoch)), run.metrics
+    return run
+
+
+def _steps_after(epoch: int) -> range:
+    return range((epoch + 1) * STEPS + 1, EPOCHS * STEPS + 1)
+
+
+def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
+    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
+
+
+def _assert_same_training(
+    run: TuneRun, reference: TuneRun, tol: dict[str, float], steps: range = ALL_STEPS
+) -> None:
+    """Same loss and gradient norm at every step (within ``tol``), same lr."""
+    for name in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            _metric(run, name, steps), _metric(reference, name, steps), **tol
+        )
+    # The schedule depends on nothing but the step count.
+    torch.testing.assert_close(
+        _metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT
+    )
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("full_finetune_distributed")
+
+
+@pytest.fixture(scope="module")
+def in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    """The reference: in-backward, synchronous full checkpoints."""
+    return _train(runs_dir / "in_bwd", tiny_assets, optimizer_in_bwd=True)
+
+
+@pytest.fixture(scope="module")
+def plain_async(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    """Plain optimizer, intermediate checkpoints saved asynchronously by DCP."""
+    return _train(
+        runs_dir / "plain_async",
+        tiny_assets,
+        optimizer_in_bwd=False,
+        enable_async_checkpointing=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def in_bwd_async_from_plain(
+    plain_async: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> TuneRun:
+    """In-backward, resumed from the plain run's epoch-0 DCP checkpoint; it saves
+    its own (in-backward) epoch-1 DCP checkpoint."""
+    return _resume(
+        plain_async,
+        0,
+        runs_dir / "in_bwd_async_from_plain",
+        tiny_assets,
+        optimizer_in_bwd=True,
+        enable_async_checkpointing=True,
+    )
+
+
+def test_in_backward_matches_plain_on_two_processes(
+    in_bwd: TuneRun, plain_async: TuneRun
+) -> None:
+    assert list(in_bwd.metrics) == list(ALL_STEPS)
+    assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
+    _assert_same_training(in_bwd, plain_async, ACROSS_MODES)
+
+
+def test_two_processes_match_one_process_at_the_same_global_batch(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # batch_size is per data-parallel rank: 1 x 8 = 2 x 4, the same samples per step.
+    one = _train(
+        runs_dir / "one_process",
+        tiny_assets,
+        nproc=1,
+        batch_size=8,
+        optimizer_in_bwd=True,
+    )
+    _assert_same_training(in_bwd, one, ACROSS_LAYOUTS)
+
+
+def test_in_backward_resume_from_sync_checkpoint_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    resumed = _resume(
+        in_bwd, 1, runs_dir / "in_bwd_from_in_bwd", tiny_assets, optimizer_in_bwd=True
+    )
+    _assert_same_training(resumed, in_bwd, EXACT, _steps_after(1))
+
+
+def test_plain_resume_from_in_backward_sync_checkpoint_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    resumed = _resume(
+        in_bwd, 1, runs_dir / "plain_from_in_bwd", tiny_assets, optimizer_in_bwd=False
+    )
+    _assert_same_training(resumed, in_bwd, ACROSS_MODES, _steps_after(1))
+
+
+def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run(
+    plain_async: TuneRun, in_bwd_async_from_plain: TuneRun
+) -> None:
+    assert (plain_async.output_dir / "dist_epoch_0" / ".metadata").is_file()
+    _assert_same_training(
+        in_bwd_async_from_plain, plain_async, ACROSS_MODES, _steps_after(0)
+    )
+
+
+def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
+    in_bwd_async_from_plain: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    resumed = _resume(
+        in_bwd_async_from_plain,
+        1,
+        runs_dir / "in_bwd_async_from_in_bwd",
+        tiny_assets,
+        optimizer_in_bwd=True,
+        enable_async_checkpointing=True,
+    )
+    _assert_same_training(resumed, in_bwd_async_from_plain, EXACT, _steps_after(1))
+
+
+def test_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # tensor_parallel_dim=2 on 2 processes leaves 1 data-parallel replica; with
+    # batch_size 8 it reads the same 8 samples per step as the 2 FSDP ranks together.
+    tp = _resume(
+        in_bwd,
+        1,
+        runs_dir / "tensor_parallel",
+        tiny_assets,
+        optimizer_in_bwd=True,
+        batch_size=8,
+        tensor_parallel_dim=2,
+        **{
+            "tensor_parallel_plan._component_": "torchtune.models.llama3.base_llama_tp_plan"
+        },
+    )
+    _assert_same_training(tp, in_bwd, ACROSS_LAYOUTS, _steps_after(1))
+
+
+def test_final_checkpoint_is_a_hf_checkpoint_of_the_trained_weights(
+    in_bwd: TuneRun, tiny_assets: TinyAssets
+) -> None:
+    base = {}
+    for name in tiny_assets.checkpoint_files:
+        base |= load_file(tiny_assets.checkpoint_dir / name)
+    final = load_file(
+        in_bwd.output_dir / f"epoch_{EPOCHS - 1}" / "model-00001-of-00001.safetensors"
+    )
+    assert final.keys() == base.keys()
+    for key, tensor in final.items():
+        assert tensor.shape == base[key].shape and tensor.dtype == base[key].dtype, key
+    assert any(not torch.equal(final[k], base[k]) for k in final)
+
+
+def _load_recipe_class() -> type:
+    """The installed recipe file (recipes are files, never an importable package)."""
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
+    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FullFinetuneRecipeDistributed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"clip_grad_norm": 1.0},
+            "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the "
+            "global gradient norm is only known after backward, when in-backward "
+            "updates have already happened. Set clip_grad_norm=null or "
+            "optimizer_in_bwd=False.",
+        ),
+        (
+            {"gradient_accumulation_steps": 2},
+            "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
+            "each parameter is updated as soon as its gradient is ready, so gradients "
+            "cannot be accumulated over several batches. Set "
+            "gradient_accumulation_steps=1 or optimizer_in_bwd=False.",
+        ),
+        (
+            {"compile": {"model": False, "loss": False, "optimizer_step": True}},
+            "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
+            "in-backward updates run one parameter at a time inside autograd hooks, "
+            "where a compiled whole-optimizer step cannot run. Set "
+            "compile.optimizer_step=False or optimizer_in_bwd=False.",
+        ),
+    ],
+    ids=["clip_grad_norm", "gradient_accumulation", "compiled_optimizer_step"],
+)
+def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
+    overrides: dict[str, Any], message: str, tmp_path: Path, tiny_assets: TinyAssets
+) -> None:
+    checkpoint = tmp_path / "epoch_0" / "model-00001-of-00001.safetensors"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"an earlier run's weights")
+    before = checkpoint.stat()
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.optimizer_in_bwd = True
+    cfg.merge_with(overrides)
+
+    with pytest.raises(ValueError) as error:
+        _load_recipe_class()(cfg)
+    assert str(error.value) == message
+    # Refused before the process group, the model or any file.
+    assert not torch.distributed.is_initialized()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
+    after = checkpoint.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
