@@ -82,6 +82,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         ValueError: If ``optimizer_in_bwd`` is True and ``clip_grad_norm`` is set.
         ValueError: If ``optimizer_in_bwd`` is True and ``gradient_accumulation_steps`` > 1.
         ValueError: If ``optimizer_in_bwd`` is True and ``compile.optimizer_step`` is True.
+        ValueError: If ``compile`` is a mapping with keys other than ``model``,
+            ``loss`` and ``optimizer_step``.
         ValueError: If ``dtype`` is fp16.
         ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
             with a fused optimizer, or not dividing the world size.
@@ -178,7 +180,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
             )
 
-        self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
         self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
         if self._log_peak_memory_stats and self._device.type == "cpu":
@@ -665,16 +666,15 @@ def _grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
 
 def _parse_compile(cfg_compile: bool | DictConfig) -> dict[str, bool]:
     """``compile: True`` compiles model and loss (as in 0.6.1); a mapping picks each."""
-    if isinstance(cfg_compile, DictConfig | dict):
-        return {
-            key: bool(cfg_compile.get(key, False))
-            for key in ("model", "loss", "optimizer_step")
-        }
-    return {
-        "model": bool(cfg_compile),
-        "loss": bool(cfg_compile),
-        "optimizer_step": False,
-    }
+    targets = ("model", "loss", "optimizer_step")
+    if not isinstance(cfg_compile, DictConfig | dict):
+        return {"model": cfg_compile, "loss": cfg_compile, "optimizer_step": False}
+    if unknown := set(cfg_compile) - set(targets):
+        raise ValueError(
+            f"Unknown compile keys {sorted(unknown)}: compile is a bool or a "
+            f"mapping with keys {list(targets)}."
+        )
+    return {key: bool(cfg_compile.get(key, False)) for key in targets}
 
 
 @config.parse

@@ -2,28 +2,34 @@
 
 Every claim is an equivalence between runs on the same seed and data:
 
-- in-backward vs plain, 2 processes vs 1 at the same global batch, tensor parallel
-  vs 1 process;
+- in-backward vs plain, 2 processes vs 1 at the same global batch;
 - resumed vs uninterrupted, from a synchronous full checkpoint and from an
-  asynchronous distributed (DCP) checkpoint, within a mode and across modes.
+  asynchronous distributed (DCP) checkpoint, within a mode and across modes;
+- a tensor-parallel run resumed from an FSDP run's full checkpoint vs that run.
 
-Runs are shared through module-scoped fixtures: each uninterrupted run trains 2
-epochs of ``STEPS`` steps, and the resume tests restart from its epoch-0 checkpoint.
+Each comparison checks loss and grad_norm at every step, and lr exactly. Runs are
+shared through module-scoped fixtures; every run is configured for the same
+``EPOCHS`` x ``STEPS`` (the cosine schedule depends on the total), and resumes start
+from an epoch-0 or epoch-1 checkpoint.
 
-Tolerances, from the arithmetic:
+Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
-- ``EXACT``: the same kernels on the same values, in the same process layout. A
-  resumed run reloads exact fp32 weights and optimizer state and recomputes the same
-  lr from the step count, so it must agree bitwise; so must runs that differ only in
-  how checkpoints are written.
-- ``ACROSS_MODES``: in-backward divides the loss by the token count before backward,
-  plain scales the gradients after it. Both are the same update up to fp32 rounding
-  (~1e-7 relative per gradient), which Adam's normalization carries into the weights
-  at about that relative size; the loss moves less than 1e-5 relative in a few steps.
-- ``ACROSS_LAYOUTS``: 2 processes vs 1 (or tensor parallel vs 1) sum the same terms
-  in a different order (per-rank partial sums, a reduce-scatter) and pad batches to
-  different lengths, so matmuls block differently: a few ulps per op, amplified a
-  little by each update.
+- ``EXACT``: the same kernels on the same values in the same process layout. A
+  resumed run reloads exact fp32 weights and optimizer state and recomputes the lr
+  from the step count, so it agrees bitwise [0].
+- ``ACROSS_MODES``: in-backward divides the loss by the global token count before
+  backward, plain scales the gradients after it: the same update up to fp32 rounding
+  of each gradient (an ulp, ~6e-8 relative), which Adam passes on to the weights at
+  about the same relative size [loss and grad_norm within 1.2e-7 relative].
+- ``ACROSS_LAYOUTS``: 2 processes vs 1, or tensor parallel vs FSDP, add the same
+  terms in another order (per-rank partial sums, reduce-scatter, row-split matmuls)
+  and pad batches to other lengths, so kernels block differently: a few ulps per op
+  [within 5e-7 relative].
+
+Both tolerances are 1e-5 relative: a margin for other CPUs' kernels, and still far
+below what a real error gives. AdamW's update hardly depends on the gradients'
+scale, so a wrong token normalization (or a missed world_size for FSDP's average)
+shows in grad_norm, off by a factor, more than in the loss: hence both are compared.
 """
 
 from __future__ import annotations
@@ -50,8 +56,8 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
-ACROSS_MODES = {"rtol": 1e-5, "atol": 1e-6}
-ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 1e-6}
+ACROSS_MODES = {"rtol": 1e-5, "atol": 0.0}
+ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 0.0}
 
 
 def _train(
