@@ -5,7 +5,8 @@ Every claim is an equivalence between runs on the same seed and data:
 - in-backward vs plain, 2 processes vs 1 at the same global batch;
 - resumed vs uninterrupted, from a synchronous full checkpoint and from an
   asynchronous distributed (DCP) checkpoint, within a mode and across modes;
-- a tensor-parallel run resumed from an FSDP run's full checkpoint vs that run.
+- FSDP x tensor parallel on 4 processes, resumed from a 2-process FSDP run's full
+  checkpoint, vs that run.
 
 Each comparison checks loss and grad_norm at every step, and lr exactly. Runs are
 shared through module-scoped fixtures; every run is configured for the same
@@ -223,24 +224,55 @@ def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
     _assert_same_training(resumed, in_bwd_async_from_plain, EXACT, _steps_after(1))
 
 
-def test_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
-) -> None:
-    # tensor_parallel_dim=2 on 2 processes leaves 1 data-parallel replica; with
-    # batch_size 8 it reads the same 8 samples per step as the 2 FSDP ranks together.
-    tp = _resume(
+@pytest.fixture(scope="module")
+def in_bwd_2d(in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    """In-backward on 4 processes, FSDP over 2 x tensor parallel over 2, resumed from
+    the 2-process FSDP run's full checkpoint: 2 replicas of batch 4 read the same 8
+    samples per step as the 2 FSDP ranks."""
+    return _resume(
         in_bwd,
         1,
-        runs_dir / "tensor_parallel",
+        runs_dir / "in_bwd_2d",
         tiny_assets,
+        nproc=4,
         optimizer_in_bwd=True,
-        batch_size=8,
         tensor_parallel_dim=2,
         **{
             "tensor_parallel_plan._component_": "torchtune.models.llama3.base_llama_tp_plan"
         },
     )
-    _assert_same_training(tp, in_bwd, ACROSS_LAYOUTS, _steps_after(1))
+
+
+def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
+    in_bwd: TuneRun, in_bwd_2d: TuneRun
+) -> None:
+    steps = _steps_after(1)
+    torch.testing.assert_close(
+        _metric(in_bwd_2d, "loss", steps),
+        _metric(in_bwd, "loss", steps),
+        **ACROSS_LAYOUTS,
+    )
+    torch.testing.assert_close(
+        _metric(in_bwd_2d, "lr", steps), _metric(in_bwd, "lr", steps), **EXACT
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="OptimizerInBackward.grad_norm (torchtune/training/memory.py) misses part "
+    "of the sum for FSDP+TP parameters (2.58 vs 3.15 at step 5), most likely "
+    "because it reduces only over mesh dims whose placement.is_shard(), and FSDP "
+    "over a tensor-parallel Shard(0) places _StridedShard, whose is_shard() is False",
+)
+def test_fsdp_with_tensor_parallel_logs_the_global_grad_norm(
+    in_bwd: TuneRun, in_bwd_2d: TuneRun
+) -> None:
+    steps = _steps_after(1)
+    torch.testing.assert_close(
+        _metric(in_bwd_2d, "grad_norm", steps),
+        _metric(in_bwd, "grad_norm", steps),
+        **ACROSS_LAYOUTS,
+    )
 
 
 def test_final_checkpoint_is_a_hf_checkpoint_of_the_trained_weights(
