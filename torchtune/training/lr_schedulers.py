@@ -42,10 +42,17 @@ def get_cosine_schedule_with_warmup(
         torch.optim.lr_scheduler.LambdaLR: the scheduler.
 
     Example:
-        >>> scheduler = get_cosine_schedule_with_warmup(optimizer, 100, 1000)
-        >>> for step in range(1000):
-        ...     train_step()
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = get_cosine_schedule_with_warmup(
+        ...     optimizer, num_warmup_steps=2, num_training_steps=10
+        ... )
+        >>> lrs = []
+        >>> for step in range(4):
+        ...     lrs.append(round(get_lr(optimizer), 4))
+        ...     optimizer.step()
         ...     scheduler.step()
+        >>> lrs
+        [0.0, 0.05, 0.1, 0.0962]
     """
 
     def lr_factor(step: int) -> float:
@@ -75,6 +82,11 @@ def get_lr(optimizer: torch.optim.Optimizer) -> float:
     Raises:
         RuntimeError: if the optimizer has no param groups, or its groups have
             different learning rates.
+
+    Example:
+        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+        >>> get_lr(optimizer)
+        0.1
     """
     groups = optimizer.param_groups
     if not groups:

@@ -371,10 +371,18 @@ def convert_legacy_optim_in_bwd_state_dict(
 
     Example:
         >>> from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        >>> legacy = torch.load("recipe_state.pt")[training.OPT_KEY]
-        >>> set_optimizer_state_dict(
-        ...     model, optimizer, convert_legacy_optim_in_bwd_state_dict(legacy)
-        ... )
+        >>> # what a 0.6.1 in-backward run saved under training.OPT_KEY
+        >>> legacy = {
+        ...     name: torch.optim.AdamW([p], lr=1e-3).state_dict()
+        ...     for name, p in model.named_parameters()
+        ... }
+        >>> converted = convert_legacy_optim_in_bwd_state_dict(legacy)
+        >>> converted["param_groups"][0]["lr"]
+        0.001
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> set_optimizer_state_dict(model, optimizer, converted)
+        >>> optimizer.param_groups[0]["lr"]
+        0.001
     """
     if not _is_legacy_in_bwd_state_dict(state_dict):
         raise ValueError(
@@ -467,7 +475,11 @@ class OptimizerInBackward(Optimizer):
         ...     optimizer.step()  # nothing left to do; kept so the loop is the same
         ...     optimizer.zero_grad(set_to_none=True)
         ...     scheduler.step()
-        >>> torch.save(optimizer.state_dict(), "optim.pt")  # loads into plain AdamW too
+        >>> torch.save(optimizer.state_dict(), "optim.pt")
+        >>> plain = torch.optim.AdamW(model.parameters())
+        >>> plain.load_state_dict(torch.load("optim.pt"))  # Adam moments and all
+        >>> len(plain.state) == len(list(model.parameters()))
+        True
     """
 
     def __init__(

@@ -89,10 +89,29 @@ class CheckpointClient:
             ``enable_async_checkpointing`` (default ``False``).
 
     Example:
+        >>> from omegaconf import OmegaConf
+        >>> os.makedirs("base", exist_ok=True)
+        >>> torch.save(model.state_dict(), "base/model.pt")
+        >>> cfg = OmegaConf.create({
+        ...     "device": "cpu",
+        ...     "checkpointer": {
+        ...         "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
+        ...         "checkpoint_dir": "base",
+        ...         "checkpoint_files": ["model.pt"],
+        ...         "output_dir": "checkpoints",
+        ...         "model_type": "LLAMA2",
+        ...     },
+        ... })
         >>> client = CheckpointClient(cfg)
         >>> model.load_state_dict(client.load_base_checkpoint()[training.MODEL_KEY])
-        >>> ...
+        <All keys matched successfully>
+        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
+        >>> progress = TrainingProgress(
+        ...     seed=0, epochs_run=1, total_epochs=2, max_steps_per_epoch=10
+        ... )
         >>> client.save_checkpoint(model, optimizer, progress, epoch=0)
+        >>> sorted(os.listdir("checkpoints/epoch_0"))
+        ['model-00001-of-00001.bin']
     """
 
     def __init__(self, cfg: DictConfig) -> None:
