@@ -1,9 +1,3 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# All rights reserved.
-#
-# This source code is licensed under the BSD-style license found in the
-# LICENSE file in the root directory of this source tree.
-
 """Training utilities: distributed setup, checkpointing, precision, memory, LR
 schedules, and :class:`OptimizerInBackward`."""
 

@@ -1,9 +1,3 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# All rights reserved.
-#
-# This source code is licensed under the BSD-style license found in the
-# LICENSE file in the root directory of this source tree.
-
 """Learning-rate schedule helpers. They take any ``torch.optim.Optimizer``,
 :class:`torchtune.training.OptimizerInBackward` included, with no special case."""
 

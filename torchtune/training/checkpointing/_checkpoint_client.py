@@ -1,9 +1,3 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# All rights reserved.
-#
-# This source code is licensed under the BSD-style license found in the
-# LICENSE file in the root directory of this source tree.
-
 """Saving and resuming recipe checkpoints: the configured checkpointer for synchronous
 saves, torch distributed checkpointing (DCP) for asynchronous ones.
 
