@@ -32,6 +32,7 @@ RECIPES = [
     "recipes/full_finetune_single_device.py",
     "recipes/full_finetune_distributed.py",
     "recipes/lora_finetune_single_device.py",
+    "recipes/lora_finetune_distributed.py",
 ]
 
 FLAG_NAMES = frozenset({"optimizer_in_bwd", "_optimizer_in_bwd"})
