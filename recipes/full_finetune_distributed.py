@@ -1,8 +1,9 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# All rights reserved.
-#
-# This source code is licensed under the BSD-style license found in the
-# LICENSE file in the root directory of this source tree.
+"""Full fine-tuning of a decoder LLM with FSDP2 (and optional tensor parallelism).
+
+Run it with ``tune run --nproc_per_node N full_finetune_distributed --config <config>``
+(CUDA with NCCL, or ``device=cpu`` with gloo); multi-node through torchrun's own
+arguments. See :class:`FullFinetuneRecipeDistributed` for features and config keys.
+"""
 
 import functools
 import os
