@@ -257,13 +257,6 @@ def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OptimizerInBackward.grad_norm (torchtune/training/memory.py) reduces "
-    "only over mesh dims whose placement.is_shard(); FSDP over a ColwiseParallel "
-    "weight places _StridedShard on dp, whose is_shard() is False, so those squares "
-    "are not summed over dp (2.58 vs 3.15 at step 5)",
-)
 def test_fsdp_with_tensor_parallel_logs_the_global_grad_norm(
     in_bwd: TuneRun, in_bwd_2d: TuneRun
 ) -> None:

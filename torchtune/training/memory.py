@@ -612,7 +612,12 @@ class OptimizerInBackward(Optimizer):
                         Replicate() if p.is_partial() else p for p in grad.placements
                     ]
                 )
-            shard_dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            # Every mesh dim that is not replicated holds a different slice of the
+            # gradient. Test "not replicate" rather than is_shard(): FSDP over a
+            # tensor-parallel weight places a _StridedShard, whose is_shard() is False.
+            shard_dims = tuple(
+                i for i, p in enumerate(grad.placements) if not p.is_replicate()
+            )
             key = (grad.device_mesh, shard_dims) if shard_dims else None
             grad = grad.to_local()
         squared = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32).square()
