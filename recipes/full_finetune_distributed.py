@@ -101,25 +101,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._compile = _parse_compile(cfg.get("compile", False))
         if self._optimizer_in_bwd:
-            if self._clip_grad_norm is not None:
-                raise ValueError(
-                    f"optimizer_in_bwd=True cannot be combined with clip_grad_norm={self._clip_grad_norm}: "
-                    "the global gradient norm is only known after backward, when in-backward updates "
-                    "have already happened. Set clip_grad_norm=null or optimizer_in_bwd=False."
-                )
-            if self._gradient_accumulation_steps > 1:
-                raise ValueError(
-                    f"optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps={self._gradient_accumulation_steps}: "
-                    "each parameter is updated as soon as its gradient is ready, so gradients cannot be "
-                    "accumulated over several batches. Set gradient_accumulation_steps=1 or optimizer_in_bwd=False."
-                )
-            if self._compile["optimizer_step"]:
-                raise ValueError(
-                    "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-                    "in-backward updates run one parameter at a time inside autograd hooks, where a "
-                    "compiled whole-optimizer step cannot run. Set compile.optimizer_step=False or "
-                    "optimizer_in_bwd=False."
-                )
+            training.check_optimizer_in_bwd_options(
+                clip_grad_norm=self._clip_grad_norm,
+                gradient_accumulation_steps=self._gradient_accumulation_steps,
+                compile_optimizer_step=self._compile["optimizer_step"],
+            )
 
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)

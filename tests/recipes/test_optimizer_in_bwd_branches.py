@@ -4,8 +4,9 @@ The rule (issue 4, DESIGN.md section 3): the flag, whether the config key or any
 variable or attribute holding it, is read only
 
 1. to store it, in ``__init__`` (``self._optimizer_in_bwd = cfg.get(...)``);
-2. in config validation: the test or body of an ``if`` whose body only raises
-   (nested such ``if`` statements included);
+2. in config validation: the test or body of an ``if`` whose body only raises or
+   calls ``training.check_optimizer_in_bwd_options`` (nested such ``if``
+   statements included);
 3. in optimizer construction: anywhere in ``_setup_optimizer``, or as an argument
    of a call to it;
 4. where loss normalization or clipping differ: the test of an ``if`` statement, or
@@ -37,6 +38,7 @@ RECIPES = [
 
 FLAG_NAMES = frozenset({"optimizer_in_bwd", "_optimizer_in_bwd"})
 CONSTRUCTOR = "_setup_optimizer"
+VALIDATOR = "check_optimizer_in_bwd_options"
 OPTIMIZER_CLASS = "OptimizerInBackward"
 _NORMALIZATION_CALLS = frozenset(
     {
@@ -190,6 +192,11 @@ class _Checker:
     def _validation_only(self, stmts: list[ast.stmt]) -> bool:
         return bool(stmts) and all(
             isinstance(s, ast.Raise)
+            or (
+                isinstance(s, ast.Expr)
+                and isinstance(s.value, ast.Call)
+                and _identifier(s.value.func) == VALIDATOR
+            )
             or (
                 isinstance(s, ast.If)
                 and self._validation_only(s.body)
@@ -451,6 +458,14 @@ BAD = {
         init="self._fused = cfg.optimizer_in_bwd",
     ),
     "key read elsewhere": _method('memory = cfg["optimizer_in_bwd"]', name="setup"),
+    "validation that calls something else": _method(
+        """
+        if self._optimizer_in_bwd:
+            training.check_optimizer_in_bwd_options(clip_grad_norm=None)
+            self._setup_model(cfg.model)
+        """,
+        name="_validate",
+    ),
     "validation that does more than raise": _method(
         """
         if self._optimizer_in_bwd:

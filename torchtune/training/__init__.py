@@ -59,6 +59,7 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, ge
 from torchtune.training.memory import (
     OptimizerInBackward,
     OptimizerInBackwardWrapper,
+    check_optimizer_in_bwd_options,
     cleanup_before_training,
     convert_legacy_optim_in_bwd_state_dict,
     create_optim_in_bwd_wrapper,
@@ -136,6 +137,7 @@ __all__ = [
     "get_lr",
     # memory and optimizer in backward
     "OptimizerInBackward",
+    "check_optimizer_in_bwd_options",
     "cleanup_before_training",
     "convert_legacy_optim_in_bwd_state_dict",
     "get_memory_stats",

@@ -809,3 +809,29 @@ def test_set_activation_checkpointing_wraps_the_given_module_types() -> None:
     # Recomputing the forward in backward gives the same gradients.
     for a, b in zip(reference.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, **BITWISE)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
+        ({"compile_optimizer_step": True}, "compile.optimizer_step=True"),
+    ],
+)
+def test_check_optimizer_in_bwd_options_refuses_each_incompatible_option(
+    options, named
+):
+    with pytest.raises(ValueError) as info:
+        training.check_optimizer_in_bwd_options(**options)
+    message = str(info.value)
+    # what was asked, and the fix for each of the two keys
+    assert message.startswith(f"optimizer_in_bwd=True cannot be combined with {named}")
+    assert "optimizer_in_bwd=False" in message
+    assert f"Set {named.split('=')[0]}=" in message
+
+
+def test_check_optimizer_in_bwd_options_accepts_compatible_options():
+    training.check_optimizer_in_bwd_options(
+        clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
+    )
