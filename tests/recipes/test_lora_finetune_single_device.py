@@ -36,13 +36,10 @@ Tolerances:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import re
 import shutil
-import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,12 +49,12 @@ from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
-    DISK_LOGGER,
     REPO_ROOT,
     TuneRun,
     format_override,
-    read_disk_log,
     run_tune,
+    run_tune_in_process,
+    snapshot_files,
     tiny_config,
 )
 
@@ -82,48 +79,10 @@ LORA_KWARGS = {
 
 
 def tune_run_here(
-    config: Path,
-    overrides: Mapping[str, object] | list[str],
-    output_dir: Path,
+    config: Path, overrides: Mapping[str, object] | list[str], output_dir: Path
 ) -> TuneRun:
-    """``tune run RECIPE --config config overrides`` in this process.
-
-    Same command line as ``run_tune`` (metrics to a ``DiskLogger`` file of the run's
-    own), same parsing (``torchtune._cli.tune.main``), same recipe file. Exceptions
-    the recipe raises propagate.
-    """
-    from torchtune._cli.tune import main as tune_main
-
-    if isinstance(overrides, Mapping):
-        overrides = [format_override(k, v) for k, v in overrides.items()]
-    log_dir = output_dir / "logs"
-    log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
-    argv = ["tune", "run", RECIPE, "--config", str(config), *overrides]
-    argv += [
-        f"output_dir={output_dir}",
-        f"metric_logger._component_={DISK_LOGGER}",
-        f"metric_logger.log_dir={log_dir}",
-        f"metric_logger.filename={log_file.name}",
-    ]
-    saved_argv, sys.argv = sys.argv, argv
-    start = time.perf_counter()
-    try:
-        tune_main()
-    except SystemExit as e:  # the recipe file ends with sys.exit(recipe_main())
-        if e.code not in (None, 0):
-            raise
-    finally:
-        sys.argv = saved_argv
-    metrics = read_disk_log(log_file)
-    return TuneRun(
-        losses=[metrics[s]["loss"] for s in sorted(metrics)],
-        metrics=dict(sorted(metrics.items())),
-        output_dir=output_dir,
-        log_file=log_file,
-        command=argv,
-        output="",
-        wall_s=time.perf_counter() - start,
-    )
+    """``tune run RECIPE --config config overrides`` in this process."""
+    return run_tune_in_process(RECIPE, config, overrides, output_dir)
 
 
 def _mode_overrides(optimizer_in_bwd: bool) -> dict[str, object]:
@@ -569,18 +528,6 @@ def test_dora_and_qlora_with_activation_checkpointing_train_in_backward_as_in_pl
         assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
 
 
-def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root``: content hash and modification time."""
-    return {
-        str(p.relative_to(root)): (
-            hashlib.sha256(p.read_bytes()).hexdigest(),
-            p.stat().st_mtime_ns,
-        )
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
 REFUSALS = {
     "clip_grad_norm": (
         ["clip_grad_norm=1.0"],
@@ -615,7 +562,7 @@ def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
     # An output_dir that holds a finished run's checkpoints.
     out = tmp_path / "out"
     shutil.copytree(adamw_runs["plain"].output_dir, out)
-    before = _snapshot(out)
+    before = snapshot_files(out)
     overrides, message = REFUSALS[key]
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         tune_run_here(
@@ -623,4 +570,4 @@ def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
             [f"assets_dir={tiny_assets.root}", "optimizer_in_bwd=True", *overrides],
             out,
         )
-    assert _snapshot(out) == before
+    assert snapshot_files(out) == before
