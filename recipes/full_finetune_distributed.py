@@ -12,7 +12,6 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
-from warnings import warn
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -195,32 +194,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self.global_step = 0
 
     def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        """Restores epochs run, seed and max steps from a resumed checkpoint."""
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            # The data order depends on seed and max_steps_per_epoch: the checkpoint wins.
-            for attr, key in (
-                ("seed", training.SEED_KEY),
-                ("max_steps_per_epoch", training.MAX_STEPS_KEY),
-            ):
-                if getattr(self, attr) != ckpt_dict[key]:
-                    warn(
-                        f"Config value for {attr} does not match the checkpoint value, "
-                        f"using the checkpoint value: {ckpt_dict[key]}",
-                        stacklevel=2,
-                    )
-                    setattr(self, attr, ckpt_dict[key])
-            if self.total_epochs != ckpt_dict[training.TOTAL_EPOCHS_KEY]:
-                warn(
-                    "Config value for total_epochs does not match the checkpoint value, "
-                    f"using the config value: {self.total_epochs}",
-                    stacklevel=2,
-                )
-        except KeyError as e:
-            raise KeyError(
-                "Checkpoint does not contain the required keys needed for updating recipe state. "
-                "Are you sure you passed in the right recipe checkpoint?"
-            ) from e
+        """Take the epoch count, seed and steps per epoch from the checkpoint."""
+        progress = TrainingProgress.from_checkpoint(
+            ckpt_dict,
+            seed=self.seed,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        self.epochs_run = progress.epochs_run
+        self.seed = progress.seed
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
     def setup(self, cfg: DictConfig) -> None:
         """

@@ -23,6 +23,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.checkpointing._checkpoint_client import TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -196,32 +197,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
         """Take the epoch count, seed and steps per epoch from the checkpoint."""
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            # The data order and step count must match the interrupted run's.
-            for name, key in (
-                ("seed", training.SEED_KEY),
-                ("max_steps_per_epoch", training.MAX_STEPS_KEY),
-            ):
-                if getattr(self, name) != ckpt_dict[key]:
-                    log.warning(
-                        f"{name}={getattr(self, name)} in the config differs from the "
-                        f"checkpoint's {ckpt_dict[key]}; using the checkpoint's."
-                    )
-                    setattr(self, name, ckpt_dict[key])
-            # Training longer (or shorter) than first planned is allowed.
-            if self.total_epochs != ckpt_dict[training.TOTAL_EPOCHS_KEY]:
-                log.warning(
-                    f"epochs={self.total_epochs} in the config differs from the "
-                    f"checkpoint's {ckpt_dict[training.TOTAL_EPOCHS_KEY]}; using the "
-                    "config's."
-                )
-        except KeyError as e:
-            raise KeyError(
-                "The checkpoint lacks the recipe state needed to resume. Is "
-                "checkpointer.recipe_checkpoint the recipe_state.pt of a run of this "
-                "recipe?"
-            ) from e
+        progress = TrainingProgress.from_checkpoint(
+            ckpt_dict,
+            seed=self.seed,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        self.epochs_run = progress.epochs_run
+        self.seed = progress.seed
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything, in dependency order, restoring the state on resume."""

@@ -9,7 +9,6 @@ import sys
 import time
 from functools import partial
 from typing import Any
-from warnings import warn
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,7 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.checkpointing._checkpoint_client import TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -227,33 +227,15 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
         """Take the epoch count, seed and steps per epoch from the checkpoint."""
-        try:
-            self.epochs_run = ckpt_dict[training.EPOCHS_KEY]
-            # The seed and the steps per epoch define the run being resumed: the
-            # checkpoint wins, with a warning.
-            for name, key in (
-                ("seed", training.SEED_KEY),
-                ("max_steps_per_epoch", training.MAX_STEPS_KEY),
-            ):
-                if getattr(self, name) != ckpt_dict[key]:
-                    warn(
-                        f"Config value for {name} does not match the checkpoint "
-                        f"value, using the checkpoint value: {ckpt_dict[key]}",
-                        stacklevel=2,
-                    )
-                    setattr(self, name, ckpt_dict[key])
-            # More epochs may be asked for, to train longer: the config wins.
-            if self.total_epochs != ckpt_dict[training.TOTAL_EPOCHS_KEY]:
-                warn(
-                    "Config value for total_epochs does not match the checkpoint "
-                    f"value, using the config value: {self.total_epochs}",
-                    stacklevel=2,
-                )
-        except KeyError as e:
-            raise KeyError(
-                "Checkpoint does not contain the required keys needed for updating "
-                "recipe state. Are you sure you passed in the right recipe checkpoint?"
-            ) from e
+        progress = TrainingProgress.from_checkpoint(
+            ckpt_dict,
+            seed=self.seed,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        self.epochs_run = progress.epochs_run
+        self.seed = progress.seed
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and

@@ -46,6 +46,82 @@ class TrainingProgress:
     max_steps_per_epoch: int
     dataloader_state_dict: dict[str, Any] | None = None
 
+    @classmethod
+    def from_checkpoint(
+        cls,
+        ckpt_dict: dict[str, Any],
+        *,
+        seed: int | None,
+        total_epochs: int,
+        max_steps_per_epoch: int | None,
+    ) -> TrainingProgress:
+        """Where a resumed run stands: the checkpoint's progress, reconciled with the
+        config's values.
+
+        The seed and the steps per epoch define the data order of the interrupted
+        run, so the checkpoint's win, with a warning when the config differs. The
+        number of epochs is the config's: a run may be resumed to train longer or
+        shorter than first planned.
+
+        Args:
+            ckpt_dict (dict[str, Any]): a recipe checkpoint, holding the entries that
+                :meth:`state_dict` writes.
+            seed (int | None): the config's seed.
+            total_epochs (int): the config's number of epochs.
+            max_steps_per_epoch (int | None): the config's step limit per epoch.
+
+        Returns:
+            TrainingProgress: the progress to resume from.
+
+        Raises:
+            KeyError: if ``ckpt_dict`` lacks an entry of the recipe state.
+
+        Example:
+            >>> saved = TrainingProgress(
+            ...     seed=0, epochs_run=1, total_epochs=2, max_steps_per_epoch=10
+            ... ).state_dict()
+            >>> progress = TrainingProgress.from_checkpoint(
+            ...     saved, seed=0, total_epochs=3, max_steps_per_epoch=10
+            ... )
+            >>> progress.epochs_run, progress.total_epochs
+            (1, 3)
+        """
+        keys = (
+            training.EPOCHS_KEY,
+            training.SEED_KEY,
+            training.MAX_STEPS_KEY,
+            training.TOTAL_EPOCHS_KEY,
+        )
+        missing = [key for key in keys if key not in ckpt_dict]
+        if missing:
+            raise KeyError(
+                f"The checkpoint lacks the recipe state {missing} needed to resume. Is "
+                "checkpointer.recipe_checkpoint the recipe_state.pt of a run of this "
+                "recipe?"
+            )
+        resumed = {}
+        for name, key, value in (
+            ("seed", training.SEED_KEY, seed),
+            ("max_steps_per_epoch", training.MAX_STEPS_KEY, max_steps_per_epoch),
+        ):
+            resumed[name] = ckpt_dict[key]
+            if value != ckpt_dict[key]:
+                log.warning(
+                    f"{name}={value} in the config differs from the checkpoint's "
+                    f"{ckpt_dict[key]}; using the checkpoint's."
+                )
+        if total_epochs != ckpt_dict[training.TOTAL_EPOCHS_KEY]:
+            log.warning(
+                f"epochs={total_epochs} in the config differs from the checkpoint's "
+                f"{ckpt_dict[training.TOTAL_EPOCHS_KEY]}; using the config's."
+            )
+        return cls(
+            epochs_run=ckpt_dict[training.EPOCHS_KEY],
+            total_epochs=total_epochs,
+            dataloader_state_dict=ckpt_dict.get(training.DATALOADER_KEY),
+            **resumed,
+        )
+
     def state_dict(self) -> dict[str, object]:
         """The progress under torchtune's checkpoint keys.
 

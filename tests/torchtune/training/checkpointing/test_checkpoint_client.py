@@ -170,3 +170,35 @@ def test_two_gloo_processes_fsdp2(
     optimizer, resumed bitwise; see optimizer_in_backward_scenarios.py."""
     outcome = optimizer_in_backward_distributed_run.outcome(scenario)
     assert outcome == "ok", outcome
+
+
+def _saved_progress() -> dict:
+    return TrainingProgress(
+        seed=7, epochs_run=1, total_epochs=2, max_steps_per_epoch=5
+    ).state_dict()
+
+
+def test_progress_from_checkpoint_takes_seed_and_steps_from_it_and_epochs_from_config(
+    caplog,
+):
+    progress = TrainingProgress.from_checkpoint(
+        _saved_progress(), seed=0, total_epochs=4, max_steps_per_epoch=None
+    )
+    assert (progress.epochs_run, progress.seed, progress.max_steps_per_epoch) == (
+        1,
+        7,
+        5,
+    )
+    assert progress.total_epochs == 4
+    # each differing value is named, with both values
+    assert "seed=0" in caplog.text and "max_steps_per_epoch=None" in caplog.text
+    assert "epochs=4" in caplog.text
+
+
+def test_progress_from_checkpoint_raises_naming_the_missing_recipe_state():
+    saved = _saved_progress()
+    del saved[training.SEED_KEY]
+    with pytest.raises(KeyError, match=training.SEED_KEY):
+        TrainingProgress.from_checkpoint(
+            saved, seed=7, total_epochs=2, max_steps_per_epoch=5
+        )
