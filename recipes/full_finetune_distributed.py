@@ -98,7 +98,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self._compile = _parse_compile(cfg.get("compile", False))
+        self._compile = training.parse_compile_config(cfg.get("compile", False))
         if self._optimizer_in_bwd:
             training.check_optimizer_in_bwd_options(
                 clip_grad_norm=self._clip_grad_norm,
@@ -632,19 +632,6 @@ def _grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
     norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
     norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def _parse_compile(cfg_compile: bool | DictConfig) -> dict[str, bool]:
-    """``compile: True`` compiles model and loss (as in 0.6.1); a mapping picks each."""
-    targets = ("model", "loss", "optimizer_step")
-    if not isinstance(cfg_compile, DictConfig | dict):
-        return {"model": cfg_compile, "loss": cfg_compile, "optimizer_step": False}
-    if unknown := set(cfg_compile) - set(targets):
-        raise ValueError(
-            f"Unknown compile keys {sorted(unknown)}: compile is a bool or a "
-            f"mapping with keys {list(targets)}."
-        )
-    return {key: bool(cfg_compile.get(key, False)) for key in targets}
 
 
 @config.parse

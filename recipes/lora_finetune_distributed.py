@@ -38,9 +38,6 @@ from torchtune.training.checkpointing._checkpoint_client import TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
-# What ``compile: True`` (the 0.6.1 form) turns on; ``compile`` may also be a mapping
-# of these keys to bools.
-_COMPILE_TARGETS = ("model", "loss", "optimizer_step")
 _TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
 
 
@@ -130,20 +127,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        compile_cfg = cfg.get("compile", False)
-        if isinstance(compile_cfg, DictConfig):
-            unknown = set(compile_cfg) - set(_COMPILE_TARGETS)
-            if unknown:
-                raise ValueError(
-                    f"Unknown compile keys {sorted(unknown)}: compile is a bool or a "
-                    f"mapping with keys {list(_COMPILE_TARGETS)}."
-                )
-            self._compile = {
-                k: bool(compile_cfg.get(k, False)) for k in _COMPILE_TARGETS
-            }
-        else:
-            self._compile = {"model": compile_cfg, "loss": compile_cfg}
-            self._compile["optimizer_step"] = False
+        self._compile = training.parse_compile_config(cfg.get("compile", False))
         self._enable_activation_checkpointing = cfg.get(
             "enable_activation_checkpointing", False
         )

@@ -75,6 +75,7 @@ from torchtune.training.precision import (
     validate_expected_param_dtype,
 )
 from torchtune.training.quantization import get_quantizer_mode
+from torchtune.training.recipe_options import parse_compile_config
 from torchtune.training.seed import set_seed
 
 __all__ = [
@@ -138,6 +139,7 @@ __all__ = [
     # memory and optimizer in backward
     "OptimizerInBackward",
     "check_optimizer_in_bwd_options",
+    "parse_compile_config",
     "cleanup_before_training",
     "convert_legacy_optim_in_bwd_state_dict",
     "get_memory_stats",
