@@ -58,15 +58,18 @@ from torchtune.training.checkpointing import (
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
     OptimizerInBackward,
-    OptimizerInBackwardWrapper,
-    check_optimizer_in_bwd_options,
     cleanup_before_training,
-    convert_legacy_optim_in_bwd_state_dict,
-    create_optim_in_bwd_wrapper,
     get_memory_stats,
     log_memory_stats,
-    register_optim_in_bwd_hooks,
     set_activation_checkpointing,
+)
+from torchtune.training.optim_in_bwd_deprecated import (
+    OptimizerInBackwardWrapper,
+    create_optim_in_bwd_wrapper,
+    register_optim_in_bwd_hooks,
+)
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    convert_legacy_optim_in_bwd_state_dict,
 )
 from torchtune.training.pooling import get_unmasked_sequence_lengths
 from torchtune.training.precision import (
@@ -75,7 +78,10 @@ from torchtune.training.precision import (
     validate_expected_param_dtype,
 )
 from torchtune.training.quantization import get_quantizer_mode
-from torchtune.training.recipe_options import parse_compile_config
+from torchtune.training.recipe_options import (
+    check_optimizer_in_bwd_options,
+    parse_compile_config,
+)
 from torchtune.training.seed import set_seed
 
 __all__ = [

@@ -1,14 +1,17 @@
 """Memory utilities: activation checkpointing, memory statistics, and the
-optimizer that runs inside ``backward()`` (:class:`OptimizerInBackward`)."""
+optimizer that runs inside ``backward()`` (:class:`OptimizerInBackward`).
+
+torchtune 0.6.1's optimizer-in-backward functions, deprecated, live in
+:mod:`torchtune.training.optim_in_bwd_deprecated` and are importable from here too,
+as in 0.6.1."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import sys
-import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeAlias
 
@@ -21,10 +24,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    convert_legacy_optim_in_bwd_state_dict,
+    hyperparameters,
+    is_legacy_in_bwd_state_dict,
+    legacy_entries,
+)
 from torchtune.utils import get_device_support, get_logger
 
 _log: logging.Logger = get_logger()
@@ -212,8 +220,14 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Per-parameter optimizers that already carry the load_state_dict post-hook below.
 _HOOKED_INNER: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
-# Group keys that are not hyperparameters.
-_NON_HYPERPARAMETER_KEYS = frozenset({"params", "param_names"})
+# torch.optim.Optimizer's hooks around state_dict() and load_state_dict(). They belong
+# to the wrapped optimizer, whose own methods run them.
+_STATE_DICT_HOOKS = (
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
 
 
 def _owner_of(param: torch.Tensor) -> OptimizerInBackward | None:
@@ -282,12 +296,14 @@ def _single_param(optimizer: Optimizer) -> torch.Tensor:
 
 
 def _reclaim_inner_state(inner: Optimizer) -> None:
-    """load_state_dict post-hook of a per-parameter optimizer.
+    """Link a per-parameter optimizer's ``state`` back to its owner's.
 
-    ``Optimizer.load_state_dict`` replaces ``inner.state`` with a new dict. This moves
-    the loaded entry into the owning :class:`OptimizerInBackward` and puts the shared
-    view back, so state loaded through a 0.6.1-style per-parameter optimizer (e.g.
-    ``OptimizerInBackwardWrapper.optim_map[name]``) is the state that training uses.
+    A per-parameter optimizer's own ``load_state_dict`` replaces ``inner.state`` with a
+    new dict (0.6.1 recipes load through ``optim_map[name]``). This moves the loaded
+    entry into the owning :class:`OptimizerInBackward` and puts the shared view back,
+    so the loaded state is the state that training uses and that the owner saves. It
+    runs as a load_state_dict post-hook where the class runs torch's hooks, and before
+    every update and save for classes whose loader does not (bitsandbytes).
     """
     if isinstance(inner.state, _OneParamState):
         return
@@ -301,100 +317,22 @@ def _reclaim_inner_state(inner: Optimizer) -> None:
         owner.state[param] = loaded
 
 
-def _is_legacy_in_bwd_state_dict(state_dict: Mapping[str, Any]) -> bool:
-    """Whether ``state_dict`` is in torchtune 0.6.1's in-backward format."""
-    if not isinstance(state_dict, Mapping) or not state_dict:
-        return False
-    if set(state_dict) == {"state", "param_groups"}:
-        return False
-    return all(
-        isinstance(v, Mapping) and "state" in v and "param_groups" in v
-        for v in state_dict.values()
-    )
-
-
-def _legacy_entries(
-    state_dict: Mapping[str, Mapping[str, Any]],
-) -> dict[str, tuple[dict[str, Any] | None, dict[str, Any]]]:
-    """Split a 0.6.1 in-backward state dict into ``name -> (state, hyperparameters)``."""
-    entries = {}
-    for name, per_param in state_dict.items():
-        groups = per_param["param_groups"]
-        if len(groups) != 1 or len(groups[0]["params"]) != 1:
-            raise ValueError(
-                f"0.6.1 in-backward optimizer state for {name!r} should hold one "
-                f"parameter in one group, got {[len(g['params']) for g in groups]}"
-            )
-        (key,) = groups[0]["params"]
-        hyperparameters = {
-            k: v for k, v in groups[0].items() if k not in _NON_HYPERPARAMETER_KEYS
-        }
-        entries[name] = (per_param["state"].get(key), hyperparameters)
-    return entries
-
-
-def convert_legacy_optim_in_bwd_state_dict(
-    state_dict: Mapping[str, Mapping[str, Any]],
-) -> dict[str, Any]:
-    """Convert a torchtune 0.6.1 optimizer-in-backward checkpoint to the standard format.
-
-    torchtune 0.6.1 saved in-backward optimizer state as a dict keyed by parameter
-    name, one per-parameter optimizer state dict each (keyed by ``0`` from
-    single-device recipes, by the parameter name from distributed ones). This returns
-    one optimizer state dict keyed by parameter name (fully qualified name), the
-    format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``,
-    with one param group that takes its hyperparameters from the first entry.
-
-    Load the result into any optimizer (plain or :class:`OptimizerInBackward`) with
-    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(model,
-    optimizer, converted)`` on one device, or
-    ``torchtune.training.load_from_full_optimizer_state_dict(model, optimizer,
-    converted, device)`` in a distributed (e.g. FSDP2) run.
-    :meth:`OptimizerInBackward.load_state_dict` converts by itself when the optimizer
-    knows its parameter names.
-
-    Args:
-        state_dict (Mapping[str, Mapping[str, Any]]): the 0.6.1 checkpoint's optimizer
-            entry.
-
-    Returns:
-        dict[str, Any]: ``{"state": {name: ...}, "param_groups": [{"params": [names], ...}]}``
-
-    Raises:
-        ValueError: if ``state_dict`` is not in the 0.6.1 in-backward format.
-
-    Example:
-        >>> from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        >>> # what a 0.6.1 in-backward run saved under training.OPT_KEY
-        >>> legacy = {
-        ...     name: torch.optim.AdamW([p], lr=1e-3).state_dict()
-        ...     for name, p in model.named_parameters()
-        ... }
-        >>> converted = convert_legacy_optim_in_bwd_state_dict(legacy)
-        >>> converted["param_groups"][0]["lr"]
-        0.001
-        >>> optimizer = torch.optim.AdamW(model.parameters())
-        >>> set_optimizer_state_dict(model, optimizer, converted)
-        >>> optimizer.param_groups[0]["lr"]
-        0.001
-    """
-    if not _is_legacy_in_bwd_state_dict(state_dict):
-        raise ValueError(
-            "expected a torchtune 0.6.1 in-backward optimizer state dict (parameter "
-            f"name -> per-parameter optimizer state dict), got keys {list(state_dict)[:5]}"
-        )
-    entries = _legacy_entries(state_dict)
-    first_hyperparameters = next(iter(entries.values()))[1]
-    return {
-        "state": {name: s for name, (s, _) in entries.items() if s is not None},
-        "param_groups": [{**first_hyperparameters, "params": list(entries)}],
-    }
-
-
 def _describe(param: torch.Tensor, name: str | None, index: int) -> str:
     if name is not None:
         return repr(name)
     return f"#{index} (shape {tuple(param.shape)})"
+
+
+def _wrapped_attribute(name: str, doc: str) -> property:
+    """An attribute that is the wrapped optimizer's own, read and written through."""
+
+    def fget(self: OptimizerInBackward) -> Any:
+        return getattr(self._optimizer, name)
+
+    def fset(self: OptimizerInBackward, value: Any) -> None:
+        setattr(self._optimizer, name, value)
+
+    return property(fget, fset, doc=doc)
 
 
 class OptimizerInBackward(Optimizer):
@@ -405,16 +343,25 @@ class OptimizerInBackward(Optimizer):
     to the size of all gradients, since no two gradients need to be alive at once
     (except those of parameters that share a gradient bucket, e.g. under FSDP).
 
-    To everything that takes an optimizer it looks like
-    ``optimizer_cls(params, **optimizer_kwargs)``: the same ``param_groups``,
-    ``defaults`` and ``state``, and ``state_dict()`` / ``load_state_dict()`` in the
-    standard torch format, interchangeable with the plain optimizer both ways. So
-    ``torch.optim.lr_scheduler`` schedulers, ``torch.distributed.checkpoint.state_dict``
-    (full and sharded, FSDP2 included) and torchtune's checkpointing work on it
-    unchanged. Internally one ``optimizer_cls`` instance per trainable parameter does
-    the arithmetic, on the state held in ``self.state``, with the hyperparameters of
-    the param group that holds the parameter at the moment it steps: a learning rate
-    set by a scheduler applies to every parameter from the next update on.
+    It *is* the optimizer it wraps, as far as everything outside the update goes:
+    construction builds ``optimizer_cls(params, **optimizer_kwargs)``, and that
+    instance's ``param_groups``, ``defaults`` and ``state`` are this object's, and its
+    own ``state_dict()`` and ``load_state_dict()`` (with the class's overrides, hooks,
+    dtype policy and saved format, e.g. bitsandbytes' packed 8-bit state) produce and
+    consume every state dict. So plain and in-backward checkpoints are the same thing,
+    loadable into either, and ``torch.optim.lr_scheduler`` schedulers,
+    ``torch.distributed.checkpoint.state_dict`` (full and sharded, FSDP2 included) and
+    torchtune's checkpointing work on it unchanged. Any other public attribute (for
+    example bitsandbytes' ``is_paged``) is read from the wrapped optimizer too.
+
+    The update is done inside backward by one ``optimizer_cls`` instance per trainable
+    parameter, on that parameter's entry of ``state``, with the hyperparameters of
+    the param group that holds the parameter at that moment: a learning rate set by a
+    scheduler applies to every parameter from the next update on. This works for any
+    optimizer whose update of one parameter depends only on that parameter's gradient
+    and state (``torch.optim``'s, bitsandbytes', torchao's low-bit ones); it cannot
+    work for one that couples parameters in its step (e.g. a global-norm LAMB
+    variant, Shampoo).
 
     Parameters with ``requires_grad=False`` at construction (e.g. the frozen base of a
     LoRA model) stay in ``param_groups``, like in the plain optimizer, but get no hook
@@ -445,11 +392,13 @@ class OptimizerInBackward(Optimizer):
 
     Args:
         params (iterable): parameters to optimize, or dicts defining param groups, or
-            ``(name, parameter)`` pairs such as ``model.named_parameters()``. Passing
-            names is optional; it lets :meth:`load_state_dict` load torchtune 0.6.1
-            in-backward checkpoints and name parameters in error messages.
+            ``(name, parameter)`` pairs such as ``model.named_parameters()``, exactly
+            as ``optimizer_cls`` takes them. Passing names is optional; it lets
+            :meth:`load_state_dict` load torchtune 0.6.1 in-backward checkpoints and
+            name parameters in error messages.
         optimizer_cls (Callable[..., Optimizer]): builds an optimizer from a list of
-            parameters (and ``optimizer_kwargs``), e.g. ``torch.optim.AdamW`` or
+            parameters (and ``optimizer_kwargs``), e.g. ``torch.optim.AdamW``,
+            ``bitsandbytes.optim.PagedAdamW8bit`` or
             ``functools.partial(torchtune.config.instantiate, cfg.optimizer)``.
         **optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
 
@@ -476,6 +425,16 @@ class OptimizerInBackward(Optimizer):
         True
     """
 
+    state = _wrapped_attribute("state", "The wrapped optimizer's ``state``.")
+    param_groups = _wrapped_attribute(
+        "param_groups", "The wrapped optimizer's ``param_groups``."
+    )
+    defaults = _wrapped_attribute("defaults", "The wrapped optimizer's ``defaults``.")
+    _optimizer_state_dict_pre_hooks = _wrapped_attribute(_STATE_DICT_HOOKS[0], "")
+    _optimizer_state_dict_post_hooks = _wrapped_attribute(_STATE_DICT_HOOKS[1], "")
+    _optimizer_load_state_dict_pre_hooks = _wrapped_attribute(_STATE_DICT_HOOKS[2], "")
+    _optimizer_load_state_dict_post_hooks = _wrapped_attribute(_STATE_DICT_HOOKS[3], "")
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -485,46 +444,82 @@ class OptimizerInBackward(Optimizer):
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
-        # A real instance gives param_groups and defaults exactly as the plain
-        # optimizer has them (every hyperparameter key, names if given). It holds no
-        # state, so it costs no memory.
-        outward = optimizer_cls(params, **optimizer_kwargs)
-        if not isinstance(outward, Optimizer):
+        optimizer = optimizer_cls(params, **optimizer_kwargs)
+        if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "optimizer_cls must build a torch.optim.Optimizer, but "
-                f"{optimizer_cls!r} returned {type(outward).__name__}"
+                f"{optimizer_cls!r} returned {type(optimizer).__name__}"
             )
-        self._setup(optimizer_cls, optimizer_kwargs, adopted={}, names={})
-        super().__init__(outward.param_groups, outward.defaults)
+        self._init_in_backward(optimizer, optimizer_cls, optimizer_kwargs)
 
-    # -- construction helpers ---------------------------------------------------
-
-    def _setup(
+    def _init_in_backward(
         self,
+        optimizer: Optimizer,
         optimizer_cls: Callable[..., Optimizer] | None,
         optimizer_kwargs: dict[str, Any],
-        adopted: dict[torch.Tensor, Optimizer],
-        names: dict[torch.Tensor, str],
+        *,
+        adopted: dict[torch.Tensor, Optimizer] | None = None,
+        names: dict[torch.Tensor, str] | None = None,
     ) -> None:
-        """Set the private attributes. Must run before ``Optimizer.__init__``, which
-        calls :meth:`add_param_group`."""
+        """Wrap ``optimizer`` and hook every trainable parameter.
+
+        This replaces ``Optimizer.__init__``: ``param_groups``, ``state`` and
+        ``defaults`` are ``optimizer``'s and must not be reset; only the step hooks,
+        which run around this object's :meth:`step`, are this object's own.
+
+        Args:
+            optimizer: the wrapped optimizer, holding every parameter.
+            optimizer_cls: builds the per-parameter optimizers; ``None`` for the
+                deprecated 0.6.1 API, which brings its own (``adopted``).
+            optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
+            adopted: per-parameter optimizers to take over instead of building them.
+                Those of frozen parameters are taken over too (0.6.1 kept them).
+            names: parameter names known from outside ``param_groups``.
+        """
+        torch._C._log_api_usage_once("python.optimizer")
+        self._optimizer = optimizer
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = optimizer_kwargs
-        # Per-parameter optimizers to take over instead of building new ones (0.6.1 API).
-        self._adopted = adopted
-        # Names known from outside param_groups (0.6.1 API).
-        self._extra_names = names
-        # True while the 0.6.1 API builds this object from its per-parameter optimizers.
-        self._adopting = bool(adopted)
+        self._adopted = dict(adopted or {})
+        self._extra_names = dict(names or {})
         # The per-parameter optimizer of every parameter this instance updates.
         self._inner: dict[torch.Tensor, Optimizer] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
         self._hooks_enabled = True
-        # Parameter -> the outer param group that holds it.
+        # Parameter -> the param group that holds it.
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         # Sum of squared gradient norms since zero_grad(), keyed by how to reduce it
         # across ranks: None for plain tensors, (mesh, mesh dims) for DTensors.
         self._grad_sq_sums: dict[Any, torch.Tensor] = {}
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        self._index_groups()
+        for param in self._group_of:
+            if param.requires_grad or param in self._adopted:
+                self._attach(param)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names this object does not have. Public ones are the
+        # wrapped optimizer's (bitsandbytes' is_paged, a schedule-free train(), ...).
+        wrapped = self.__dict__.get("_optimizer")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
+        return getattr(wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: it holds autograd "
+            "hooks on its parameters. Save state_dict() instead and load it into a "
+            "new instance."
+        )
+
+    # -- construction helpers ---------------------------------------------------
 
     def _build_inner(self, param: torch.Tensor) -> Optimizer:
         inner = self._adopted.pop(param, None)
@@ -583,6 +578,10 @@ class OptimizerInBackward(Optimizer):
                 names.update(zip(group["params"], group["param_names"], strict=True))
         return names
 
+    def _reclaim_inner_states(self) -> None:
+        for inner in self._inner.values():
+            _reclaim_inner_state(inner)
+
     # -- the update ---------------------------------------------------------------
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -595,11 +594,9 @@ class OptimizerInBackward(Optimizer):
     def _update(self, param: torch.Tensor) -> None:
         self._accumulate_grad_norm(param.grad)
         inner = self._inner[param]
+        _reclaim_inner_state(inner)
         # The outer group is the one schedulers and load_state_dict write to.
-        inner_group = inner.param_groups[0]
-        for key, value in self._group_of[param].items():
-            if key not in _NON_HYPERPARAMETER_KEYS:
-                inner_group[key] = value
+        inner.param_groups[0].update(hyperparameters(self._group_of[param]))
         inner.step()
         param.grad = None
 
@@ -627,9 +624,9 @@ class OptimizerInBackward(Optimizer):
     # -- torch.optim.Optimizer API -------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, exactly as in ``torch.optim.Optimizer``; its trainable
-        parameters are updated in backward from the next backward pass on and appear in
-        :meth:`state_dict`.
+        """Add a param group through the wrapped optimizer's own ``add_param_group``;
+        its trainable parameters are updated in backward from the next backward pass
+        on and appear in :meth:`state_dict`.
 
         Args:
             param_group (dict[str, Any]): ``params`` plus any hyperparameters to
@@ -641,13 +638,13 @@ class OptimizerInBackward(Optimizer):
             RuntimeError: on the deprecated :class:`OptimizerInBackwardWrapper`,
                 which has no ``optimizer_cls`` to build optimizers for new parameters.
         """
-        if self._optimizer_cls is None and not self._adopting:
+        if self._optimizer_cls is None:
             raise RuntimeError(
                 "add_param_group is not supported on an optimizer built from 0.6.1-style "
                 "per-parameter optimizers; build OptimizerInBackward(params, "
                 "optimizer_cls, **kwargs) instead"
             )
-        super().add_param_group(param_group)
+        self._optimizer.add_param_group(param_group)
         group = self.param_groups[-1]
         for param in group["params"]:
             self._group_of[param] = group
@@ -723,10 +720,21 @@ class OptimizerInBackward(Optimizer):
             return torch.zeros((), dtype=torch.float32)
         return total.sqrt()
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load optimizer state, as ``torch.optim.Optimizer.load_state_dict`` does.
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's own ``state_dict()``: exactly what the plain
+        ``optimizer_cls`` instance saves, in its format.
 
-        Accepts the standard torch format, whether saved from this class or from the
+        Returns:
+            dict[str, Any]: the state dict.
+        """
+        self._reclaim_inner_states()
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load optimizer state through the wrapped optimizer's own
+        ``load_state_dict()``, exactly as the plain ``optimizer_cls`` instance loads it.
+
+        Accepts what that class accepts, whether saved from this class or from the
         plain optimizer, and torchtune 0.6.1 in-backward checkpoints (a dict keyed by
         parameter name). The latter needs parameter names: they are known when this
         optimizer was built from ``model.named_parameters()`` or through the
@@ -739,13 +747,14 @@ class OptimizerInBackward(Optimizer):
 
         Raises:
             ValueError: if the state dict's parameters do not match this optimizer's:
-                the message names what is missing and what is extra. Nothing is
-                dropped silently.
+                the message names what is missing and what is extra. This is checked
+                before anything is loaded, and nothing is dropped silently.
         """
-        if _is_legacy_in_bwd_state_dict(state_dict):
+        self._reclaim_inner_states()
+        if is_legacy_in_bwd_state_dict(state_dict):
             state_dict = self._from_legacy(state_dict)
         self._check_matches(state_dict)
-        super().load_state_dict(state_dict)
+        self._optimizer.load_state_dict(state_dict)
         self._index_groups()
 
     # -- state dict helpers -----------------------------------------------------------
@@ -820,7 +829,7 @@ class OptimizerInBackward(Optimizer):
                 "convert_legacy_optim_in_bwd_state_dict(state_dict) with "
                 "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict."
             )
-        entries = _legacy_entries(state_dict)
+        entries = legacy_entries(state_dict)
         ours = {
             names[p]
             for group in self.param_groups
@@ -844,9 +853,7 @@ class OptimizerInBackward(Optimizer):
         for group in self.param_groups:
             ids = list(range(index, index + len(group["params"])))
             index += len(ids)
-            hyperparameters = {
-                k: v for k, v in group.items() if k not in _NON_HYPERPARAMETER_KEYS
-            }
+            group_hyperparameters = hyperparameters(group)
             for pid, param in zip(ids, group["params"], strict=True):
                 entry = entries.get(names[param])
                 if entry is None:
@@ -855,8 +862,11 @@ class OptimizerInBackward(Optimizer):
                 if param_state is not None:
                     state[pid] = param_state
                 if pid == ids[0]:
-                    hyperparameters.update(saved_hyperparameters)
-            groups.append({**hyperparameters, "params": ids})
+                    group_hyperparameters.update(saved_hyperparameters)
+            converted = {**group_hyperparameters, "params": ids}
+            if "param_names" in group:
+                converted["param_names"] = list(group["param_names"])
+            groups.append(converted)
         return {"state": state, "param_groups": groups}
 
     # -- hooks ------------------------------------------------------------------------
@@ -874,322 +884,32 @@ class OptimizerInBackward(Optimizer):
         self._hooks_enabled = False
 
 
-# ---------------------------------------------------------------------------
-# Deprecated 0.6.1 API
-# ---------------------------------------------------------------------------
-
-_DEPRECATION = (
-    "{what} is deprecated and will be removed in a future release. Use "
-    "torchtune.training.OptimizerInBackward(params, optimizer_cls, **kwargs): it is a "
-    "torch.optim.Optimizer, so LR schedulers, checkpointing and training.get_lr work "
-    "on it unchanged."
+# The deprecated 0.6.1 API was defined here in 0.6.1. It is imported on first use:
+# its module imports this one, so importing it at the top would be a cycle.
+_DEPRECATED_NAMES = frozenset(
+    {
+        "OptimizerInBackwardWrapper",
+        "create_optim_in_bwd_wrapper",
+        "register_optim_in_bwd_hooks",
+    }
 )
 
 
-def check_optimizer_in_bwd_options(
-    *,
-    clip_grad_norm: float | None = None,
-    gradient_accumulation_steps: int = 1,
-    compile_optimizer_step: bool = False,
-) -> None:
-    """Refuse recipe options that cannot work with ``optimizer_in_bwd=True``.
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED_NAMES:
+        from torchtune.training import optim_in_bwd_deprecated
 
-    Recipes call this before they build anything, so a refused run leaves its output
-    directory as it was. Each message names the option, its value and the fix.
-
-    Args:
-        clip_grad_norm (float | None): the ``clip_grad_norm`` option; ``None`` means no
-            clipping. Default: ``None``
-        gradient_accumulation_steps (int): the ``gradient_accumulation_steps`` option.
-            Default: ``1``
-        compile_optimizer_step (bool): whether ``compile.optimizer_step`` is on.
-            Default: ``False``
-
-    Raises:
-        ValueError: if ``clip_grad_norm`` is set (the global gradient norm is only
-            known after backward, when the in-backward updates have happened), if
-            ``gradient_accumulation_steps != 1`` (each gradient is consumed as soon as
-            it is ready), or if ``compile_optimizer_step`` (in-backward updates run one
-            parameter at a time inside autograd hooks).
-
-    Example:
-        >>> check_optimizer_in_bwd_options(clip_grad_norm=None)
-        >>> check_optimizer_in_bwd_options(clip_grad_norm=1.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: ...
-    """
-    if clip_grad_norm is not None:
-        raise ValueError(
-            "optimizer_in_bwd=True cannot be combined with "
-            f"clip_grad_norm={clip_grad_norm}: the global gradient norm is only known "
-            "after backward, when in-backward updates have already happened. Set "
-            "clip_grad_norm=null or optimizer_in_bwd=False."
-        )
-    if gradient_accumulation_steps != 1:
-        raise ValueError(
-            "optimizer_in_bwd=True cannot be combined with "
-            f"gradient_accumulation_steps={gradient_accumulation_steps}: each parameter "
-            "is updated as soon as its gradient is ready, so gradients cannot be "
-            "accumulated over several batches. Set gradient_accumulation_steps=1 or "
-            "optimizer_in_bwd=False."
-        )
-    if compile_optimizer_step:
-        raise ValueError(
-            "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-            "in-backward updates run one parameter at a time inside autograd hooks, "
-            "where a compiled whole-optimizer step cannot run. Set "
-            "compile.optimizer_step=False or optimizer_in_bwd=False."
-        )
-
-
-def _warn_deprecated(what: str) -> None:
-    warnings.warn(_DEPRECATION.format(what=what), DeprecationWarning, stacklevel=3)
-
-
-class OptimizerInBackwardWrapper(OptimizerInBackward):
-    """Deprecated: an :class:`OptimizerInBackward` built from torchtune 0.6.1's
-    per-parameter optimizers.
-
-    Takes over the given per-parameter optimizers (their state moves into this
-    object) and updates their parameters in backward; any hooks registered for them by
-    :func:`register_optim_in_bwd_hooks` are removed, so no parameter is updated twice.
-    ``state_dict()`` returns the standard torch format; ``load_state_dict()`` accepts
-    that and 0.6.1's format keyed by parameter name. The 0.6.1 helper methods keep
-    working.
-
-    Args:
-        optim_map (dict[str, Optimizer]): parameter name -> optimizer over that one
-            parameter.
-
-    Raises:
-        ValueError: if an optimizer in ``optim_map`` does not hold exactly one parameter.
-
-    Example:
-        >>> # deprecated
-        >>> wrapper = OptimizerInBackwardWrapper(
-        ...     {n: torch.optim.AdamW([p]) for n, p in model.named_parameters()}
-        ... )
-        >>> # instead
-        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
-    """
-
-    def __init__(self, optim_map: dict[str, Optimizer]) -> None:
-        _warn_deprecated("OptimizerInBackwardWrapper")
-        self._setup_from_optimizers(optim_map)
-
-    @classmethod
-    def _from_optimizers(
-        cls, optim_map: dict[str, Optimizer]
-    ) -> OptimizerInBackwardWrapper:
-        """Build without a second deprecation warning (for the deprecated functions)."""
-        wrapper = cls.__new__(cls)
-        wrapper._setup_from_optimizers(optim_map)
-        return wrapper
-
-    def _setup_from_optimizers(self, optim_map: dict[str, Optimizer]) -> None:
-        if not optim_map:
-            raise ValueError("OptimizerInBackwardWrapper got an empty optim_map")
-        adopted: dict[torch.Tensor, Optimizer] = {}
-        names: dict[torch.Tensor, str] = {}
-        for name, optimizer in optim_map.items():
-            param = _single_param(optimizer)
-            adopted[param] = optimizer
-            names[param] = name
-        first = next(iter(optim_map.values()))
-        group = {
-            k: v
-            for k, v in first.param_groups[0].items()
-            if k not in _NON_HYPERPARAMETER_KEYS
-        }
-        group["params"] = list(adopted)
-        self._setup(None, {}, adopted=adopted, names=names)
-        Optimizer.__init__(self, [group], dict(first.defaults))
-        self._adopting = False
-        self.lr_scheduler: LRScheduler | None = None
-
-    @property
-    def optim_map(self) -> dict[str, Optimizer]:
-        """Parameter name -> the per-parameter optimizer that updates it."""
-        return {
-            self._extra_names[p]: inner
-            for p, inner in self._inner.items()
-            if p in self._extra_names
-        }
-
-    def get_optim_key(self, key: str) -> Any:
-        """The value of hyperparameter ``key`` (e.g. ``"lr"``) of the first param group.
-
-        Args:
-            key (str): hyperparameter name.
-
-        Returns:
-            Any: its value.
-        """
-        return self.param_groups[0][key]
-
-    def set_lr_scheduler(self, lr_scheduler: LRScheduler) -> None:
-        """Make ``lr_scheduler`` drive the learning rate of every parameter.
-
-        0.6.1 recipes build the scheduler on one per-parameter optimizer. It is
-        pointed at this object instead (whose param groups every update reads), and
-        the learning rate it has set already (e.g. 0 at the start of a warmup) applies
-        to every parameter from the first update on.
-
-        Args:
-            lr_scheduler (LRScheduler): a scheduler built on this object or on one of
-                its per-parameter optimizers.
-
-        Raises:
-            ValueError: if the scheduler drives some other optimizer.
-        """
-        target = lr_scheduler.optimizer
-        if target is not self:
-            if not any(target is inner for inner in self._inner.values()):
-                raise ValueError(
-                    "set_lr_scheduler: the scheduler drives an optimizer that is "
-                    "neither this object nor one of its per-parameter optimizers"
-                )
-            source = target.param_groups[0]
-            for group in self.param_groups:
-                for key in ("lr", "initial_lr"):
-                    if key in source:
-                        group[key] = source[key]
-            for scheduler in [lr_scheduler, *getattr(lr_scheduler, "_schedulers", [])]:
-                scheduler.optimizer = self
-            self._mark_step_called_for_schedulers()
-        self.lr_scheduler = lr_scheduler
-
-    def _mark_step_called_for_schedulers(self) -> None:
-        # torch schedulers warn on their first step unless optimizer.step was wrapped
-        # by them and called. In-backward updates happen inside backward, so there is
-        # nothing to warn about: mark it as torch's wrapper would.
-        if not hasattr(self.step, "_wrapped_by_lr_sched"):
-            step = self.step
-
-            @functools.wraps(step)
-            def counted_step(*args: Any, **kwargs: Any) -> None:
-                self._opt_called = True
-                return step(*args, **kwargs)
-
-            counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-            self.step = counted_step  # type: ignore[method-assign]
-        self._opt_called = True
-
-    def step_lr_scheduler(self, epoch: int | None = None) -> None:
-        """Step the scheduler set by :meth:`set_lr_scheduler`.
-
-        Args:
-            epoch (int | None): passed to ``lr_scheduler.step`` if given.
-
-        Raises:
-            RuntimeError: if no scheduler was set.
-        """
-        if self.lr_scheduler is None:
-            raise RuntimeError(
-                "LR scheduler has not been set. Call set_lr_scheduler first."
-            )
-        if epoch is None:
-            self.lr_scheduler.step()
-        else:
-            self.lr_scheduler.step(epoch)
-
-    def get_last_lr(self) -> float:
-        """The scheduler's last learning rate (of the first param group).
-
-        Returns:
-            float: the learning rate.
-
-        Raises:
-            RuntimeError: if no scheduler was set.
-        """
-        if self.lr_scheduler is None:
-            raise RuntimeError(
-                "LR scheduler has not been set. Call set_lr_scheduler first."
-            )
-        return self.lr_scheduler.get_last_lr()[0]
-
-
-def _optim_map_for(
-    model: nn.Module,
-    optim_dict: Mapping[torch.Tensor, Optimizer],
-    trainable_only: bool,
-) -> dict[str, Optimizer]:
-    optim_map = {}
-    for name, param in model.named_parameters():
-        if trainable_only and not param.requires_grad:
-            continue
-        if param not in optim_dict:
-            if param.requires_grad:
-                raise ValueError(
-                    f"optim_dict has no optimizer for trainable parameter {name!r}"
-                )
-            continue
-        optim_map[name] = optim_dict[param]
-    return optim_map
-
-
-def create_optim_in_bwd_wrapper(
-    model: nn.Module, optim_dict: Mapping[torch.Tensor, Optimizer]
-) -> OptimizerInBackwardWrapper:
-    """Deprecated: build the in-backward optimizer from 0.6.1's per-parameter optimizers.
-
-    Returns an :class:`OptimizerInBackward` (as :class:`OptimizerInBackwardWrapper`)
-    that updates the model's parameters in backward with the optimizers in
-    ``optim_dict``; it takes over from :func:`register_optim_in_bwd_hooks`, so calling
-    both, as 0.6.1 recipes did, updates each parameter once.
-
-    Args:
-        model (nn.Module): the model; its ``named_parameters()`` give the names.
-        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over
-            that one parameter.
-
-    Returns:
-        OptimizerInBackwardWrapper: the optimizer.
-
-    Raises:
-        ValueError: if a trainable parameter has no optimizer in ``optim_dict``.
-    """
-    _warn_deprecated("create_optim_in_bwd_wrapper")
-    return OptimizerInBackwardWrapper._from_optimizers(
-        _optim_map_for(model, optim_dict, trainable_only=False)
-    )
-
-
-def register_optim_in_bwd_hooks(
-    model: nn.Module, optim_dict: Mapping[torch.Tensor, Optimizer]
-) -> None:
-    """Deprecated: update the model's trainable parameters in backward with the
-    per-parameter optimizers in ``optim_dict``.
-
-    Builds an :class:`OptimizerInBackward` over them, kept alive by its hooks. A later
-    :func:`create_optim_in_bwd_wrapper` (or any new :class:`OptimizerInBackward`) over
-    the same parameters takes them over, so no parameter is updated twice.
-
-    Args:
-        model (nn.Module): the model whose trainable parameters get hooks.
-        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over
-            that one parameter.
-
-    Raises:
-        ValueError: if a trainable parameter has no optimizer in ``optim_dict``.
-    """
-    _warn_deprecated("register_optim_in_bwd_hooks")
-    optim_map = _optim_map_for(model, optim_dict, trainable_only=True)
-    if optim_map:
-        OptimizerInBackwardWrapper._from_optimizers(optim_map)
+        return getattr(optim_in_bwd_deprecated, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ACWrapPolicyType",
     "DEFAULT_LOG_MESSAGE",
     "OptimizerInBackward",
-    "OptimizerInBackwardWrapper",
     "cleanup_before_training",
     "convert_legacy_optim_in_bwd_state_dict",
-    "create_optim_in_bwd_wrapper",
     "get_memory_stats",
     "log_memory_stats",
-    "register_optim_in_bwd_hooks",
     "set_activation_checkpointing",
 ]
