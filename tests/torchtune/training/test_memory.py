@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import warnings
 from collections.abc import Callable
 from unittest import mock
 
@@ -37,12 +36,9 @@ from torchtune.training import (
     get_cosine_schedule_with_warmup,
 )
 from torchtune.training.memory import (
-    OptimizerInBackwardWrapper,
     cleanup_before_training,
-    create_optim_in_bwd_wrapper,
     get_memory_stats,
     log_memory_stats,
-    register_optim_in_bwd_hooks,
     set_activation_checkpointing,
 )
 
@@ -300,7 +296,8 @@ def test_state_dict_with_other_group_count_raises() -> None:
 def run_like_0_6_1(
     model: nn.Module, steps: range
 ) -> dict[torch.Tensor, torch.optim.Optimizer]:
-    """What 0.6.1 recipes did: one AdamW per parameter, stepped by a hook."""
+    """What 0.6.1 recipes did: one AdamW per parameter (frozen ones included), each
+    trainable one stepped by a hook."""
     cls, kwargs = ADAMW
     per_param = {p: cls([p], **kwargs) for p in model.parameters()}
 
@@ -308,7 +305,11 @@ def run_like_0_6_1(
         per_param[param].step()
         per_param[param].zero_grad()
 
-    handles = [p.register_post_accumulate_grad_hook(step_and_clear) for p in per_param]
+    handles = [
+        p.register_post_accumulate_grad_hook(step_and_clear)
+        for p in per_param
+        if p.requires_grad
+    ]
     for step in steps:
         loss_fn(model, step).backward()
     for handle in handles:
@@ -401,127 +402,6 @@ def test_convert_rejects_a_standard_state_dict() -> None:
         convert_legacy_optim_in_bwd_state_dict(
             torch.optim.AdamW(make_model().parameters()).state_dict()
         )
-
-
-# -- deprecated 0.6.1 API ----------------------------------------------------------
-
-
-def test_0_6_1_recipe_calls_warn_and_update_each_parameter_once() -> None:
-    cls, kwargs = ADAMW
-    reference = make_model()
-    plain = cls(reference.parameters(), **kwargs)
-    plain_scheduler = get_cosine_schedule_with_warmup(plain, 2, 6)
-    train(reference, plain, range(6), plain_scheduler)
-
-    model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
-    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
-        register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
-    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
-        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
-    assert list(wrapper.optim_map) == [n for n, _ in model.named_parameters()]
-    # 0.6.1 recipes built the scheduler on one per-parameter optimizer.
-    scheduler = get_cosine_schedule_with_warmup(
-        next(iter(wrapper.optim_map.values())), 2, 6
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("error", UserWarning)  # no scheduler-order warnings
-        wrapper.set_lr_scheduler(scheduler)
-        for step in range(6):
-            loss_fn(model, step).backward()
-            scheduler.step()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-    assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
-    assert wrapper.get_optim_key("lr") == plain.param_groups[0]["lr"]
-    assert training.get_lr(wrapper) == training.get_lr(plain)
-    wrapper.step_lr_scheduler()
-    plain_scheduler.step()
-    assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
-
-
-def test_0_6_1_wrapper_built_after_registered_hooks_takes_them_over() -> None:
-    cls, kwargs = ADAMW
-    reference = make_model()
-    train(reference, cls(reference.parameters(), **kwargs), range(3))
-    model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
-    with pytest.warns(DeprecationWarning):
-        register_optim_in_bwd_hooks(model, optim_dict)
-        wrapper = OptimizerInBackwardWrapper(
-            {n: optim_dict[p] for n, p in model.named_parameters()}
-        )
-    for step in range(3):
-        loss_fn(model, step).backward()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-    assert len(wrapper.state) == 6
-
-
-def test_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
-    cls, kwargs = ADAMW
-    reference = make_model()
-    train(reference, cls(reference.parameters(), **kwargs), range(3))
-    model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
-
-    def step_and_clear(param: torch.Tensor) -> None:
-        optim_dict[param].step()
-        optim_dict[param].zero_grad(set_to_none=True)
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step_and_clear)
-    with pytest.warns(DeprecationWarning):
-        create_optim_in_bwd_wrapper(model, optim_dict)
-    for step in range(3):
-        loss_fn(model, step).backward()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-
-
-def test_0_6_1_wrapper_state_dict_is_standard_and_loads_legacy_format() -> None:
-    cls, kwargs = ADAMW
-    model = make_model()
-    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    wrapper.load_state_dict(legacy)
-    saved = wrapper.state_dict()
-    assert set(saved) == {"state", "param_groups"}
-    plain = cls(model.parameters(), **kwargs)
-    plain.load_state_dict(copy.deepcopy(saved))
-    train(model, plain, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
-
-
-def test_state_loaded_through_a_0_6_1_per_parameter_optimizer_is_used() -> None:
-    cls, kwargs = ADAMW
-    model = make_model()
-    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    # What 0.6.1 recipes did to resume: load each per-parameter optimizer.
-    for name, optimizer in wrapper.optim_map.items():
-        optimizer.load_state_dict(legacy[name])
-    assert len(wrapper.state) == 6
-    train(model, wrapper, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
-
-
-def test_add_param_group_on_0_6_1_wrapper_raises_clearly() -> None:
-    model = make_model()
-    with pytest.warns(DeprecationWarning):
-        wrapper = OptimizerInBackwardWrapper(
-            {"0.weight": torch.optim.AdamW([model[0].weight])}
-        )
-    with pytest.raises(RuntimeError, match="add_param_group is not supported"):
-        wrapper.add_param_group({"params": [model[0].bias]})
 
 
 # -- step() ------------------------------------------------------------------------
@@ -809,29 +689,3 @@ def test_set_activation_checkpointing_wraps_the_given_module_types() -> None:
     # Recomputing the forward in backward gives the same gradients.
     for a, b in zip(reference.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, **BITWISE)
-
-
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
-        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
-        ({"compile_optimizer_step": True}, "compile.optimizer_step=True"),
-    ],
-)
-def test_check_optimizer_in_bwd_options_refuses_each_incompatible_option(
-    options, named
-):
-    with pytest.raises(ValueError) as info:
-        training.check_optimizer_in_bwd_options(**options)
-    message = str(info.value)
-    # what was asked, and the fix for each of the two keys
-    assert message.startswith(f"optimizer_in_bwd=True cannot be combined with {named}")
-    assert "optimizer_in_bwd=False" in message
-    assert f"Set {named.split('=')[0]}=" in message
-
-
-def test_check_optimizer_in_bwd_options_accepts_compatible_options():
-    training.check_optimizer_in_bwd_options(
-        clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
-    )

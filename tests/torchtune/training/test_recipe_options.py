@@ -1,4 +1,5 @@
-"""``training.parse_compile_config``: the ``compile`` option every recipe reads."""
+"""Tests for torchtune/training/recipe_options.py: ``parse_compile_config`` (the
+``compile`` option every recipe reads) and ``check_optimizer_in_bwd_options``."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -27,3 +28,29 @@ def test_a_mapping_picks_each_part_and_leaves_the_rest_off():
 def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(ValueError, match=r"\['optimizer'\].*'optimizer_step'"):
         training.parse_compile_config({"optimizer": True})
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
+        ({"compile_optimizer_step": True}, "compile.optimizer_step=True"),
+    ],
+)
+def test_check_optimizer_in_bwd_options_refuses_each_incompatible_option(
+    options, named
+):
+    with pytest.raises(ValueError) as info:
+        training.check_optimizer_in_bwd_options(**options)
+    message = str(info.value)
+    # what was asked, and the fix for each of the two keys
+    assert message.startswith(f"optimizer_in_bwd=True cannot be combined with {named}")
+    assert "optimizer_in_bwd=False" in message
+    assert f"Set {named.split('=')[0]}=" in message
+
+
+def test_check_optimizer_in_bwd_options_accepts_compatible_options():
+    training.check_optimizer_in_bwd_options(
+        clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
+    )
