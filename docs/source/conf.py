@@ -46,7 +46,7 @@ from torchtune.training.checkpointing._checkpoint_client import (
     CheckpointClient,
     TrainingProgress,
 )
-from torchtune.training.memory import convert_legacy_optim_in_bwd_state_dict
+from torchtune.training import convert_legacy_optim_in_bwd_state_dict
 
 os.chdir(tempfile.mkdtemp())
 warnings.simplefilter("ignore", DeprecationWarning)
