@@ -144,8 +144,6 @@ def tiny_overrides(
         "dataset._component_": "torchtune.datasets.instruct_dataset",
         "dataset.source": "json",
         "dataset.data_files": assets.train_data,
-        "dataset.split": "train",
-        "dataset.train_on_input": False,
         "dataset.packed": False,
         "model._component_": (
             "torchtune.models.llama2.lora_llama2"
@@ -181,6 +179,80 @@ def tiny_overrides(
             }
         )
     return overrides
+
+
+# The components a shipped config names that describe assets this machine lacks
+# (weights, tokenizer files, a downloaded dataset); ``shipped_config_overrides``
+# swaps each for its tiny counterpart.
+_SWAPPED_COMPONENTS = ("model", "tokenizer", "dataset", "checkpointer")
+
+
+def shipped_config_overrides(
+    assets: TinyAssets,
+    config: Path | str,
+    settings: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Overrides that run a config shipped with torchtune on this CPU machine, as shipped.
+
+    Unlike ``tiny_overrides``, only what the machine forces is changed: the model,
+    tokenizer, checkpoint and dataset (the real ones are not here), the device and
+    the CUDA-only options. The optimizer, its LR scheduler, ``dtype``, the loss,
+    activation checkpointing, ``compile``, batch size and every other key stay as the
+    config has them. The run length and seed are the caller's (``settings``).
+
+    Args:
+        assets (TinyAssets): the generated assets (the ``tiny_assets`` fixture).
+        config (Path | str): the shipped YAML file.
+        settings (Mapping[str, Any] | None): further ``key -> value`` overrides the
+            caller chooses (run length, seed, a resume, a test's own change); they
+            win over the forced ones. Default: None.
+
+    Returns:
+        list[str]: ``"key=value"`` and ``"~key"`` overrides for ``run_tune`` or
+        ``run_tune_in_process``.
+    """
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from torchtune.config._utils import _get_component_from_path
+
+    shipped = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+    model_kwargs = {k: v for k, v in assets.model_kwargs.items() if k != "rope_base"}
+    forced: dict[str, Any] = {
+        # The tiny Llama2 of tests/assets instead of the config's model.
+        "model._component_": "torchtune.models.llama2.llama2",
+        **{f"model.{k}": v for k, v in model_kwargs.items()},
+        # Its sentencepiece tokenizer (the config's tokenizer files are not here).
+        # Truncating at 128 tokens keeps every sample within the tiny model's 256
+        # positions (shipped configs do not truncate).
+        "tokenizer._component_": "torchtune.models.llama2.llama2_tokenizer",
+        "tokenizer.path": assets.tokenizer_path,
+        "tokenizer.max_seq_len": 128,
+        # The local instruct data instead of a dataset on the Hugging Face hub.
+        "dataset._component_": "torchtune.datasets.instruct_dataset",
+        "dataset.source": "json",
+        "dataset.data_files": assets.train_data,
+        # The tiny checkpoint is in Hugging Face format with Llama2 key names.
+        "checkpointer._component_": "torchtune.training.FullModelHFCheckpointer",
+        "checkpointer.checkpoint_dir": assets.checkpoint_dir,
+        "checkpointer.checkpoint_files": list(assets.checkpoint_files),
+        "checkpointer.model_type": "LLAMA2",
+        # No GPU here; activation offloading needs CUDA streams.
+        "device": "cpu",
+        "enable_activation_offloading": False,
+    }
+    forced.update(settings or {})
+    # Drop the keys of a swapped component that its tiny replacement does not take
+    # (``merges_file`` of a BPE tokenizer, ``vocab_path``, a model's own sizes, ...).
+    removed = []
+    for node in _SWAPPED_COMPONENTS:
+        component = _get_component_from_path(forced[f"{node}._component_"])
+        accepted = inspect.signature(component).parameters
+        for key in shipped.get(node) or {}:
+            if key != "_component_" and key not in accepted:
+                removed.append(f"~{node}.{key}")
+    return removed + [format_override(k, v) for k, v in forced.items()]
 
 
 def format_override(key: str, value: Any) -> str:
