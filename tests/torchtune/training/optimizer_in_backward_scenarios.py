@@ -17,14 +17,17 @@ rounds differently by a few float32 ulps.
 from __future__ import annotations
 
 import copy
+import io
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
+import torchao.optim
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -61,12 +64,18 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def build_model(kind: str, seed: int = 0) -> nn.Module:
+def build_model(kind: str, seed: int = 0, width: int = 8) -> nn.Module:
     """A small MLP, identical on every rank; FSDP2-sharded (one unit per linear) or
-    a plain replica on each rank."""
+    a plain replica on each rank. ``width=64`` gives 64x128 weights, whose local
+    shards (4096 elements on 2 ranks) are big enough for 8-bit optimizer state."""
     torch.manual_seed(seed)
+    hidden = 2 * width
     model = nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+        nn.Linear(width, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, width if width > 8 else 4),
     )
     if kind == "fsdp":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -77,11 +86,11 @@ def build_model(kind: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def batch(step: int, kind: str) -> torch.Tensor:
+def batch(step: int, kind: str, width: int = 8) -> torch.Tensor:
     # FSDP ranks see different data (data parallel). Plain replicas see the same data
     # on every rank, so they stay identical without a gradient all-reduce.
     seed = 1000 * step + (rank() if kind == "fsdp" else 0)
-    return torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(6, width, generator=torch.Generator().manual_seed(seed))
 
 
 def train(
@@ -92,8 +101,9 @@ def train(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     grad_norms: list[torch.Tensor] | None = None,
 ) -> None:
+    width = next(model.parameters()).shape[1]
     for step in steps:
-        model(batch(step, kind)).square().mean().backward()
+        model(batch(step, kind, width)).square().mean().backward()
         if grad_norms is not None:
             if isinstance(optimizer, OptimizerInBackward):
                 grad_norms.append(optimizer.grad_norm)
@@ -118,10 +128,23 @@ def assert_same_params(a: nn.Module, b: nn.Module) -> None:
     torch.testing.assert_close(full_params(a), full_params(b), **BITWISE)
 
 
-def make_optimizer(in_backward: bool, model: nn.Module) -> torch.optim.Optimizer:
+# Optimizers the resume scenarios run with: name -> (class, kwargs, model width).
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict, int]] = {
+    "adamw": (torch.optim.AdamW, ADAMW, 8),
+    # torchao's low-bit AdamW works on FSDP2's DTensor parameters...
+    "torchao_adamw8bit": (torchao.optim.AdamW8bit, ADAMW, 64),
+    # ...bitsandbytes' only on plain tensors (replicas, not FSDP).
+    "bnb_adamw8bit": (bnb.optim.AdamW8bit, ADAMW, 64),
+}
+
+
+def make_optimizer(
+    in_backward: bool, model: nn.Module, name: str = "adamw"
+) -> torch.optim.Optimizer:
+    cls, kwargs, _ = OPTIMIZERS[name]
     if in_backward:
-        return OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
-    return torch.optim.AdamW(model.parameters(), **ADAMW)
+        return OptimizerInBackward(model.parameters(), cls, **kwargs)
+    return cls(model.parameters(), **kwargs)
 
 
 # -- training --------------------------------------------------------------------
@@ -160,6 +183,23 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
     )
 
 
+@scenario
+def torchao_adamw8bit_fsdp_training_matches_plain_bitwise(tmp: Path) -> None:
+    width = OPTIMIZERS["torchao_adamw8bit"][2]
+    reference, model = (
+        build_model("fsdp", width=width),
+        build_model("fsdp", width=width),
+    )
+    plain = make_optimizer(False, reference, "torchao_adamw8bit")
+    in_bwd = make_optimizer(True, model, "torchao_adamw8bit")
+    train(reference, plain, "fsdp", range(3))
+    train(model, in_bwd, "fsdp", range(3))
+    assert type(
+        in_bwd.state[next(model.parameters())]["exp_avg"].to_local()
+    ).__name__ == ("OptimState8bit")
+    assert_same_params(reference, model)
+
+
 # -- state dict interchange --------------------------------------------------------
 
 
@@ -168,32 +208,44 @@ def check_resume(
     save_in_backward: bool,
     save: Callable[[nn.Module, torch.optim.Optimizer], object],
     load: Callable[[nn.Module, torch.optim.Optimizer, object], None],
+    optimizer_name: str = "adamw",
 ) -> None:
     """Train 2 steps, save the optimizer, load it into a fresh optimizer of the other
     kind over a model holding the same weights, train 2 more steps: must equal 4
     uninterrupted steps bitwise."""
-    reference = build_model(kind)
-    train(reference, make_optimizer(False, reference), kind, range(4))
+    width = OPTIMIZERS[optimizer_name][2]
+    reference = build_model(kind, width=width)
+    train(reference, make_optimizer(False, reference, optimizer_name), kind, range(4))
 
-    model = build_model(kind)
-    optimizer = make_optimizer(save_in_backward, model)
+    model = build_model(kind, width=width)
+    optimizer = make_optimizer(save_in_backward, model, optimizer_name)
     train(model, optimizer, kind, range(2))
-    # Sharded state dicts share tensors with the live optimizer: copy before reuse.
-    saved = copy.deepcopy(save(model, optimizer))
-    weights = copy.deepcopy(get_model_state_dict(model))
+    saved_keys = {k for s in optimizer.state.values() for k in s}
+    # Sharded state dicts share tensors with the live optimizer: copy before reuse,
+    # through torch.save as a checkpoint file would (torchao's quantized state
+    # cannot be deep-copied).
+    saved = round_trip(save(model, optimizer))
+    weights = round_trip(get_model_state_dict(model))
+    if save_in_backward:
+        optimizer.remove_hooks()  # the interrupted run is over
 
-    resumed = build_model(kind, seed=1)  # different initial weights, overwritten
+    resumed = build_model(kind, seed=1, width=width)  # other weights, overwritten
     set_model_state_dict(resumed, weights)
-    new_optimizer = make_optimizer(not save_in_backward, resumed)
+    new_optimizer = make_optimizer(not save_in_backward, resumed, optimizer_name)
     load(resumed, new_optimizer, saved)
     # Every entry arrived: same state keys as the optimizer that saved it.
-    assert {k for s in new_optimizer.state.values() for k in s} == {
-        "step",
-        "exp_avg",
-        "exp_avg_sq",
-    }, new_optimizer.state
+    assert {k for s in new_optimizer.state.values() for k in s} == saved_keys, (
+        new_optimizer.state
+    )
     train(resumed, new_optimizer, kind, range(2, 4))
     assert_same_params(reference, resumed)
+
+
+def round_trip(state: object) -> object:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def dcp_sharded_save(model, optimizer):
@@ -240,18 +292,34 @@ APIS = {
 
 
 def _add_resume_scenarios() -> None:
-    for kind in ("fsdp", "plain"):
-        for api, (save, load) in APIS.items():
-            for direction, save_in_backward in (
-                ("in_bwd_to_plain", True),
-                ("plain_to_in_bwd", False),
+    cases = [(kind, api, "adamw") for kind in ("fsdp", "plain") for api in APIS] + [
+        # torchao's quantized state resumes through sharded checkpoints only: a full
+        # state dict needs DTensor.full_tensor() of it, which torchao 0.13 does not
+        # implement (plain optimizer or not).
+        ("fsdp", "dcp_sharded", "torchao_adamw8bit"),
+        ("plain", "torchtune_full", "bnb_adamw8bit"),
+        ("plain", "dcp_full", "bnb_adamw8bit"),
+    ]
+    for kind, api, optimizer_name in cases:
+        save, load = APIS[api]
+        for direction, save_in_backward in (
+            ("in_bwd_to_plain", True),
+            ("plain_to_in_bwd", False),
+        ):
+            prefix = "" if optimizer_name == "adamw" else f"{optimizer_name}_"
+            name = f"{prefix}{kind}_{api}_{direction}_resumes_bitwise"
+
+            def run(
+                tmp,
+                kind=kind,
+                save=save,
+                load=load,
+                sib=save_in_backward,
+                o=optimizer_name,
             ):
-                name = f"{kind}_{api}_{direction}_resumes_bitwise"
+                check_resume(kind, sib, save, load, o)
 
-                def run(tmp, kind=kind, save=save, load=load, sib=save_in_backward):
-                    check_resume(kind, sib, save, load)
-
-                SCENARIOS[name] = run
+            SCENARIOS[name] = run
 
 
 _add_resume_scenarios()
