@@ -1,7 +1,7 @@
 """``optimizer_in_bwd`` may change a recipe's behaviour only where it must.
 
-The rule (issue 4, DESIGN.md section 3): the flag, whether the config key or any
-variable or attribute holding it, is read only
+The rule: the flag, whether the config key or any variable or attribute holding it,
+is read only
 
 1. to store it, in ``__init__`` (``self._optimizer_in_bwd = cfg.get(...)``);
 2. in config validation: the test or body of an ``if`` whose body only raises or
@@ -29,12 +29,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = [
-    "recipes/full_finetune_single_device.py",
-    "recipes/full_finetune_distributed.py",
-    "recipes/lora_finetune_single_device.py",
-    "recipes/lora_finetune_distributed.py",
-]
+# Every recipe of this tree: each one that offers optimizer_in_bwd follows the rule.
+RECIPES = sorted(
+    str(path.relative_to(REPO)) for path in (REPO / "recipes").glob("*.py")
+)
 
 FLAG_NAMES = frozenset({"optimizer_in_bwd", "_optimizer_in_bwd"})
 CONSTRUCTOR = "_setup_optimizer"
