@@ -2,26 +2,36 @@
 
 Three modes, each run in a fresh process so that peak memory is its own:
 
-- ``plain``: ``torch.optim.AdamW(foreach=True)`` stepped after ``backward()``.
-- ``in_bwd``: :class:`torchtune.training.OptimizerInBackward` over the same AdamW.
-- ``hooks_0_6_1``: torchtune 0.6.1's approach: one AdamW per parameter, stepped and
-  cleared by a post-accumulate-grad hook.
+- ``plain``: the optimizer stepped after ``backward()``.
+- ``in_bwd``: :class:`torchtune.training.OptimizerInBackward` over the same optimizer.
+- ``hooks_0_6_1``: torchtune 0.6.1's approach: one optimizer per parameter, stepped
+  and cleared by a post-accumulate-grad hook.
 
-For every model size it reports the median step time (forward, backward, optimizer;
-the first step, which allocates the optimizer state, is a warm-up and not timed) and
-the peak memory of the training steps: peak resident set size on CPU (Linux
-``VmHWM``, reset after the model and data are built), ``torch.cuda.max_memory_allocated``
-on CUDA. The memory a mode saves is given as a fraction of the gradients' bytes: an
-optimizer in backward can save at most about all of them.
+Each mode runs with every optimizer of ``--optimizers``:
+
+- ``adamw``: ``torch.optim.AdamW(foreach=True)``.
+- ``adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` (non-paged), whose two Adam states
+  take 1 byte per parameter each. torchtune's Llama 3.x single-device full configs
+  with ``optimizer_in_bwd: True`` use ``PagedAdamW8bit``, the same optimizer with paged
+  state on CUDA; on CPU it falls back to this one. Like them, ``in_bwd`` and ``hooks_0_6_1`` build one bitsandbytes
+  optimizer per parameter.
+
+For every model size and optimizer it reports the median step time (forward,
+backward, optimizer; the first step, which allocates the optimizer state, is a
+warm-up and not timed), the bytes of optimizer state, and the peak memory of the
+training steps: peak resident set size on CPU (Linux ``VmHWM``, reset after the model
+and data are built), ``torch.cuda.max_memory_allocated`` on CUDA. The memory a mode
+saves is the plain run's peak (same optimizer) minus its own, also given as a fraction
+of the gradients' bytes: an optimizer in backward can save at most about all of them.
 
 Writes ``optimizer_in_backward.md`` (table), ``optimizer_in_backward.png`` (plot) and
 ``optimizer_in_backward.json`` (raw numbers) to ``--out-dir``.
 
 Examples::
 
-    # the 70M model, a few steps per mode (about 2 minutes on 2 CPU cores)
-    python benchmarks/optimizer_in_backward.py --sizes 70m --steps 4
-    # the default sweep: 10m, 70m, 200m on CPU; 200m, 1b, 3b on CUDA
+    # the 70M model, torch AdamW only, a few steps per mode (2 minutes on 2 CPU cores)
+    python benchmarks/optimizer_in_backward.py --sizes 70m --optimizers adamw --steps 4
+    # the default sweep: both optimizers; 10m, 70m, 200m on CPU; 200m, 1b, 3b on CUDA
     python benchmarks/optimizer_in_backward.py
     python benchmarks/optimizer_in_backward.py --device cuda --dtype bfloat16
 """
@@ -29,6 +39,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,14 +47,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 MODES = ("plain", "in_bwd", "hooks_0_6_1")
 MODE_LABELS = {
-    "plain": "plain AdamW (foreach)",
+    "plain": "plain step",
     "in_bwd": "OptimizerInBackward",
     "hooks_0_6_1": "0.6.1 per-parameter hooks",
+}
+OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZER_LABELS = {
+    "adamw": "torch AdamW (foreach)",
+    "adamw8bit": "bitsandbytes AdamW8bit",
 }
 # llama2 shapes; parameter counts with these vocabularies in the comments.
 SIZES: dict[str, dict[str, int]] = {
@@ -87,8 +104,36 @@ class _StepsInBackward:
         pass
 
 
+def optimizer_builder(name: str) -> Callable[..., Any]:
+    """``name``'s optimizer class with the benchmark's hyperparameters bound: call it
+    with a list of parameters."""
+    hyperparameters = dict(lr=2e-5, weight_decay=0.01)
+    if name == "adamw":
+        import torch
+
+        return functools.partial(torch.optim.AdamW, foreach=True, **hyperparameters)
+    import bitsandbytes
+
+    # Tensors under bitsandbytes' min_8bit_size (4096 elements: the norm weights)
+    # keep 32-bit state, as in training.
+    return functools.partial(bitsandbytes.optim.AdamW8bit, **hyperparameters)
+
+
+def _state_bytes(optimizers: Iterable[Any]) -> int:
+    import torch
+
+    return sum(
+        value.numel() * value.element_size()
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the model and optimizer of ``args.mode``, train, report time and memory."""
+    """Build the model and the optimizer of ``args.optimizer`` in ``args.mode``, train,
+    report time and memory."""
     import torch
     from torch import nn
 
@@ -106,13 +151,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             num_kv_heads=shape["num_heads"], max_seq_len=args.seq_len, **shape
         ).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    hyperparameters = dict(lr=2e-5, weight_decay=0.01, foreach=True)
+    make_optimizer = optimizer_builder(args.optimizer)
     if args.mode == "plain":
-        optimizer = torch.optim.AdamW(params, **hyperparameters)
+        optimizer = make_optimizer(params)
+        state_holders = [optimizer]
     elif args.mode == "in_bwd":
-        optimizer = OptimizerInBackward(params, torch.optim.AdamW, **hyperparameters)
+        optimizer = OptimizerInBackward(params, make_optimizer)
+        # Its per-parameter optimizers work on views of this one's state.
+        state_holders = [optimizer]
     else:
-        per_param = {p: torch.optim.AdamW([p], **hyperparameters) for p in params}
+        # What torchtune 0.6.1's recipes build: one optimizer per parameter (works
+        # for bitsandbytes as for torch), stepped and cleared by
+        # register_optim_in_bwd_hooks' hook.
+        per_param = {p: make_optimizer([p]) for p in params}
 
         def step_and_free(param: torch.Tensor) -> None:
             per_param[param].step()
@@ -121,6 +172,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for p in params:
             p.register_post_accumulate_grad_hook(step_and_free)
         optimizer = _StepsInBackward()
+        state_holders = list(per_param.values())
 
     tokens = torch.randint(
         0,
@@ -163,25 +215,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     return {
         "size": args.size,
+        "optimizer": args.optimizer,
         "mode": args.mode,
         "params": sum(p.numel() for p in params),
         "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+        "state_bytes": _state_bytes(state_holders),
         "step_times_s": step_times,
         "cpu_times_s": cpu_times,
         "peak_bytes": peak,
         "baseline_bytes": baseline,
+        # How busy the machine was: this process counts for about its thread count.
+        "load_average_1min": os.getloadavg()[0],
     }
 
 
 # -- the sweep -----------------------------------------------------------------------
 
 
-def run_fresh_process(args: argparse.Namespace, size: str, mode: str) -> dict[str, Any]:
+def run_fresh_process(
+    args: argparse.Namespace, size: str, optimizer: str, mode: str
+) -> dict[str, Any]:
     command = [
         sys.executable,
         os.path.abspath(__file__),
         "--measure",
         "--size", size,
+        "--optimizer", optimizer,
         "--mode", mode,
         "--device", args.device,
         "--dtype", args.dtype,
@@ -193,24 +252,31 @@ def run_fresh_process(args: argparse.Namespace, size: str, mode: str) -> dict[st
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{size}/{mode} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{size}/{optimizer}/{mode} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (size, mode): median step time over all timed steps of all repeats,
-    median peak over repeats, and both relative to plain."""
+    """One row per (size, optimizer, mode): median step time over all timed steps of
+    all repeats, median peak over repeats, and both relative to the plain step with
+    the same optimizer."""
     rows = []
-    for size in dict.fromkeys(r["size"] for r in runs):
+    for size, optimizer in dict.fromkeys((r["size"], r["optimizer"]) for r in runs):
         by_mode = {}
         for mode in MODES:
-            mine = [r for r in runs if r["size"] == size and r["mode"] == mode]
+            mine = [
+                r
+                for r in runs
+                if (r["size"], r["optimizer"], r["mode"]) == (size, optimizer, mode)
+            ]
             if mine:
                 by_mode[mode] = {
                     "size": size,
+                    "optimizer": optimizer,
                     "mode": mode,
                     "params": mine[0]["params"],
                     "grad_bytes": mine[0]["grad_bytes"],
+                    "state_bytes": mine[0]["state_bytes"],
                     "step_s": statistics.median(
                         t for r in mine for t in r["step_times_s"]
                     ),
@@ -230,20 +296,26 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: str) -> str:
+def markdown(
+    rows: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    args: argparse.Namespace,
+    env: str,
+) -> str:
     cpu = args.device == "cpu"
     memory = "peak RSS" if cpu else "max allocated"
+    optimizers = ", ".join(OPTIMIZER_LABELS[o] for o in args.optimizers.split(","))
     lines = [
         "# Optimizer in backward: step time and peak memory",
         "",
         env,
         "",
         f"llama2, {args.dtype}, batch {args.batch_size} x {args.seq_len} tokens, "
-        f"AdamW (foreach); median of {args.steps} timed steps per run after "
+        f"optimizers: {optimizers}; median of {args.steps} timed steps per run after "
         f"{args.warmup} warm-up step(s), {args.repeats} fresh process(es) per mode. "
-        f"Peak memory: {memory} during the training steps. Targets for "
-        "OptimizerInBackward: peak memory below plain by >= 90% of the gradient bytes; "
-        "step time <= 1.05x plain.",
+        f"Peak memory: {memory} during the training steps. Each mode is compared with "
+        "the plain step of the same optimizer. Targets for OptimizerInBackward: peak "
+        "memory below plain by >= 90% of the gradient bytes; step time <= 1.05x plain.",
     ]
     if cpu:
         lines += [
@@ -252,10 +324,20 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: str) -> 
             "(`time.process_time`). On a machine whose cores other work shares, CPU "
             "time is the steadier measure of the work a mode does.",
         ]
+        loads = [r["load_average_1min"] for r in runs]
+        lines += [
+            "",
+            f"1-minute load average at the end of each run: {min(loads):.1f} to "
+            f"{max(loads):.1f} (the benchmark's own process counts for about its "
+            "thread count).",
+        ]
     if args.note:
         lines += ["", f"Note: {args.note}"]
-    header = "| model | params | gradients (MiB) | mode | step (s) | vs plain |"
-    rule = "|---|---:|---:|---|---:|---:|"
+    header = (
+        "| model | params | gradients (MiB) | optimizer | optimizer state (MiB) "
+        "| mode | step (s) | vs plain |"
+    )
+    rule = "|---|---:|---:|---|---:|---|---:|---:|"
     if cpu:
         header += " CPU time / step (s) | vs plain |"
         rule += "---:|---:|"
@@ -266,6 +348,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: str) -> 
     for r in rows:
         line = (
             f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['grad_bytes'] / MIB:.0f} | "
+            f"{OPTIMIZER_LABELS[r['optimizer']]} | {r['state_bytes'] / MIB:.0f} | "
             f"{MODE_LABELS[r['mode']]} | {r['step_s']:.3f} | "
             f"{r.get('time_vs_plain', nan):.3f}x |"
         )
@@ -280,52 +363,67 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: str) -> 
 
 
 def plot(rows: list[dict[str, Any]], path: Path, cpu: bool) -> None:
+    """One row of panels per optimizer: peak memory, memory saved, step time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_mem, ax_saved, ax_time) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for index, mode in enumerate(MODES):
-        mine = [r for r in rows if r["mode"] == mode]
-        if not mine:
-            continue
-        color = f"C{index}"
-        x = [r["params"] / 1e6 for r in mine]
-        label = MODE_LABELS[mode]
-        ax_mem.plot(
-            x, [r["peak_bytes"] / MIB for r in mine], "o-", c=color, label=label
-        )
-        if mode == "plain" or not all("saved_of_grads" in r for r in mine):
-            continue
-        ax_saved.plot(
-            x, [100 * r["saved_of_grads"] for r in mine], "o-", c=color, label=label
-        )
-        ax_time.plot(
-            x, [r["time_vs_plain"] for r in mine], "o-", c=color, label=f"{label}, wall"
-        )
-        if cpu:
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    fig, axes = plt.subplots(
+        len(optimizers),
+        3,
+        figsize=(15, 4.2 * len(optimizers)),
+        sharey="col",
+        squeeze=False,
+    )
+    memory = "peak RSS" if cpu else "max allocated"
+    for optimizer, (ax_mem, ax_saved, ax_time) in zip(optimizers, axes, strict=True):
+        for index, mode in enumerate(MODES):
+            mine = [r for r in rows if (r["optimizer"], r["mode"]) == (optimizer, mode)]
+            if not mine:
+                continue
+            color = f"C{index}"
+            x = [r["params"] / 1e6 for r in mine]
+            label = MODE_LABELS[mode]
+            ax_mem.plot(
+                x, [r["peak_bytes"] / MIB for r in mine], "o-", c=color, label=label
+            )
+            if mode == "plain" or not all("saved_of_grads" in r for r in mine):
+                continue
+            ax_saved.plot(
+                x, [100 * r["saved_of_grads"] for r in mine], "o-", c=color, label=label
+            )
             ax_time.plot(
                 x,
-                [r["cpu_time_vs_plain"] for r in mine],
-                "s--",
+                [r["time_vs_plain"] for r in mine],
+                "o-",
                 c=color,
-                label=f"{label}, CPU time",
+                label=f"{label}, wall",
             )
-    ax_saved.axhline(90, color="gray", ls=":", lw=1, label="target >= 90%")
-    ax_time.axhline(1.05, color="gray", ls=":", lw=1, label="target <= 1.05x")
-    ax_time.axhline(1.0, color="black", lw=0.5)
-    for ax, title, ylabel in (
-        (ax_mem, "Peak memory", f"{'peak RSS' if cpu else 'max allocated'} (MiB)"),
-        (ax_saved, "Memory saved vs plain", "% of gradient bytes"),
-        (ax_time, "Step time vs plain", "x plain"),
-    ):
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters (M)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+            if cpu:
+                ax_time.plot(
+                    x,
+                    [r["cpu_time_vs_plain"] for r in mine],
+                    "s--",
+                    c=color,
+                    label=f"{label}, CPU time",
+                )
+        ax_saved.axhline(90, color="gray", ls=":", lw=1, label="target >= 90%")
+        ax_time.axhline(1.05, color="gray", ls=":", lw=1, label="target <= 1.05x")
+        ax_time.axhline(1.0, color="black", lw=0.5)
+        name = OPTIMIZER_LABELS[optimizer]
+        for ax, title, ylabel in (
+            (ax_mem, "Peak memory", f"{memory} (MiB)"),
+            (ax_saved, "Memory saved vs plain", "% of gradient bytes"),
+            (ax_time, "Step time vs plain", "x plain"),
+        ):
+            ax.set_xscale("log")
+            ax.set_xlabel("parameters (M)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{title}: {name}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -339,8 +437,13 @@ def environment(args: argparse.Namespace) -> str:
     else:
         where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
     threads = args.threads or torch.get_num_threads()
+    versions = f"torch {torch.__version__}"
+    if "adamw8bit" in args.optimizers.split(","):
+        import bitsandbytes
+
+        versions += f", bitsandbytes {bitsandbytes.__version__}"
     return (
-        f"Device: {args.device} ({where}); torch {torch.__version__}; "
+        f"Device: {args.device} ({where}); {versions}; "
         f"{threads} intra-op thread(s); {time.strftime('%Y-%m-%d %H:%M')}."
     )
 
@@ -352,6 +455,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sizes",
         default=None,
         help=f"comma-separated, from {','.join(SIZES)} (default: {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--optimizers",
+        default=",".join(OPTIMIZERS),
+        help=f"comma-separated, from {','.join(OPTIMIZERS)} (default: all)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
@@ -367,9 +475,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(__file__).resolve().parent / "results",
     )
     parser.add_argument("--note", default="", help="added to the markdown report")
-    # Internal: measure one (size, mode) in this process and print it as JSON.
+    # Internal: measure one (size, optimizer, mode) in this process, print it as JSON.
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -380,31 +489,34 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args)))
         return
     sizes = (args.sizes or DEFAULT_SIZES[args.device]).split(",")
+    optimizers = args.optimizers.split(",")
     modes = args.modes.split(",")
-    unknown = [s for s in sizes if s not in SIZES] + [
-        m for m in modes if m not in MODES
-    ]
-    if unknown:
-        raise ValueError(
-            f"unknown sizes or modes {unknown}; sizes: {list(SIZES)}, modes: {list(MODES)}"
-        )
+    for kind, asked, known in (
+        ("sizes", sizes, SIZES),
+        ("optimizers", optimizers, OPTIMIZERS),
+        ("modes", modes, MODES),
+    ):
+        unknown = [name for name in asked if name not in known]
+        if unknown:
+            raise ValueError(f"unknown {kind} {unknown}; choose from {list(known)}")
     runs = []
     for size in sizes:
         for repeat in range(args.repeats):
-            # Modes alternate, so slow drift in machine load affects them alike.
-            for mode in modes:
-                run = run_fresh_process(args, size, mode)
-                runs.append(run)
-                print(
-                    f"{size} {mode} (run {repeat + 1}): median step "
-                    f"{statistics.median(run['step_times_s']):.3f} s (CPU time "
-                    f"{statistics.median(run['cpu_times_s']):.3f} s), peak "
-                    f"{run['peak_bytes'] / MIB:.0f} MiB",
-                    flush=True,
-                )
+            for optimizer in optimizers:
+                # Modes alternate, so slow drift in machine load affects them alike.
+                for mode in modes:
+                    run = run_fresh_process(args, size, optimizer, mode)
+                    runs.append(run)
+                    print(
+                        f"{size} {optimizer} {mode} (run {repeat + 1}): median step "
+                        f"{statistics.median(run['step_times_s']):.3f} s (CPU time "
+                        f"{statistics.median(run['cpu_times_s']):.3f} s), peak "
+                        f"{run['peak_bytes'] / MIB:.0f} MiB",
+                        flush=True,
+                    )
     rows = summarize(runs)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = markdown(rows, args, environment(args))
+    report = markdown(rows, runs, args, environment(args))
     stem = args.out_dir / "optimizer_in_backward"
     stem.with_suffix(".md").write_text(report)
     stem.with_suffix(".json").write_text(
@@ -417,11 +529,7 @@ def main(argv: list[str] | None = None) -> None:
             indent=1,
         )
     )
-    plot(
-        rows,
-        stem.with_suffix(".png"),
-        "peak RSS" if args.device == "cpu" else "max allocated",
-    )
+    plot(rows, stem.with_suffix(".png"), cpu=args.device == "cpu")
     print(report)
     print(f"wrote {stem}.md, .png and .json")
 
