@@ -1,0 +1,511 @@
+"""``full_dpo_distributed`` on CPU with gloo.
+
+The tiny Llama2 of ``tests/assets`` is aligned on the preference pairs of
+``tests/assets/make_dpo_assets.py`` (``tests/recipes/configs/tiny_full_dpo_distributed.yaml``,
+2 epochs of ``STEPS`` steps, 8 pairs a step); its reference model is the same
+checkpoint. Every claim is an equivalence between runs on the same seed and data:
+
+- 2 processes, in-backward vs plain: the same loss, pair metrics (rewards, log
+  probabilities, logits) and grad norm at every step;
+- resumed from the epoch-0 checkpoint vs uninterrupted: in-backward -> in-backward,
+  and in-backward -> plain;
+- 1 process vs 2 at the same global batch.
+
+Besides: the shipped ``llama3_1/8B_full_dpo`` config trains as shipped on the tiny
+assets (plain AdamW, gradient accumulation, bf16, activation checkpointing), and
+refused configs fail before anything is written.
+
+The 2-process runs are ``tune run --nproc_per_node 2`` subprocesses, started
+together on first use (a run mostly waits on interpreter start-up and collectives,
+so two overlap in about the time of one); the 1-process runs go through ``tune``'s
+entry point in this process, on a 1-rank gloo group, while the first subprocesses
+start. All are shared by the tests of this module.
+
+Tolerances, from the arithmetic (measured on these runs in brackets):
+
+- ``EXACT``: the same kernels on the same values in the same process layout. DPO's
+  loss is a mean over pairs and every batch holds ``batch_size`` pairs, so both modes
+  backpropagate the same loss (no normalization after backward): the gradients are
+  bitwise the same, and each parameter is updated by the same single-tensor AdamW
+  kernel (the CPU default) whether in backward or after it. Hence loss and pair
+  metrics agree bitwise across modes, and everything agrees bitwise between a run
+  resumed from exact fp32 weights and optimizer state and the uninterrupted one.
+- ``GRAD_NORM_ACROSS_MODES`` (``rtol=1e-6``): the in-backward optimizer adds each
+  parameter's squared gradient norm as it goes, the plain path takes the norm of
+  per-parameter norms: the same squares summed in another order, a few ulps of fp32
+  (6e-8 each). [1.0e-7]
+- ``ACROSS_LAYOUTS`` (``rtol=1e-5``, ``atol=1e-6``): 1 process pads its batch of 8
+  to the longest of all 8 pairs, 2 processes pad 4 each and reduce-scatter partial
+  sums: matmuls block differently and sums add in another order, a few ulps per op,
+  carried a little further by each update; other CPUs may block differently again,
+  hence the margin. The absolute floor is for the rewards, which are small
+  differences of much larger terms (``beta`` times a difference of two summed
+  log-probabilities of about 20: 0.1 * 20 * 6e-8 ~ 1e-7 of absolute rounding).
+  [losses 1.0e-7 relative, grad norms 1e-7, rewards 2e-8 absolute]
+
+A wrong normalization (the loss not averaged over ranks, or over accumulated
+batches) shows in ``grad_norm`` by a factor of 2 or more, far beyond these.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+import torchtune
+from tests.assets.make_assets import TinyAssets
+from tests.assets.make_dpo_assets import write_preference_data
+from tests.recipes.utils import (
+    TuneRun,
+    run_tune,
+    run_tune_in_process,
+    shipped_config_overrides,
+    snapshot_files,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "full_dpo_distributed"
+CONFIG = tiny_config("tiny_full_dpo_distributed")
+SHIPPED_CONFIG = (
+    Path(torchtune.__file__).parent.parent
+    / "recipes"
+    / "configs"
+    / "llama3_1"
+    / "8B_full_dpo.yaml"
+)
+EPOCHS, STEPS = 2, 2
+ALL_STEPS = range(1, EPOCHS * STEPS + 1)
+EPOCH_1 = range(STEPS + 1, EPOCHS * STEPS + 1)
+PAIRS_PER_STEP = 8
+# Several runs share 2 cores; a collective reached by only some ranks hangs: fail.
+TIMEOUT_S = 300
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+GRAD_NORM_ACROSS_MODES = {"rtol": 1e-6, "atol": 0.0}
+ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 1e-6}
+
+# What the recipe logs for the pairs, besides loss, lr and grad_norm.
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "log_probs/chosen",
+    "log_probs/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
+
+
+def _series(run: TuneRun, name: str, steps: range) -> torch.Tensor:
+    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
+
+
+def _assert_same(
+    run: TuneRun,
+    reference: TuneRun,
+    names: tuple[str, ...],
+    tol: dict[str, float],
+    steps: range = ALL_STEPS,
+) -> None:
+    for name in names:
+        assert_close(
+            _series(run, name, steps),
+            _series(reference, name, steps),
+            **tol,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+
+
+def _assert_same_lr(run: TuneRun, reference: TuneRun, steps: range) -> None:
+    # The schedule depends on nothing but the step count.
+    _assert_same(run, reference, ("lr",), EXACT, steps)
+
+
+class Runs:
+    """The module's ``tune run`` subprocesses, started on first use, all at once.
+
+    ``runs[name]`` waits for the run ``name`` and returns it (or raises what it
+    raised). Resumed runs wait for the run they resume from, then start at once.
+    """
+
+    def __init__(self, root: Path, assets: TinyAssets) -> None:
+        self._root = root
+        self._assets = assets
+        # One thread per subprocess run: each mostly waits on its subprocess.
+        self._pool = ThreadPoolExecutor(max_workers=4)
+        self._futures: dict[str, Future[TuneRun]] = {}
+        self._submit("in_bwd", self._train, "in_bwd", optimizer_in_bwd=True)
+        self._submit(
+            "plain",
+            self._train,
+            "plain",
+            optimizer_in_bwd=False,
+            # Far above every norm of these runs: the clipping code runs, with a
+            # coefficient of exactly 1, so the updates stay those of in-backward.
+            clip_grad_norm=1000.0,
+        )
+        # The 1-process runs go in this process while the first subprocesses start
+        # up; the resumed runs start after them (they set this process's
+        # environment, which a subprocess started meanwhile would inherit).
+        self._in_process_done = threading.Event()
+        for name in ("in_bwd_from_in_bwd", "plain_from_in_bwd"):
+            self._submit(
+                name,
+                self._resume,
+                "in_bwd",
+                name,
+                optimizer_in_bwd=name.startswith("in_bwd"),
+            )
+        # batch_size is per rank: 1 x 8 = 2 x 4, the same pairs each step.
+        self._run_in_process(
+            "one_process",
+            CONFIG,
+            self._settings(batch_size=PAIRS_PER_STEP, optimizer_in_bwd=True),
+        )
+        self._run_in_process("shipped", SHIPPED_CONFIG, self._shipped_overrides())
+        self._in_process_done.set()
+
+    def _submit(self, name: str, fn: Callable[..., TuneRun], *args, **kwargs) -> None:
+        self._futures[name] = self._pool.submit(fn, *args, **kwargs)
+
+    def __getitem__(self, name: str) -> TuneRun:
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _settings(self, **overrides: Any) -> dict[str, Any]:
+        return {
+            "assets_dir": self._assets.root,
+            "epochs": EPOCHS,
+            "max_steps_per_epoch": STEPS,
+            # As a user writes it on the command line: null means no clipping.
+            "clip_grad_norm": None,
+            **overrides,
+        }
+
+    def _train(self, name: str, **overrides: Any) -> TuneRun:
+        """2 processes, ``tune run --nproc_per_node 2`` in a subprocess."""
+        return run_tune(
+            RECIPE,
+            CONFIG,
+            self._settings(**overrides),
+            nproc=2,
+            output_dir=self._root / name,
+            timeout=TIMEOUT_S,
+        )
+
+    def _run_in_process(
+        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
+    ) -> None:
+        """1 process, ``tune run`` in this process on a 1-rank gloo group; its run
+        (or what it raised) becomes ``self[name]``."""
+        future: Future[TuneRun] = Future()
+        self._futures[name] = future
+        try:
+            future.set_result(self._tune_in_process(name, config, overrides))
+        except Exception as error:  # raised again to the tests that use the run
+            future.set_exception(error)
+
+    def _tune_in_process(
+        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
+    ) -> TuneRun:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        # What run_tune gives its subprocesses: offline, one thread (as torchrun
+        # gives each process; more only spin on a busy 2-core machine).
+        env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        env["HF_DATASETS_CACHE"] = str(self._root / name / ".hf_datasets_cache")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            try:
+                return run_tune_in_process(RECIPE, config, overrides, self._root / name)
+            finally:
+                if torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
+                torch.set_num_threads(threads)
+
+    def _resume(self, source_name: str, name: str, **overrides: Any) -> TuneRun:
+        """Resume ``source_name`` from its epoch-0 checkpoint (its last
+        intermediate one), in a copy of its output_dir."""
+        source = self[source_name]
+        self._in_process_done.wait()
+        shutil.copytree(
+            source.output_dir,
+            self._root / name,
+            ignore=shutil.ignore_patterns(".hf_datasets_cache"),
+        )
+        return self._train(
+            name,
+            resume_from_checkpoint=True,
+            **{
+                "checkpointer.checkpoint_files": [
+                    "epoch_0/model-00001-of-00001.safetensors"
+                ]
+            },
+            **overrides,
+        )
+
+    def _shipped_overrides(self) -> list[str]:
+        """``llama3_1/8B_full_dpo`` as shipped, with what this machine forces: the
+        tiny model, tokenizer and preference data, both checkpointers on the tiny
+        checkpoint, the CPU."""
+        assets = self._assets
+        tiny_checkpoint = {
+            "_component_": "torchtune.training.FullModelHFCheckpointer",
+            "checkpoint_dir": assets.checkpoint_dir,
+            "checkpoint_files": list(assets.checkpoint_files),
+            "model_type": "LLAMA2",
+        }
+        return shipped_config_overrides(
+            assets,
+            SHIPPED_CONFIG,
+            {
+                "dataset._component_": "torchtune.datasets.preference_dataset",
+                "dataset.source": "json",
+                "dataset.data_files": assets.root / "preference_train.json",
+                "dataset.split": "train",
+                **{f"ref_checkpointer.{k}": v for k, v in tiny_checkpoint.items()},
+                # The shipped run is 1000 steps of 4 x 8 pairs; 2 such steps here
+                # (64 pairs), with the seed fixed for a repeatable test.
+                "seed": 0,
+            },
+        )
+
+
+@pytest.fixture(scope="module")
+def preference_data(tiny_assets: TinyAssets) -> Path:
+    """The preference pairs, next to the other tiny assets (``${assets_dir}``)."""
+    return write_preference_data(tiny_assets.root)
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_assets: TinyAssets,
+    preference_data: Path,
+):
+    started = Runs(tmp_path_factory.mktemp("full_dpo_distributed"), tiny_assets)
+    yield started
+    started.close()
+
+
+def test_preference_data_pairs_a_right_and_a_wrong_answer_to_one_prompt(
+    preference_data: Path, tiny_assets: TinyAssets
+) -> None:
+    from torchtune.datasets import preference_dataset
+    from torchtune.models.llama2 import llama2_tokenizer
+
+    tokenizer = llama2_tokenizer(
+        str(tiny_assets.tokenizer_path), max_seq_len=128, prompt_template=None
+    )
+    dataset = preference_dataset(
+        tokenizer, source="json", data_files=str(preference_data), split="train"
+    )
+    assert len(dataset) >= EPOCHS * STEPS * PAIRS_PER_STEP
+    for sample in (dataset[i] for i in range(len(dataset))):
+        chosen, rejected = sample["chosen_input_ids"], sample["rejected_input_ids"]
+        assert chosen != rejected
+        # train_on_input=False: only the answer (and the end of sequence) is labelled.
+        answer = [t for t in sample["chosen_labels"] if t != -100]
+        assert 0 < len(answer) < len(chosen)
+        prompt = len(chosen) - len(answer)
+        assert chosen[:prompt] == rejected[:prompt]
+
+
+def test_in_backward_matches_plain_on_two_processes(runs: Runs) -> None:
+    in_bwd, plain = runs["in_bwd"], runs["plain"]
+    assert list(in_bwd.metrics) == list(ALL_STEPS)
+    assert set(PAIR_METRICS) <= set(in_bwd.metrics[1])
+    # It learns: the policy starts as the reference (loss ln 2, rewards 0) and
+    # comes to prefer the right answers.
+    assert in_bwd.metrics[1]["loss"] == pytest.approx(torch.log(torch.tensor(2.0)))
+    assert in_bwd.metrics[1]["rewards/chosen"] == 0.0
+    last = in_bwd.metrics[ALL_STEPS[-1]]
+    assert last["loss"] < in_bwd.metrics[1]["loss"]
+    assert last["rewards/margins"] > 0 and last["rewards/accuracies"] > 0.5
+    # Mean over the global batch: a multiple of 1 / PAIRS_PER_STEP.
+    for values in in_bwd.metrics.values():
+        pairs_won = values["rewards/accuracies"] * PAIRS_PER_STEP
+        assert pairs_won == pytest.approx(round(pairs_won), abs=1e-6)
+
+    _assert_same(in_bwd, plain, ("loss", *PAIR_METRICS), EXACT)
+    _assert_same(in_bwd, plain, ("grad_norm",), GRAD_NORM_ACROSS_MODES)
+    _assert_same_lr(in_bwd, plain, ALL_STEPS)
+
+
+def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(runs: Runs) -> None:
+    resumed, uninterrupted = runs["in_bwd_from_in_bwd"], runs["in_bwd"]
+    assert list(resumed.metrics) == list(EPOCH_1)
+    _assert_same(
+        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
+    )
+    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+
+
+def test_plain_resume_from_in_backward_epoch_0_equals_uninterrupted_run(
+    runs: Runs,
+) -> None:
+    resumed, uninterrupted = runs["plain_from_in_bwd"], runs["in_bwd"]
+    assert list(resumed.metrics) == list(EPOCH_1)
+    # The in-backward checkpoint's AdamW state, loaded into the plain AdamW, gives
+    # the same updates (module docstring): only the grad norm's summation differs.
+    _assert_same(resumed, uninterrupted, ("loss", *PAIR_METRICS), EXACT, EPOCH_1)
+    _assert_same(
+        resumed, uninterrupted, ("grad_norm",), GRAD_NORM_ACROSS_MODES, EPOCH_1
+    )
+    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+
+
+def test_two_processes_match_one_process_at_the_same_global_batch(
+    runs: Runs,
+) -> None:
+    two, one = runs["in_bwd"], runs["one_process"]
+    # Not logits/*: as in 0.6.1 they average every logit of the batch, padding
+    # included, and how much padding a batch has depends on how it is split.
+    _assert_same(
+        two,
+        one,
+        ("loss", "grad_norm", *PAIR_METRICS[: PAIR_METRICS.index("logits/chosen")]),
+        ACROSS_LAYOUTS,
+    )
+    _assert_same_lr(two, one, ALL_STEPS)
+
+
+def test_checkpoints_hold_the_trained_policy_and_its_optimizer_state(
+    runs: Runs, tiny_assets: TinyAssets
+) -> None:
+    run = runs["in_bwd"]
+    base = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
+    final = load_file(
+        run.output_dir / f"epoch_{EPOCHS - 1}" / "model-00001-of-00001.safetensors"
+    )
+    assert final.keys() == base.keys()
+    for key, tensor in final.items():
+        assert tensor.shape == base[key].shape and tensor.dtype == base[key].dtype
+    assert any(not torch.equal(final[k], base[k]) for k in final)
+    # Only the policy is optimized: one AdamW state per policy parameter, in the
+    # plain format whichever mode saved it.
+    saved = torch.load(
+        run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
+    )["optimizer"]
+    assert len(saved["state"]) == len(base)
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(next(iter(saved["state"].values())))
+
+
+def test_shipped_llama3_1_8B_full_dpo_config_trains_as_shipped(
+    runs: Runs, tiny_assets: TinyAssets
+) -> None:
+    from omegaconf import OmegaConf
+
+    run = runs["shipped"]
+    shipped = OmegaConf.load(SHIPPED_CONFIG)
+    # As shipped: DPOLoss, plain fused AdamW, 8 accumulated batches of 4 pairs.
+    assert shipped.loss._component_ == "torchtune.rlhf.loss.DPOLoss"
+    assert shipped.gradient_accumulation_steps == 8 and shipped.batch_size == 4
+    assert not shipped.get("optimizer_in_bwd", False)
+    assert list(run.metrics) == [1, 2]
+    for values in run.metrics.values():
+        assert set(PAIR_METRICS) <= set(values)
+        assert torch.isfinite(torch.tensor(values["loss"]))
+        assert torch.isfinite(torch.tensor(values["grad_norm"]))
+    # The shipped warmup: lr rises linearly over num_warmup_steps steps.
+    warmup = shipped.lr_scheduler.num_warmup_steps
+    for step, values in run.metrics.items():
+        assert values["lr"] == pytest.approx(shipped.optimizer.lr * step / warmup)
+    # Saved in the shipped dtype.
+    (shard,) = (run.output_dir / "epoch_0").glob("*.safetensors")
+    trained = load_file(shard)
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}
+
+
+def _load_recipe_class() -> type:
+    """The installed recipe file (recipes are files, never an importable package)."""
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
+    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FullDPORecipeDistributed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"clip_grad_norm": 1.0},
+            "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the "
+            "global gradient norm is only known after backward, when in-backward "
+            "updates have already happened. Set clip_grad_norm=null or "
+            "optimizer_in_bwd=False.",
+        ),
+        (
+            {"gradient_accumulation_steps": 2},
+            "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
+            "each parameter is updated as soon as its gradient is ready, so gradients "
+            "cannot be accumulated over several batches. Set "
+            "gradient_accumulation_steps=1 or optimizer_in_bwd=False.",
+        ),
+    ],
+    ids=["clip_grad_norm", "gradient_accumulation"],
+)
+def test_refused_config_fails_with_its_message_and_leaves_output_dir_untouched(
+    overrides: dict[str, Any],
+    message: str,
+    tmp_path: Path,
+    tiny_assets: TinyAssets,
+    preference_data: Path,
+) -> None:
+    # An earlier run's output_dir, with a checkpoint to keep.
+    checkpoint = tmp_path / "epoch_0" / "model-00001-of-00001.safetensors"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"an earlier run's weights")
+    before = snapshot_files(tmp_path)
+
+    # Through tune's entry point, in this process: the refusal comes before the
+    # process group, so no launcher is needed.
+    with pytest.raises(ValueError) as error:
+        run_tune_in_process(
+            RECIPE,
+            CONFIG,
+            {"assets_dir": tiny_assets.root, "optimizer_in_bwd": True, **overrides},
+            tmp_path,
+        )
+    assert str(error.value) == message
+    assert not torch.distributed.is_initialized()
+    assert snapshot_files(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
+
+
+def test_recipe_class_refuses_before_building_anything(
+    tmp_path: Path, tiny_assets: TinyAssets
+) -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.merge_with({"optimizer_in_bwd": True, "compile": {"optimizer_step": True}})
+    with pytest.raises(ValueError, match=r"^optimizer_in_bwd=True cannot be combined"):
+        _load_recipe_class()(cfg)
+    assert not torch.distributed.is_initialized()
+    assert list(tmp_path.iterdir()) == []
