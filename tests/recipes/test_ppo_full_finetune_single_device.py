@@ -1,0 +1,437 @@
+"""``ppo_full_finetune_single_device``: in-backward equals plain, resume equals
+uninterrupted, and the optimizer state of the policy and the value model is saved and
+resumed in both modes.
+
+Every run is a ``tune run`` of ``tests/recipes/configs/tiny_ppo_single_device.yaml``
+on CPU: the tiny policy, its reference, and the tiny reward and value models of
+``tests/assets/make_ppo_assets.py``; 2 epochs of 2 PPO steps, each step 2 PPO epochs
+over 8 trajectories in minibatches of 4, so 4 optimizer steps per PPO step and 16 in
+all. Metrics are logged at optimizer steps 4, 8, 12 and 16. Runs are module-scoped,
+shared between tests, and call ``tune``'s entry point in this process (the same
+command line a ``tune run`` process parses).
+
+Tolerances:
+
+- Same mode, same computation (a resume against the uninterrupted run of that mode):
+  the same CPU kernels see the same values, so every metric must be bitwise equal.
+- In-backward against plain, both without accumulation: the recipe backpropagates
+  the same loss in both modes (no normalization differs: PPO's loss is a mean over
+  each backward pass, in both modes), and AdamW updates each parameter with the same
+  single-tensor kernel. So the losses must be bitwise equal too; measured: equal.
+  ``MODE_TOLERANCE`` still allows ``rtol=2e-6``, float rounding, so the test states
+  what the arithmetic promises rather than what this CPU happens to give.
+- ``grad_norm``: plain takes one norm over all gradients, in-backward sums squared
+  per-parameter norms as gradients arrive: measured within 1e-7 relative, checked at
+  ``rtol=1e-5``.
+- Plain with 2 backward passes per minibatch against in-backward with 1: each pass
+  backpropagates half its mean loss; while every response runs to full length (the
+  test checks that no stop token was generated), the two halves count the same
+  tokens, so their sum is the minibatch mean up to float rounding (about 1e-7
+  relative per gradient), which then compounds over 16 AdamW steps and the
+  trajectories sampled from the updated policy: measured 1.8e-6 relative at most.
+  ``ACCUMULATION_TOLERANCE`` allows ``rtol=1e-5``.
+- A resume without the policy's optimizer state (what 0.6.1 did after an in-backward
+  run) must move the resumed losses by far more than rounding: more than 1e-3
+  relative, against measured differences of 0 between correct resumes.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TinyAssets
+from tests.assets.make_ppo_assets import PPOAssets, ensure_ppo_assets
+from tests.recipes.utils import (
+    TuneRun,
+    run_tune_in_process,
+    snapshot_files,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "ppo_full_finetune_single_device"
+CONFIG = tiny_config("tiny_ppo_single_device")
+SHARD = "model-00001-of-00001.safetensors"
+OPTIMIZER_STEPS_PER_PPO_STEP = 4
+EPOCH_0 = [4, 8]
+EPOCH_1 = [12, 16]
+# What every run logs at each of its steps.
+LOGGED = {
+    "loss",
+    "policy_loss",
+    "value_loss",
+    "scores",
+    "rlhf_reward",
+    "kl",
+    "kl_reward",
+    "ratios",
+    "clipfrac",
+    "approx_policy_kl",
+    "response_lengths",
+    "num_stop_tokens",
+    "grad_norm",
+    "lr",
+    "tokens_per_second_per_gpu_trajectory",
+    "tokens_per_second_per_gpu_ppo",
+}
+# Metrics that follow from the weights and the sampled trajectories alone.
+COMPARED = sorted(
+    LOGGED - {"grad_norm", "lr"} - {m for m in LOGGED if "per_second" in m}
+)
+EXACT = {"rtol": 0.0, "atol": 0.0}
+# In-backward vs plain: float rounding only (see the module docstring).
+MODE_TOLERANCE = {"rtol": 2e-6, "atol": 1e-7}
+# Plain with 2 backward passes per minibatch vs in-backward with 1 (docstring).
+ACCUMULATION_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
+GRAD_NORM_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
+    """What run_tune gives its subprocesses, for the runs in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def ppo_assets(tiny_assets: TinyAssets) -> PPOAssets:
+    return ensure_ppo_assets(tiny_assets)
+
+
+def _mode(name: str) -> dict[str, Any]:
+    return {"optimizer_in_bwd": name == "bwd"}
+
+
+def _overrides(ppo_assets: PPOAssets, **settings: Any) -> list[str]:
+    settings = {"assets_dir": ppo_assets.tiny.root, **settings}
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+def _resume_overrides(out: Path) -> dict[str, Any]:
+    """Resume from the epoch-0 checkpoints copied into ``out``: the policy and the
+    recipe state through ``checkpointer``, the value model through its own."""
+    return {
+        "resume_from_checkpoint": True,
+        "checkpointer.checkpoint_files": f"[epoch_0/{SHARD}]",
+        "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+        "value_checkpointer.checkpoint_dir": out / "value" / "epoch_0",
+        "value_checkpointer.checkpoint_files": f"[{SHARD}]",
+    }
+
+
+def _copy_epoch_0(source: TuneRun, out: Path) -> None:
+    for part in ("epoch_0", "recipe_state", "value/epoch_0"):
+        shutil.copytree(source.output_dir / part, out / part)
+
+
+@pytest.fixture(scope="module")
+def runs(
+    ppo_assets: PPOAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Uninterrupted runs: plain, in-backward, and plain with 2 backward passes per
+    minibatch."""
+    settings = {
+        "plain": _mode("plain"),
+        "bwd": _mode("bwd"),
+        "plain_accumulated": {"gradient_accumulation_steps": 2, **_mode("plain")},
+    }
+    return {
+        name: run_tune_in_process(
+            RECIPE, CONFIG, _overrides(ppo_assets, **s), tmp_path_factory.mktemp(name)
+        )
+        for name, s in settings.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def resume(
+    ppo_assets: PPOAssets,
+    runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., TuneRun]:
+    """``resume(source, target, edit=None)``: ``runs[source]`` resumed from its epoch
+    0 in mode ``target``, made on first request and shared after. ``edit`` (with a
+    name of its own) rewrites the saved recipe state first."""
+    made: dict[str, TuneRun] = {}
+
+    def resume(
+        source: str,
+        target: str,
+        edit: tuple[str, Callable[[dict[str, Any]], None]] | None = None,
+    ) -> TuneRun:
+        key = f"{source}_to_{target}" + (f"_{edit[0]}" if edit else "")
+        if key not in made:
+            out = tmp_path_factory.mktemp(key)
+            _copy_epoch_0(runs[source], out)
+            if edit is not None:
+                path = out / "recipe_state" / "recipe_state.pt"
+                state = torch.load(path, weights_only=False)
+                edit[1](state)
+                torch.save(state, path)
+            made[key] = run_tune_in_process(
+                RECIPE,
+                CONFIG,
+                _overrides(ppo_assets, **_mode(target), **_resume_overrides(out)),
+                out,
+            )
+        return made[key]
+
+    return resume
+
+
+def _param_names(ppo_assets: PPOAssets) -> tuple[list[str], list[str]]:
+    """The policy's and the value model's parameter names, in optimizer order."""
+    from torchtune.models.mistral import mistral, mistral_classifier
+
+    policy = mistral(**ppo_assets.model_kwargs)
+    value = mistral_classifier(num_classes=1, **ppo_assets.model_kwargs)
+    return [n for n, _ in policy.named_parameters()], [
+        n for n, _ in value.named_parameters()
+    ]
+
+
+def _drop_policy_state(ppo_assets: PPOAssets) -> Callable[[dict[str, Any]], None]:
+    """Remove the policy's entries from the saved optimizer state."""
+    num_policy = len(_param_names(ppo_assets)[0])
+
+    def edit(state: dict[str, Any]) -> None:
+        optimizer = state["optimizer"]
+        optimizer["state"] = {
+            i: s for i, s in optimizer["state"].items() if i >= num_policy
+        }
+
+    return edit
+
+
+def _as_0_6_1_in_bwd(ppo_assets: PPOAssets) -> Callable[[dict[str, Any]], None]:
+    """Rewrite the saved optimizer state as torchtune 0.6.1's in-backward PPO run
+    saved it: ``{value model parameter name: its own optimizer's state_dict()}``,
+    nothing of the policy."""
+    policy_names, value_names = _param_names(ppo_assets)
+
+    def edit(state: dict[str, Any]) -> None:
+        optimizer = state["optimizer"]
+        (group,) = optimizer["param_groups"]
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        state["optimizer"] = {
+            name: {
+                "state": {0: optimizer["state"][len(policy_names) + i]},
+                "param_groups": [{**hyperparameters, "params": [0]}],
+            }
+            for i, name in enumerate(value_names)
+        }
+
+    return edit
+
+
+def _series(run: TuneRun, metric: str, steps: list[int]) -> list[float]:
+    return [run.metrics[step][metric] for step in steps]
+
+
+def _assert_metrics_close(
+    actual: TuneRun, expected: TuneRun, steps: list[int], **tolerance: float
+) -> None:
+    for metric in COMPARED:
+        assert_close(
+            _series(actual, metric, steps),
+            _series(expected, metric, steps),
+            **tolerance,
+            msg=lambda m, metric=metric: f"{metric}: {m}",
+        )
+
+
+def test_every_step_logs_the_ppo_metrics(runs: dict[str, TuneRun]) -> None:
+    for run in runs.values():
+        assert sorted(run.metrics) == EPOCH_0 + EPOCH_1
+        for values in run.metrics.values():
+            assert set(values) == LOGGED
+            # No stop token was sampled: the accumulation test relies on it.
+            assert values["num_stop_tokens"] == 0
+    # Training moved the policy: the KL from the reference grew from ~0.
+    kl = _series(runs["bwd"], "kl", EPOCH_0 + EPOCH_1)
+    assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-2, kl
+
+
+@pytest.mark.parametrize("plain", ["plain", "plain_accumulated"])
+def test_in_backward_gives_the_plain_metrics_at_every_step(
+    plain: str, runs: dict[str, TuneRun]
+) -> None:
+    steps = EPOCH_0 + EPOCH_1
+    tolerance = MODE_TOLERANCE if plain == "plain" else ACCUMULATION_TOLERANCE
+    _assert_metrics_close(runs["bwd"], runs[plain], steps, **tolerance)
+    assert_close(
+        _series(runs["bwd"], "grad_norm", steps),
+        _series(runs[plain], "grad_norm", steps),
+        **GRAD_NORM_TOLERANCE,
+    )
+    assert _series(runs["bwd"], "lr", steps) == _series(runs[plain], "lr", steps)
+
+
+def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes(
+    ppo_assets: PPOAssets, runs: dict[str, TuneRun]
+) -> None:
+    from torchtune.models.mistral import mistral, mistral_classifier
+
+    shapes = [p.shape for p in mistral(**ppo_assets.model_kwargs).parameters()] + [
+        p.shape
+        for p in mistral_classifier(
+            num_classes=1, **ppo_assets.model_kwargs
+        ).parameters()
+    ]
+    saved = {}
+    for mode in ("plain", "bwd"):
+        state = torch.load(
+            runs[mode].output_dir / "recipe_state" / "recipe_state.pt",
+            weights_only=False,
+        )
+        optimizer = state["optimizer"]
+        # The standard torch.optim format: one group, the policy's parameters and
+        # then the value model's, and AdamW state for every one of them.
+        (group,) = optimizer["param_groups"]
+        assert group["params"] == list(range(len(shapes)))
+        assert sorted(optimizer["state"]) == group["params"]
+        for index, shape in enumerate(shapes):
+            entry = optimizer["state"][index]
+            # Epoch 0: 2 PPO steps of 4 optimizer steps each.
+            assert entry["step"].item() == 2 * OPTIMIZER_STEPS_PER_PPO_STEP
+            assert entry["exp_avg"].shape == shape
+            assert entry["exp_avg_sq"].abs().sum() > 0
+        saved[mode] = optimizer
+    # Same arithmetic in both modes (module docstring).
+    assert_close(saved["bwd"]["state"], saved["plain"]["state"], **MODE_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [("plain", "plain"), ("bwd", "bwd"), ("plain", "bwd"), ("bwd", "plain")],
+    ids=lambda mode: mode,
+)
+def test_resume_from_epoch_0_gives_the_uninterrupted_metrics(
+    source: str,
+    target: str,
+    runs: dict[str, TuneRun],
+    resume: Callable[..., TuneRun],
+) -> None:
+    resumed = resume(source, target)
+    assert sorted(resumed.metrics) == EPOCH_1
+    tolerance = EXACT if source == target else MODE_TOLERANCE
+    _assert_metrics_close(resumed, runs[source], EPOCH_1, **tolerance)
+
+
+def test_resume_without_the_policy_optimizer_state_differs(
+    ppo_assets: PPOAssets, runs: dict[str, TuneRun], resume: Callable[..., TuneRun]
+) -> None:
+    """What the resume tests above would see had the policy's state not been saved:
+    they can fail."""
+    resumed = resume("bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets)))
+    assert sorted(resumed.metrics) == EPOCH_1
+    losses = _series(resumed, "loss", EPOCH_1)
+    uninterrupted = _series(runs["bwd"], "loss", EPOCH_1)
+    relative = [abs(a - b) / abs(b) for a, b in zip(losses, uninterrupted, strict=True)]
+    assert min(relative) > 1e-3, (losses, uninterrupted)
+
+
+def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
+    ppo_assets: PPOAssets, resume: Callable[..., TuneRun]
+) -> None:
+    """0.6.1 saved the value model's optimizer state only: it loads, and the policy's
+    starts afresh. (The state is converted to the standard format before either mode
+    loads it, so one mode shows it.)"""
+    expected = resume("bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets)))
+    resumed = resume("bwd", "bwd", ("0_6_1", _as_0_6_1_in_bwd(ppo_assets)))
+    assert sorted(resumed.metrics) == EPOCH_1
+    _assert_metrics_close(resumed, expected, EPOCH_1, **EXACT)
+
+
+def test_final_checkpoints_load_back_into_the_models(
+    ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    from torchtune import training
+    from torchtune.models.mistral import mistral, mistral_classifier
+
+    out = runs["bwd"].output_dir
+    for subdir, model_type, model in (
+        ("", "MISTRAL", mistral(**ppo_assets.model_kwargs)),
+        (
+            "value",
+            "REWARD",
+            mistral_classifier(num_classes=1, **ppo_assets.model_kwargs),
+        ),
+    ):
+        checkpointer = training.FullModelHFCheckpointer(
+            checkpoint_dir=str(out / subdir / "epoch_1"),
+            checkpoint_files=[SHARD],
+            model_type=model_type,
+            output_dir=str(tmp_path / model_type),
+        )
+        # Strict: every key, every shape.
+        model.load_state_dict(checkpointer.load_checkpoint()[training.MODEL_KEY])
+
+
+REFUSALS = {
+    "gradient_accumulation_steps": (
+        {"optimizer_in_bwd": True, "gradient_accumulation_steps": 2},
+        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
+        "each parameter is updated as soon as its gradient is ready, so gradients "
+        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
+        "or optimizer_in_bwd=False.",
+    ),
+    "ppo_batch_size": (
+        {"ppo_batch_size": 3},
+        "batch_size=8 is not a multiple of ppo_batch_size=3: every step splits its "
+        "batch_size prompts into batches of ppo_batch_size. Choose sizes that divide "
+        "each other.",
+    ),
+    "num_steps": (
+        {"num_steps": 4},
+        "num_steps=4 is smaller than batch_size=8: num_steps counts prompts, so this "
+        "run would have no step. Set num_steps to at least batch_size.",
+    ),
+    "fp16": (
+        {"dtype": "fp16"},
+        "dtype=fp16 is not supported by this recipe: it has no loss scaling. Use "
+        "dtype=bf16 or dtype=fp32.",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", REFUSALS)
+def test_refused_config_fails_with_its_message_and_leaves_output_dir_untouched(
+    key: str, ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    # An output_dir that holds a finished run's checkpoints.
+    out = tmp_path / "out"
+    shutil.copytree(runs["bwd"].output_dir, out)
+    before = snapshot_files(out)
+    settings, message = REFUSALS[key]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        run_tune_in_process(RECIPE, CONFIG, _overrides(ppo_assets, **settings), out)
+    assert snapshot_files(out) == before
+
+
+def test_fresh_run_refuses_a_reference_policy_other_than_the_policy(
+    ppo_assets: PPOAssets, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    other = ppo_assets.reward_checkpoint_dir
+    with pytest.raises(ValueError, match="^ref_policy_checkpointer must read the same"):
+        run_tune_in_process(
+            RECIPE,
+            CONFIG,
+            _overrides(ppo_assets, **{"ref_policy_checkpointer.checkpoint_dir": other}),
+            out,
+        )
+    assert list(out.iterdir()) == []
