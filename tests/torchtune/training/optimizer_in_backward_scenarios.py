@@ -48,6 +48,7 @@ from torchtune.training.checkpointing._checkpoint_client import (
     CheckpointClient,
     TrainingProgress,
 )
+from torchtune.training.checkpointing._step_checkpointer import StepCheckpointer
 
 BITWISE = {"rtol": 0, "atol": 0}
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
@@ -323,6 +324,42 @@ def _add_resume_scenarios() -> None:
 
 
 _add_resume_scenarios()
+
+
+# -- step checkpoints --------------------------------------------------------------
+
+
+def check_step_checkpoint_resume(tmp: Path, save_in_backward: bool) -> None:
+    """A sharded step checkpoint written by both ranks resumes, into the other kind
+    of optimizer, to exactly the uninterrupted run."""
+    reference = build_model("fsdp")
+    train(reference, make_optimizer(False, reference), "fsdp", range(4))
+
+    model = build_model("fsdp")
+    optimizer = make_optimizer(save_in_backward, model)
+    train(model, optimizer, "fsdp", range(2))
+    checkpointer = StepCheckpointer(tmp, every_n_steps=2)
+    path = checkpointer.save(2, model, optimizer, {"epochs_run": 0}, {"rank": rank()})
+    if save_in_backward:
+        optimizer.remove_hooks()
+
+    resumed = build_model("fsdp", seed=1)
+    new_optimizer = make_optimizer(not save_in_backward, resumed)
+    assert checkpointer.find_latest() == path
+    recipe_state, rank_state = checkpointer.load(path, resumed, new_optimizer)
+    assert recipe_state["global_step"] == 2 and rank_state == {"rank": rank()}
+    train(resumed, new_optimizer, "fsdp", range(2, 4))
+    assert_same_params(reference, resumed)
+
+
+@scenario
+def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
+    check_step_checkpoint_resume(tmp, save_in_backward=True)
+
+
+@scenario
+def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
+    check_step_checkpoint_resume(tmp, save_in_backward=False)
 
 
 # -- checkpoint client -------------------------------------------------------------

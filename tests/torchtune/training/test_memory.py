@@ -623,8 +623,8 @@ def test_two_gloo_processes(
     """FSDP2 and plain-module runs: training equivalence and grad_norm, and
     in-backward <-> plain resume through DCP's get/set_optimizer_state_dict (sharded
     and full) and torchtune's get_full_/load_from_full_optimizer_state_dict, with
-    torch AdamW, torchao's AdamW8bit (FSDP2) and bitsandbytes' AdamW8bit (replicas).
-    See optimizer_in_backward_scenarios.py."""
+    torch AdamW, torchao's AdamW8bit (FSDP2) and bitsandbytes' AdamW8bit (replicas),
+    and through sharded step checkpoints. See optimizer_in_backward_scenarios.py."""
     outcome = optimizer_in_backward_distributed_run.outcome(scenario)
     assert outcome == "ok", outcome
 

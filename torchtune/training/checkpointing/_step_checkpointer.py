@@ -1,0 +1,365 @@
+"""Resumable checkpoints every N optimizer steps, written so that a crash at any
+moment leaves the previous complete one usable.
+
+A step checkpoint is the folder ``output_dir/step_{global_step}/`` holding everything
+a run needs to continue exactly where it was, mid-epoch included:
+
+- the model and optimizer state: ``model_optimizer.pt`` (``torch.save``) on one
+  process, or a sharded ``torch.distributed.checkpoint`` folder ``model_optimizer/``
+  written by every rank in a distributed run;
+- ``recipe_state.pt``: what the recipe hands over (seed, epochs, global step, ...);
+- ``rank_{r}.pt`` for each rank: that rank's dataloader state and RNG state;
+- ``manifest.json``, written last: the size of every file above.
+
+Everything is written into ``output_dir/.step_{global_step}.partial/`` and renamed to
+``step_{global_step}`` only once whole, so a folder named ``step_*`` is never half
+written. The manifest is checked again when resuming, so a checkpoint damaged
+afterwards (a truncated file) is skipped, with a warning naming it, in favour of the
+previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtune import utils
+
+log = utils.get_logger("DEBUG")
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+RECIPE_STATE = "recipe_state.pt"
+MODEL_OPTIMIZER_FILE = "model_optimizer.pt"
+MODEL_OPTIMIZER_DCP = "model_optimizer"
+_MANIFEST_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A step checkpoint that cannot be resumed: missing, incomplete or damaged."""
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (POSIX); a no-op elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` that leaves either the whole file at ``path`` or none: it writes
+    a temporary file in the same folder, flushes it to disk, then renames it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _files_under(root: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def step_of(path: Path) -> int | None:
+    """The global step of a ``step_{N}`` folder, ``None`` for any other name."""
+    match = STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def verify(path: Path) -> None:
+    """Check that the step checkpoint ``path`` is whole: its manifest exists and every
+    file it lists is there with the size it had when the checkpoint was written.
+
+    Raises:
+        CheckpointError: naming the folder or the file that is missing or damaged.
+    """
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete step checkpoint: it has no {MANIFEST}, which "
+            "is written last, so the save that made it did not finish."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{manifest_path} is damaged: {e}") from e
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(
+                f"{file} is missing from step checkpoint {path} (listed in {MANIFEST})"
+            )
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{file} is damaged: {actual} bytes, but it had {size} when the "
+                "checkpoint was written (truncated or overwritten?)"
+            )
+
+
+class StepCheckpointer:
+    """Saves and finds the step checkpoints of one run, in ``output_dir``.
+
+    Args:
+        output_dir (str | Path): the run's output directory.
+        every_n_steps (int | None): save every this many optimizer steps; ``None``
+            saves none (epoch checkpoints only, as in torchtune 0.6.1).
+        keep_last_n (int | None): once a step checkpoint is complete, delete all but
+            the newest ``keep_last_n`` step checkpoints; ``None`` keeps all.
+            Epoch checkpoints are never deleted.
+
+    Raises:
+        ValueError: if ``every_n_steps`` or ``keep_last_n`` is not a positive integer
+            or ``None``.
+
+    Example:
+        >>> checkpointer = StepCheckpointer("/tmp/run", every_n_steps=100, keep_last_n=2)
+        >>> if checkpointer.is_due(global_step):
+        ...     checkpointer.save(global_step, model, optimizer, recipe_state, rank_state)
+        >>> latest = checkpointer.find_latest()  # None if there is none
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        every_n_steps: int | None,
+        keep_last_n: int | None = None,
+    ) -> None:
+        for key, value in (
+            ("save_every_n_steps", every_n_steps),
+            ("checkpointer.keep_last_n_checkpoints", keep_last_n),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"{key}={value!r} must be a positive integer or null (null: "
+                    + (
+                        "save at the end of each epoch only)"
+                        if key == "save_every_n_steps"
+                        else "keep every step checkpoint)"
+                    )
+                )
+        self.output_dir = Path(output_dir)
+        self.every_n_steps = every_n_steps
+        self.keep_last_n = keep_last_n
+
+    def is_due(self, global_step: int) -> bool:
+        """Whether a step checkpoint is due after optimizer step ``global_step``."""
+        return self.every_n_steps is not None and global_step % self.every_n_steps == 0
+
+    # -- saving ----------------------------------------------------------------------
+
+    def save(
+        self,
+        global_step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        recipe_state: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> Path:
+        """Write the step checkpoint of ``global_step``; call it on every rank.
+
+        Args:
+            global_step (int): the optimizer steps taken so far.
+            model (nn.Module): the model (FSDP2-sharded in a distributed run).
+            optimizer (torch.optim.Optimizer): its optimizer, plain or in-backward.
+            recipe_state (dict[str, Any]): what the recipe needs to continue, the
+                same on every rank (rank 0's is saved).
+            rank_state (dict[str, Any]): what differs per rank, e.g. the dataloader's
+                state; this rank's RNG state is added to it.
+
+        Returns:
+            Path: the complete checkpoint folder ``output_dir/step_{global_step}``.
+        """
+        rank, world_size = _rank_and_world()
+        final = self.output_dir / f"step_{global_step}"
+        partial = self.output_dir / f".step_{global_step}.partial"
+        if rank == 0:
+            # A crashed save left it, or nothing did: either way it is not a checkpoint.
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+
+        if world_size > 1:
+            dcp.save(
+                {
+                    "model": get_model_state_dict(model),
+                    "optimizer": get_optimizer_state_dict(model, optimizer),
+                },
+                checkpoint_id=partial / MODEL_OPTIMIZER_DCP,
+            )
+        else:
+            _save_file(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                partial / MODEL_OPTIMIZER_FILE,
+            )
+        _save_file({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank}.pt")
+        _barrier()
+
+        if rank == 0:
+            _save_file(
+                {**recipe_state, "global_step": global_step, "world_size": world_size},
+                partial / RECIPE_STATE,
+            )
+            manifest = {
+                "version": _MANIFEST_VERSION,
+                "global_step": global_step,
+                "world_size": world_size,
+                "files": _files_under(partial),
+            }
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _fsync_dir(partial)
+            if final.exists():  # a resumed run saving the same step again
+                stale = self.output_dir / f".step_{global_step}.stale"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(final, stale)
+                os.replace(partial, final)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.replace(partial, final)
+            _fsync_dir(self.output_dir)
+            self._prune()
+            log.info(f"Step checkpoint saved to {final}")
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last_n is None:
+            return
+        complete = [p for p in self._step_dirs() if (p / MANIFEST).is_file()]
+        for old in complete[self.keep_last_n :]:
+            shutil.rmtree(old, ignore_errors=True)
+            log.info(f"Deleted step checkpoint {old} (keep_last_n_checkpoints)")
+
+    # -- finding and loading ---------------------------------------------------------
+
+    def _step_dirs(self) -> list[Path]:
+        """The ``step_{N}`` folders of ``output_dir``, newest first."""
+        if not self.output_dir.is_dir():
+            return []
+        found = [
+            p
+            for p in self.output_dir.iterdir()
+            if p.is_dir() and step_of(p) is not None
+        ]
+        return sorted(found, key=step_of, reverse=True)
+
+    def find_latest(self) -> Path | None:
+        """The newest whole step checkpoint in ``output_dir``, or ``None``.
+
+        A newer one that is incomplete or damaged is skipped with a warning naming it.
+        """
+        for path in self._step_dirs():
+            try:
+                verify(path)
+            except CheckpointError as e:
+                log.warning(f"Skipping step checkpoint {path}: {e}")
+                continue
+            return path
+        return None
+
+    def load(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load the step checkpoint ``path`` into ``model`` and ``optimizer``, and
+        restore this rank's RNG state; call it on every rank.
+
+        Args:
+            path (str | Path): a ``step_{N}`` folder.
+            model (nn.Module): the model, built as in the run that saved it.
+            optimizer (torch.optim.Optimizer): its optimizer, plain or in-backward
+                (either loads what either saved).
+
+        Returns:
+            tuple[dict[str, Any], dict[str, Any]]: the recipe state and this rank's
+            state, as given to :meth:`save`.
+
+        Raises:
+            CheckpointError: if the checkpoint is incomplete or damaged (naming the
+                file), or was written by a different number of processes.
+        """
+        path = Path(path)
+        verify(path)
+        rank, world_size = _rank_and_world()
+        recipe_state = torch.load(path / RECIPE_STATE, weights_only=False)
+        saved_world_size = recipe_state.get("world_size", 1)
+        if saved_world_size != world_size:
+            raise CheckpointError(
+                f"step checkpoint {path} was written by {saved_world_size} processes, "
+                f"this run has {world_size}: its dataloader positions are per process. "
+                f"Resume with {saved_world_size} processes, or from an epoch checkpoint."
+            )
+        if world_size > 1:
+            state = {
+                "model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer),
+            }
+            dcp.load(state, checkpoint_id=path / MODEL_OPTIMIZER_DCP)
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        else:
+            state = torch.load(path / MODEL_OPTIMIZER_FILE, weights_only=False)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        rank_state = torch.load(path / f"rank_{rank}.pt", weights_only=False)
+        _set_rng_state(rank_state.pop("rng"))
+        return recipe_state, rank_state
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+__all__ = ["CheckpointError", "StepCheckpointer", "step_of", "verify"]
