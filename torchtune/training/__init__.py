@@ -55,6 +55,11 @@ from torchtune.training.checkpointing import (
     ModelType,
     update_state_dict_for_classifier,
 )
+from torchtune.training.checkpointing._step_checkpointer import (
+    CheckpointError,
+    StepCheckpointer,
+    restore_rng_state,
+)
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
     OptimizerInBackward,
@@ -139,6 +144,10 @@ __all__ = [
     "STEPS_KEY",
     "TOTAL_EPOCHS_KEY",
     "update_state_dict_for_classifier",
+    # step checkpoints
+    "CheckpointError",
+    "StepCheckpointer",
+    "restore_rng_state",
     # learning rate
     "get_cosine_schedule_with_warmup",
     "get_lr",

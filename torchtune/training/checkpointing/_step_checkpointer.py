@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtune import utils
+from torchtune.training.checkpointing._utils import EPOCHS_KEY
 
 log = utils.get_logger("DEBUG")
 
@@ -183,6 +184,30 @@ class StepCheckpointer:
         self.every_n_steps = every_n_steps
         self.keep_last_n = keep_last_n
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> StepCheckpointer:
+        """The step checkpointer a recipe config asks for: ``save_every_n_steps`` and
+        ``checkpointer.keep_last_n_checkpoints`` (both ``null`` by default) in
+        ``output_dir``.
+
+        Raises:
+            ValueError: if either is not a positive integer or ``null``.
+        """
+        return cls(
+            cfg.output_dir,
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last_n=cfg.checkpointer.get("keep_last_n_checkpoints", None),
+        )
+
+    @staticmethod
+    def checkpointer_config(cfg_checkpointer: Any) -> Any:
+        """``cfg_checkpointer`` without ``keep_last_n_checkpoints``, which is this
+        class's option, not the model checkpointer's (0.6.1's checkpointers do not
+        take it)."""
+        cfg_checkpointer = cfg_checkpointer.copy()
+        cfg_checkpointer.pop("keep_last_n_checkpoints", None)
+        return cfg_checkpointer
+
     def is_due(self, global_step: int) -> bool:
         """Whether a step checkpoint is due after optimizer step ``global_step``."""
         return self.every_n_steps is not None and global_step % self.every_n_steps == 0
@@ -298,14 +323,99 @@ class StepCheckpointer:
             return path
         return None
 
+    def read_recipe_state(self, path: str | Path) -> dict[str, Any]:
+        """The recipe state of the whole step checkpoint ``path``.
+
+        Raises:
+            CheckpointError: if it is incomplete or damaged (naming the file), or was
+                written by a different number of processes than this run has.
+        """
+        path = Path(path)
+        verify(path)
+        recipe_state = torch.load(path / RECIPE_STATE, weights_only=False)
+        saved_world_size = recipe_state.get("world_size", 1)
+        world_size = _rank_and_world()[1]
+        if saved_world_size != world_size:
+            raise CheckpointError(
+                f"step checkpoint {path} was written by {saved_world_size} processes, "
+                f"this run has {world_size}: its dataloader positions are per process. "
+                f"Resume with {saved_world_size} processes, or from an epoch checkpoint."
+            )
+        return recipe_state
+
+    def _rank_state(self, path: Path) -> dict[str, Any]:
+        rank = _rank_and_world()[0]
+        return torch.load(path / f"rank_{rank}.pt", weights_only=False)
+
+    def read(
+        self, path: str | Path
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Read the single-process step checkpoint ``path`` without loading it anywhere.
+
+        Returns:
+            tuple: the recipe state, this rank's state (RNG under ``"rng"``), and
+            ``{"model": model state dict, "optimizer": optimizer state dict}``.
+
+        Raises:
+            CheckpointError: as :meth:`read_recipe_state`.
+        """
+        path = Path(path)
+        recipe_state = self.read_recipe_state(path)
+        state = torch.load(path / MODEL_OPTIMIZER_FILE, weights_only=False)
+        return recipe_state, self._rank_state(path), state
+
+    def resume_point(self, recipe_checkpoint: str | None) -> Path | None:
+        """The step checkpoint a run with ``resume_from_checkpoint=True`` resumes
+        from, or ``None`` to resume from the epoch checkpoint as torchtune 0.6.1 does.
+
+        - ``recipe_checkpoint`` naming a file of a ``step_{N}`` folder: that folder,
+          which must be whole (the error names what is wrong with it).
+        - ``recipe_checkpoint`` naming any other file: ``None`` (0.6.1's behaviour).
+        - ``recipe_checkpoint`` not set: the newest whole step checkpoint, unless the
+          epoch checkpoint (``recipe_state/recipe_state.pt``) is further along. A
+          damaged one of either kind is skipped with a warning.
+
+        Args:
+            recipe_checkpoint (str | None): ``checkpointer.recipe_checkpoint``,
+                relative to ``output_dir``.
+
+        Returns:
+            Path | None: the step checkpoint folder.
+
+        Raises:
+            CheckpointError: if the named step checkpoint is incomplete or damaged.
+        """
+        if recipe_checkpoint:
+            named = self.output_dir / recipe_checkpoint
+            folder = named if step_of(named) is not None else named.parent
+            if step_of(folder) is None:
+                return None
+            verify(folder)
+            return folder
+        latest = self.find_latest()
+        if latest is None:
+            return None
+        epoch_state = self.output_dir / "recipe_state" / "recipe_state.pt"
+        if epoch_state.is_file():
+            try:
+                epoch_progress = torch.load(epoch_state, weights_only=False)
+                epochs_at_epoch_checkpoint = epoch_progress[EPOCHS_KEY]
+            except Exception as e:  # a torn or foreign file: the step checkpoint wins
+                log.warning(f"Cannot read {epoch_state} ({e}); resuming from {latest}")
+                return latest
+            step_progress = torch.load(latest / RECIPE_STATE, weights_only=False)
+            if epochs_at_epoch_checkpoint > step_progress[EPOCHS_KEY]:
+                return None
+        return latest
+
     def load(
         self,
         path: str | Path,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load the step checkpoint ``path`` into ``model`` and ``optimizer``, and
-        restore this rank's RNG state; call it on every rank.
+        """Load the step checkpoint ``path`` into ``model`` and ``optimizer``; call it
+        on every rank. This is how a distributed recipe loads its sharded state.
 
         Args:
             path (str | Path): a ``step_{N}`` folder.
@@ -315,24 +425,16 @@ class StepCheckpointer:
 
         Returns:
             tuple[dict[str, Any], dict[str, Any]]: the recipe state and this rank's
-            state, as given to :meth:`save`.
+            state, as given to :meth:`save` (with its RNG state under ``"rng"``:
+            pass that to :func:`restore_rng_state` when training continues).
 
         Raises:
             CheckpointError: if the checkpoint is incomplete or damaged (naming the
                 file), or was written by a different number of processes.
         """
         path = Path(path)
-        verify(path)
-        rank, world_size = _rank_and_world()
-        recipe_state = torch.load(path / RECIPE_STATE, weights_only=False)
-        saved_world_size = recipe_state.get("world_size", 1)
-        if saved_world_size != world_size:
-            raise CheckpointError(
-                f"step checkpoint {path} was written by {saved_world_size} processes, "
-                f"this run has {world_size}: its dataloader positions are per process. "
-                f"Resume with {saved_world_size} processes, or from an epoch checkpoint."
-            )
-        if world_size > 1:
+        recipe_state = self.read_recipe_state(path)
+        if _rank_and_world()[1] > 1:
             state = {
                 "model": get_model_state_dict(model),
                 "optimizer": get_optimizer_state_dict(model, optimizer),
@@ -344,9 +446,13 @@ class StepCheckpointer:
             state = torch.load(path / MODEL_OPTIMIZER_FILE, weights_only=False)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        rank_state = torch.load(path / f"rank_{rank}.pt", weights_only=False)
-        _set_rng_state(rank_state.pop("rng"))
-        return recipe_state, rank_state
+        return recipe_state, self._rank_state(path)
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back the RNG state a step checkpoint saved for this rank (under ``"rng"``
+    of its rank state), so that dropout draws what the uninterrupted run drew."""
+    _set_rng_state(state)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -362,4 +468,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-__all__ = ["CheckpointError", "StepCheckpointer", "step_of", "verify"]
+__all__ = [
+    "CheckpointError",
+    "StepCheckpointer",
+    "restore_rng_state",
+    "step_of",
+    "verify",
+]

@@ -18,6 +18,7 @@ from torchtune.training.checkpointing._step_checkpointer import (
     MODEL_OPTIMIZER_FILE,
     CheckpointError,
     StepCheckpointer,
+    restore_rng_state,
     verify,
 )
 
@@ -74,6 +75,7 @@ def test_resume_from_a_step_checkpoint_continues_bitwise(
     assert checkpointer.find_latest() == path
     recipe_state, rank_state = checkpointer.load(path, resumed, new_optimizer)
     assert recipe_state["global_step"] == 3 and recipe_state["epochs_run"] == 0
+    restore_rng_state(rank_state.pop("rng"))
     assert rank_state == {"dataloader": {"seen": 3}}
     train(resumed, new_optimizer, range(3, 6))
     torch.testing.assert_close(
@@ -188,3 +190,43 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path: Path) -> None:
     torch.testing.assert_close(
         dict(restored.named_parameters()), dict(model.named_parameters()), **BITWISE
     )
+
+
+def epoch_recipe_state(tmp_path: Path, epochs_run: int) -> None:
+    (tmp_path / "recipe_state").mkdir(exist_ok=True)
+    torch.save(
+        {"epochs_run": epochs_run}, tmp_path / "recipe_state" / "recipe_state.pt"
+    )
+
+
+def test_resume_point_prefers_whichever_checkpoint_is_further_along(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1)
+    assert checkpointer.resume_point(None) is None  # nothing saved: 0.6.1's path
+    step = checkpointer.save(
+        5, model, optimizer, {"epochs_run": 1}, {"dataloader": None}
+    )
+    assert checkpointer.resume_point(None) == step  # no epoch checkpoint
+    epoch_recipe_state(tmp_path, epochs_run=1)  # epoch 0 done; step 5 is in epoch 1
+    assert checkpointer.resume_point(None) == step
+    epoch_recipe_state(tmp_path, epochs_run=2)  # epoch 1 done after step 5
+    assert checkpointer.resume_point(None) is None
+    # A torn epoch recipe state (a kill while torch.save wrote it in place).
+    (tmp_path / "recipe_state" / "recipe_state.pt").write_bytes(b"PK\x03\x04torn")
+    assert checkpointer.resume_point(None) == step
+
+
+def test_resume_point_follows_an_explicitly_named_checkpoint(tmp_path: Path) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1)
+    first = save_at(checkpointer, 1, model, optimizer)
+    save_at(checkpointer, 2, model, optimizer)
+    assert checkpointer.resume_point("step_1/recipe_state.pt") == first
+    assert checkpointer.resume_point("recipe_state/recipe_state.pt") is None
+    (first / "recipe_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=str(first / "recipe_state.pt")):
+        checkpointer.resume_point("step_1/recipe_state.pt")
