@@ -636,19 +636,28 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                     break
 
             self.epochs_run += 1
-            self._checkpoint_client.save_checkpoint(
-                model=self._model,
-                optimizer=self._optimizer,
-                training_progress=TrainingProgress(
-                    seed=self.seed,
-                    epochs_run=self.epochs_run,
-                    total_epochs=self.total_epochs,
-                    max_steps_per_epoch=self.max_steps_per_epoch,
-                    dataloader_state_dict=self._dataloader.state_dict(),
-                ),
-                epoch=curr_epoch,
-            )
+            self.save_checkpoint(epoch=curr_epoch)
         self._profiler.stop()
+
+    def save_checkpoint(self, epoch: int) -> None:
+        """
+        Saves the policy at the end of ``epoch`` (on every rank; rank 0 writes):
+        its weights, and for an intermediate checkpoint its optimizer state and the
+        training progress too. The reference is never saved: a resumed run reads it
+        from ``ref_checkpointer`` again.
+        """
+        self._checkpoint_client.save_checkpoint(
+            model=self._model,
+            optimizer=self._optimizer,
+            training_progress=TrainingProgress(
+                seed=self.seed,
+                epochs_run=self.epochs_run,
+                total_epochs=self.total_epochs,
+                max_steps_per_epoch=self.max_steps_per_epoch,
+                dataloader_state_dict=self._dataloader.state_dict(),
+            ),
+            epoch=epoch,
+        )
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
