@@ -5,7 +5,9 @@ recipe of this tree (``recipes/*.py``) whose YAML sets ``optimizer_in_bwd: True`
 Each runs as shipped (its bitsandbytes optimizer, bf16, chunked cross-entropy,
 activation checkpointing) with only what this machine forces changed:
 ``shipped_config_overrides`` swaps in the tiny model, tokenizer, checkpoint and data
-of ``tests/assets`` and runs on the CPU. Every run is two epochs of
+of ``tests/assets`` and runs on the CPU (``ppo_shipped_config_overrides`` does the
+same for PPO configs, which name a policy, a reward-and-value model and four
+checkpointers instead of one model). Every run is two epochs of
 ``STEPS_PER_EPOCH`` steps, so its epoch-0 checkpoint can be resumed and compared
 with the second epoch.
 
@@ -50,6 +52,8 @@ from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
     REPO_ROOT,
     TuneRun,
+    is_ppo_config,
+    ppo_shipped_config_overrides,
     run_tune,
     run_tune_in_process,
     shipped_config_overrides,
@@ -159,7 +163,12 @@ def _run(config: ShippedConfig, overrides: list[str], output_dir: Path) -> TuneR
 
 
 def _overrides(assets: TinyAssets, config: ShippedConfig, **settings: Any) -> list[str]:
-    return shipped_config_overrides(
+    overrides = (
+        ppo_shipped_config_overrides
+        if is_ppo_config(config.path)
+        else shipped_config_overrides
+    )
+    return overrides(
         assets,
         config.path,
         {
@@ -259,11 +268,24 @@ def _makes_8bit_state(config: ShippedConfig, numel: int) -> bool:
     return opt.state[param]["state1"].dtype == torch.uint8
 
 
-def _tiny_param_numels(assets: TinyAssets) -> dict[str, int]:
+def _tiny_param_numels(
+    assets: TinyAssets, config: ShippedConfig | None = None
+) -> dict[str, int]:
+    """The tiny model's parameter sizes, in the order ``config``'s optimizer holds
+    them."""
     from torchtune.models.llama2 import llama2
 
     model = llama2(**assets.model_kwargs)
-    return {name: p.numel() for name, p in model.named_parameters()}
+    numels = {name: p.numel() for name, p in model.named_parameters()}
+    if config is not None and is_ppo_config(config.path):
+        # PPO's one optimizer holds the policy's parameters (the tiny model), then
+        # the value model's (the same sizes with a one-output head).
+        from torchtune.models.mistral import mistral_classifier
+
+        kwargs = {k: v for k, v in assets.model_kwargs.items() if k != "rope_base"}
+        value = mistral_classifier(num_classes=1, **kwargs)
+        numels |= {f"value.{n}": p.numel() for n, p in value.named_parameters()}
+    return numels
 
 
 def _find(state: dict[str, Any], key: str) -> Any:
@@ -326,7 +348,7 @@ def test_shipped_config_trains_in_backward_on_cpu(
 
     # The saved optimizer state is the config's own: 8-bit for each parameter the
     # optimizer keeps in 8 bits, so an 8-bit config really ran its 8-bit path.
-    numels = _tiny_param_numels(tiny_assets)
+    numels = _tiny_param_numels(tiny_assets, config)
     saved = torch.load(
         run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
     )["optimizer"]

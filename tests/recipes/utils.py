@@ -255,6 +255,123 @@ def shipped_config_overrides(
     return removed + [format_override(k, v) for k, v in forced.items()]
 
 
+# The four checkpointers of a PPO config, and which model each one reads.
+_PPO_CHECKPOINTERS = {
+    "checkpointer": "policy",
+    "ref_policy_checkpointer": "policy",
+    "value_checkpointer": "reward",
+    "reward_checkpointer": "reward",
+}
+
+
+def is_ppo_config(config: Path | str) -> bool:
+    """Whether a config is shaped for ``ppo_full_finetune_single_device``: it names
+    ``policy_model`` and ``reward_and_value_model`` instead of one ``model``."""
+    from omegaconf import OmegaConf
+
+    shipped = OmegaConf.load(config)
+    return "policy_model" in shipped and "reward_and_value_model" in shipped
+
+
+def ppo_shipped_config_overrides(
+    assets: TinyAssets,
+    config: Path | str,
+    settings: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """``shipped_config_overrides`` for a PPO config (see :func:`is_ppo_config`).
+
+    A PPO config has no ``model`` or single ``checkpointer`` to swap: it names a
+    policy, a reward-and-value classifier, four checkpointers and a prompt dataset,
+    and its run length is ``num_steps`` prompts rather than epochs. As in
+    ``shipped_config_overrides``, only what this machine forces changes:
+
+    - ``policy_model``: Mistral's builder with the sizes of the tiny model of
+      ``tests/assets``, whose Llama2 checkpoint it loads as is (same modules and key
+      names); ``reward_and_value_model``: the config's classifier builder with those
+      sizes (``tests/assets/make_ppo_assets.py`` makes its checkpoint).
+    - The tokenizer file (Mistral's tokenizer over the tiny sentencepiece model), the
+      dataset's data (the tiny prompts, read from JSON by the config's own dataset
+      builder and column), and each checkpointer's ``checkpoint_dir`` and
+      ``checkpoint_files`` (the model types stay the config's).
+    - ``device=cpu``, and ``compile=False``: the config compiles the layers of all
+      four models, which on this 2-core CPU costs more than the whole run (measured
+      with dynamo's ``aot_eager`` backend, no code generation at all: 60 s for the
+      first step, 160 s for the run instead of 45 s, with the same losses).
+
+    The optimizer, ``dtype``, batch sizes, activation checkpointing, the KV cache,
+    generation and PPO settings and every other key stay as the config has them.
+
+    Args:
+        assets (TinyAssets): the generated assets (the ``tiny_assets`` fixture).
+        config (Path | str): the shipped YAML file.
+        settings (Mapping[str, Any] | None): the caller's overrides, as for
+            ``shipped_config_overrides``. ``epochs`` and ``max_steps_per_epoch``, if
+            given, are turned into PPO's terms: the dataset is cut to
+            ``max_steps_per_epoch`` batches of ``batch_size`` prompts, and
+            ``num_steps`` covers ``epochs`` passes over it. Every other setting is
+            passed on and wins over the forced ones. Default: None.
+
+    Returns:
+        list[str]: ``"key=value"`` and ``"~key"`` overrides for ``run_tune`` or
+        ``run_tune_in_process``.
+    """
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from tests.assets.make_ppo_assets import ensure_ppo_assets
+    from torchtune.config._utils import _get_component_from_path
+
+    ppo = ensure_ppo_assets(assets)
+    shipped = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+    settings = dict(settings or {})
+    epochs = settings.pop("epochs", 1)
+    steps_per_epoch = settings.pop("max_steps_per_epoch", None)
+    batch_size = settings.get("batch_size", shipped["batch_size"])
+    if steps_per_epoch is None:
+        steps_per_epoch = ppo.num_prompts // batch_size
+    if steps_per_epoch * batch_size > ppo.num_prompts:
+        raise ValueError(
+            f"{steps_per_epoch} steps of batch_size={batch_size} need "
+            f"{steps_per_epoch * batch_size} prompts; the tiny prompt dataset has "
+            f"{ppo.num_prompts}."
+        )
+    checkpoints = {
+        "policy": (assets.checkpoint_dir, assets.checkpoint_files),
+        "reward": (ppo.reward_checkpoint_dir, ppo.reward_checkpoint_files),
+    }
+    forced: dict[str, Any] = {
+        "policy_model._component_": "torchtune.models.mistral.mistral",
+        **{f"policy_model.{k}": v for k, v in ppo.model_kwargs.items()},
+        "reward_and_value_model.num_classes": 1,
+        **{f"reward_and_value_model.{k}": v for k, v in ppo.model_kwargs.items()},
+        "tokenizer._component_": "torchtune.models.mistral.mistral_tokenizer",
+        "tokenizer.path": assets.tokenizer_path,
+        "dataset.source": "json",
+        "dataset.data_files": ppo.prompts,
+        # Exactly steps_per_epoch batches per epoch (the loader drops the rest).
+        "dataset.split": f"train[:{steps_per_epoch * batch_size}]",
+        "num_steps": epochs * steps_per_epoch * batch_size,
+        "device": "cpu",
+        "compile": False,
+    }
+    for node, model in _PPO_CHECKPOINTERS.items():
+        checkpoint_dir, checkpoint_files = checkpoints[model]
+        forced[f"{node}.checkpoint_dir"] = checkpoint_dir
+        forced[f"{node}.checkpoint_files"] = list(checkpoint_files)
+    forced.update(settings)
+    # Drop the keys of a swapped component that its replacement does not take (the
+    # 7B builder takes none of the sizes, so the config gives none).
+    removed = []
+    for node in ("policy_model", "reward_and_value_model", "tokenizer"):
+        component = forced.get(f"{node}._component_", shipped[node]["_component_"])
+        accepted = inspect.signature(_get_component_from_path(component)).parameters
+        for key in shipped.get(node) or {}:
+            if key != "_component_" and key not in accepted:
+                removed.append(f"~{node}.{key}")
+    return removed + [format_override(k, v) for k, v in forced.items()]
+
+
 def format_override(key: str, value: Any) -> str:
     """Write one ``key=value`` command-line override as ``tune run`` parses it.
 
