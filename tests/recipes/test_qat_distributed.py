@@ -1,0 +1,389 @@
+"""``qat_distributed`` on CPU with 2 gloo processes: quantization-aware training with
+int8 dynamic activation + int4 weight fake quantization (torchao's
+``Int8DynActInt4WeightQATQuantizer``, groupsize 32), which runs on CPU.
+
+Every claim is an equivalence between runs on the same seed and data:
+
+- in-backward vs plain, with fake quantization on;
+- resumed from epoch 0 vs uninterrupted: within a mode, across modes, and from a
+  checkpoint in torchtune 0.6.1's in-backward layout;
+- 2 processes vs 1 at the same global batch;
+- fake quantization off for ``fake_quant_after_n_steps`` steps, then on.
+
+Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
+fake quantization from step 3), shared through module-scoped fixtures.
+
+The data: the runs train on the records of the tiny instruct set whose answer is 4
+label tokens, so every step's global token count is 8 x 4 = 32. That makes the
+two modes' loss normalizations exact: in-backward multiplies the loss by
+``world_size / tokens`` = 1/16 before backward, plain multiplies the gradients by it
+after, and scaling by a power of two rounds nothing. Backward is linear in its
+incoming gradient, so both modes reach the same gradients bit for bit; FSDP's
+average over 2 ranks (another power of two) and AdamW's per-element update keep them
+equal. This matters for QAT: fake quantization rounds each weight and activation to
+a coarse grid, so a weight one ulp apart can land on the next grid point and change
+the loss by orders of magnitude more than the ulp. With 3-token answers mixed in
+(token counts like 24 or 27), the modes' losses drift 5e-4 relative apart within
+three steps: measured, and no error in either.
+
+Tolerances, from the arithmetic (observed on x86 CPU in brackets):
+
+- ``EXACT`` for losses and lr between the modes and for every resume: the same
+  values through the same kernels, as above [0].
+- ``NORM_KERNELS`` for ``grad_norm`` across modes: plain takes one norm over all
+  gradients, in-backward sums per-parameter squared norms as gradients arrive; a few
+  ulps [within 9e-8 relative].
+- ``ACROSS_LAYOUTS`` for 2 processes vs 1: per-rank partial sums and a
+  reduce-scatter add the same terms in another order, a few ulps per op. Compared on
+  the steps before fake quantization starts, where nothing amplifies them [loss
+  and grad_norm within 1e-7 relative]. 1e-5 leaves room for other CPUs' kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import (
+    TuneRun,
+    run_tune,
+    run_tune_in_process,
+    snapshot_files,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "qat_distributed"
+CONFIG = tiny_config("tiny_qat_distributed")
+EPOCHS, STEPS = 2, 2  # the tiny config's run length
+ALL_STEPS = range(1, EPOCHS * STEPS + 1)
+EPOCH_0, EPOCH_1 = range(1, STEPS + 1), range(STEPS + 1, EPOCHS * STEPS + 1)
+FAKE_QUANT_AFTER = 2  # the tiny config's fake_quant_after_n_steps
+SHARD = "model-00001-of-00001.safetensors"
+TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+NORM_KERNELS = {"rtol": 1e-6, "atol": 0.0}
+ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 0.0}
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("qat_distributed")
+
+
+@pytest.fixture(scope="module")
+def four_token_data(tiny_assets: TinyAssets, runs_dir: Path) -> Path:
+    """The training records whose answer (with EOS) is exactly 4 label tokens: 8
+    samples a step make 32 tokens (see the module docstring)."""
+    from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+    from torchtune.datasets import instruct_dataset
+    from torchtune.models.llama2 import llama2_tokenizer
+
+    tokenizer = llama2_tokenizer(
+        str(tiny_assets.tokenizer_path), max_seq_len=128, prompt_template=None
+    )
+    dataset = instruct_dataset(
+        tokenizer,
+        source="json",
+        data_files=str(tiny_assets.train_data),
+        split="train",
+        train_on_input=False,
+    )
+    records = json.loads(Path(tiny_assets.train_data).read_text())
+    kept = [
+        record
+        for i, record in enumerate(records)
+        if sum(label != CROSS_ENTROPY_IGNORE_IDX for label in dataset[i]["labels"]) == 4
+    ]
+    # Two steps of 8 samples in each epoch need at least 16 records.
+    assert len(kept) >= 2 * 8, len(kept)
+    path = runs_dir / "four_token_answers.json"
+    path.write_text(json.dumps(kept))
+    return path
+
+
+def _train(
+    out: Path, assets: TinyAssets, data: Path, *, nproc: int = 2, **overrides: Any
+) -> TuneRun:
+    base = {"assets_dir": assets.root, "dataset.data_files": data}
+    return run_tune(
+        RECIPE, CONFIG, base | overrides, nproc=nproc, output_dir=out, timeout=TIMEOUT_S
+    )
+
+
+def _resume(
+    source: TuneRun, out: Path, assets: TinyAssets, data: Path, **overrides: Any
+) -> TuneRun:
+    """Resume from what ``source``'s epoch 0 left, in a fresh output_dir."""
+    for part in ("epoch_0", "recipe_state"):
+        if not (out / part).exists():
+            shutil.copytree(source.output_dir / part, out / part)
+    run = _train(
+        out,
+        assets,
+        data,
+        resume_from_checkpoint=True,
+        **{
+            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+        },
+        **overrides,
+    )
+    assert list(run.metrics) == list(EPOCH_1), run.metrics
+    return run
+
+
+def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
+    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
+
+
+def _assert_same_training(
+    run: TuneRun,
+    reference: TuneRun,
+    steps: range,
+    *,
+    loss: dict[str, float],
+    grad_norm: dict[str, float],
+) -> None:
+    assert_close(_metric(run, "loss", steps), _metric(reference, "loss", steps), **loss)
+    assert_close(
+        _metric(run, "grad_norm", steps),
+        _metric(reference, "grad_norm", steps),
+        **grad_norm,
+    )
+    # The schedule depends on nothing but the step count.
+    assert_close(_metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT)
+
+
+@pytest.fixture(scope="module")
+def in_bwd(runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path) -> TuneRun:
+    """The reference: in-backward on 2 processes."""
+    return _train(runs_dir / "in_bwd", tiny_assets, four_token_data)
+
+
+@pytest.fixture(scope="module")
+def plain(runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path) -> TuneRun:
+    return _train(
+        runs_dir / "plain", tiny_assets, four_token_data, optimizer_in_bwd=False
+    )
+
+
+def test_in_backward_matches_plain_bitwise_with_fake_quantization(
+    in_bwd: TuneRun, plain: TuneRun
+) -> None:
+    assert list(in_bwd.metrics) == list(ALL_STEPS)
+    assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
+    _assert_same_training(in_bwd, plain, ALL_STEPS, loss=EXACT, grad_norm=NORM_KERNELS)
+
+
+@pytest.fixture(scope="module")
+def one_process_without_fake_quant(
+    runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> TuneRun:
+    """1 process with batch 8 (the 2 x 4 samples of a 2-process step), fake
+    quantization never on."""
+    return _train(
+        runs_dir / "one_process",
+        tiny_assets,
+        four_token_data,
+        nproc=1,
+        batch_size=8,
+        fake_quant_after_n_steps=EPOCHS * STEPS,
+    )
+
+
+def test_two_processes_match_one_process_at_the_same_global_batch(
+    in_bwd: TuneRun, one_process_without_fake_quant: TuneRun
+) -> None:
+    # Both runs train unquantized until the 2-process run turns fake quantization
+    # on: step 2's loss already reflects the first update, both grad_norms the
+    # normalization over ranks.
+    _assert_same_training(
+        one_process_without_fake_quant,
+        in_bwd,
+        EPOCH_0,
+        loss=ACROSS_LAYOUTS,
+        grad_norm=ACROSS_LAYOUTS,
+    )
+
+
+def test_fake_quantization_is_off_for_fake_quant_after_n_steps_then_on(
+    in_bwd: TuneRun, one_process_without_fake_quant: TuneRun
+) -> None:
+    assert "Step 0: fake quantization disabled." in in_bwd.output
+    assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in in_bwd.output
+    # From step 3 the 2-process run fake-quantizes and the 1-process run does not:
+    # the quantization error moves the loss far more than the layouts' rounding
+    # (1.2e-3 relative at step 3, measured).
+    step = FAKE_QUANT_AFTER + 1
+    with_fq = in_bwd.metrics[step]["loss"]
+    without_fq = one_process_without_fake_quant.metrics[step]["loss"]
+    assert abs(with_fq - without_fq) > 100 * ACROSS_LAYOUTS["rtol"] * abs(without_fq)
+
+
+def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> None:
+    resumed = _resume(
+        in_bwd, runs_dir / "in_bwd_from_in_bwd", tiny_assets, four_token_data
+    )
+    # It starts past fake_quant_after_n_steps, so it keeps the fake quantization
+    # that prepare() turned on (and the losses below show it is on).
+    assert "fake quantization disabled" not in resumed.output
+    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=EXACT)
+
+
+def test_plain_resume_from_in_backward_checkpoint_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> None:
+    # Also with activation checkpointing and the embeddings and output sharded on
+    # their own, as the shipped configs have them: recomputing the forward and
+    # grouping parameters differently change no value, so the losses stay bitwise.
+    resumed = _resume(
+        in_bwd,
+        runs_dir / "plain_from_in_bwd",
+        tiny_assets,
+        four_token_data,
+        optimizer_in_bwd=False,
+        enable_activation_checkpointing=True,
+        custom_sharded_layers=["tok_embeddings", "output"],
+    )
+    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=NORM_KERNELS)
+
+
+def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
+    plain: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> None:
+    """The plain run's epoch 0, its optimizer state rewritten as torchtune 0.6.1's
+    qat_distributed saved in-backward runs: one full (name-keyed) optimizer state
+    dict per parameter, keyed by the parameter's name."""
+    from torchtune import training
+
+    out = runs_dir / "in_bwd_from_0_6_1"
+    shutil.copytree(plain.output_dir / "epoch_0", out / "epoch_0")
+    state = torch.load(
+        plain.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
+    )
+    optimizer = state[training.OPT_KEY]
+    (group,) = optimizer["param_groups"]
+    state[training.OPT_KEY] = {
+        name: {
+            "state": {name: optimizer["state"][name]},
+            "param_groups": [group | {"params": [name]}],
+        }
+        for name in group["params"]
+    }
+    (out / "recipe_state").mkdir()
+    torch.save(state, out / "recipe_state" / "recipe_state.pt")
+
+    resumed = _resume(plain, out, tiny_assets, four_token_data)
+    _assert_same_training(resumed, plain, EPOCH_1, loss=EXACT, grad_norm=NORM_KERNELS)
+
+
+def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_keys(
+    in_bwd: TuneRun, tiny_assets: TinyAssets
+) -> None:
+    base = {}
+    for name in tiny_assets.checkpoint_files:
+        base |= load_file(tiny_assets.checkpoint_dir / name)
+    final = load_file(in_bwd.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
+    # Fake quantization adds no weights and changes no names or dtypes.
+    assert final.keys() == base.keys()
+    for key, tensor in final.items():
+        assert tensor.shape == base[key].shape and tensor.dtype == base[key].dtype, key
+    assert any(not torch.equal(final[k], base[k]) for k in final)
+
+
+def _registered_configs() -> list[tuple[str, Path]]:
+    """Every config registered for this recipe, with its file in the installed package."""
+    import torchtune
+    from torchtune._recipe_registry import get_all_recipes
+
+    configs_dir = Path(torchtune.__file__).parent.parent / "recipes" / "configs"
+    (recipe,) = [r for r in get_all_recipes() if r.name == RECIPE]
+    return [(c.name, configs_dir / c.file_path) for c in recipe.configs]
+
+
+REGISTERED = _registered_configs()
+
+
+@pytest.mark.parametrize(("name", "path"), REGISTERED, ids=[n for n, _ in REGISTERED])
+def test_every_upstream_config_of_the_recipe_resolves(name: str, path: Path) -> None:
+    from torchtune import config, training
+
+    cfg = OmegaConf.load(path)
+    # Each component exists and takes the keys the config gives it.
+    config.validate(cfg)
+    mode = training.quantization.get_quantizer_mode(config.instantiate(cfg.quantizer))
+    assert mode is not None and "qat" in mode, mode
+
+
+NOT_QAT = "torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
+REFUSALS = {
+    "clip_grad_norm": (
+        ["clip_grad_norm=1.0"],
+        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
+        "gradient norm is only known after backward, when in-backward updates have "
+        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
+    ),
+    "gradient_accumulation_steps": (
+        ["gradient_accumulation_steps=2"],
+        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
+        "each parameter is updated as soon as its gradient is ready, so gradients "
+        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
+        "or optimizer_in_bwd=False.",
+    ),
+    "compile": (
+        ["compile=True"],
+        "compile=True is not supported by qat_distributed: it does not compile "
+        "fake-quantized layers. Set compile=False.",
+    ),
+    "not_a_qat_quantizer": (
+        [f"quantizer._component_={NOT_QAT}"],
+        f"quantizer._component_={NOT_QAT} is not a QAT quantizer (mode 8da4w): "
+        "fine-tuning needs one that fake-quantizes, e.g. "
+        "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer.",
+    ),
+    "no_quantizer": (
+        ["quantizer=null"],
+        "qat_distributed needs a quantizer, e.g. quantizer._component_="
+        "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer.",
+    ),
+    "fake_quant_after_n_steps": (
+        ["fake_quant_after_n_steps=-1"],
+        "fake_quant_after_n_steps must be null or an integer >= 0, got -1.",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", REFUSALS)
+def test_refused_config_fails_with_its_message_and_leaves_output_dir_untouched(
+    key: str, in_bwd: TuneRun, tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    import torch.distributed as dist
+
+    # An output_dir that holds a finished run's checkpoints and logs.
+    out = tmp_path / "out"
+    shutil.copytree(in_bwd.output_dir, out)
+    before = snapshot_files(out)
+    overrides, message = REFUSALS[key]
+    # ``tune run`` without --nproc_per_node runs the recipe in this process: the
+    # refusal must come before the process group, the model or any file.
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        run_tune_in_process(
+            RECIPE, CONFIG, [f"assets_dir={tiny_assets.root}", *overrides], out
+        )
+    assert not dist.is_initialized()
+    assert snapshot_files(out) == before
