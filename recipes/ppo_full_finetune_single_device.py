@@ -290,10 +290,11 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._resume_from_checkpoint:
             self._update_recipe_state(policy_ckpt)
         # global_step counts optimizer steps: one per PPO minibatch.
-        self._optimizer_steps_per_step = self._ppo_epochs * (
-            self.batch_size // self._ppo_batch_size
+        self.global_step = (
+            self._steps_run
+            * self._ppo_epochs
+            * (self.batch_size // self._ppo_batch_size)
         )
-        self.global_step = self._steps_run * self._optimizer_steps_per_step
 
         self._profiler = self._setup_profiler(cfg.get(training.PROFILER_KEY, None))
 
@@ -350,7 +351,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # No parameter names: the two models' names collide, and 0.6.1's in-backward
         # format, which names would let OptimizerInBackward read, held only the value
         # model's state here (see _from_0_6_1_in_bwd_state).
-        params = [*self._policy_model.parameters(), *self._value_model.parameters()]
+        params = list(self._trainable_params())
         optimizer = (
             training.OptimizerInBackward(params, make_optimizer)
             if self._optimizer_in_bwd
@@ -376,15 +377,16 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         converted = training.convert_legacy_optim_in_bwd_state_dict(legacy)
 
-        def plain(name: str) -> str:
+        def unwrapped(name: str) -> str:
             # Activation checkpointing wraps layers under a prefix of its own.
             return name.replace(_AC_WRAPPER_PREFIX, "")
 
-        saved = {plain(name): state for name, state in converted["state"].items()}
+        saved = {unwrapped(n): state for n, state in converted["state"].items()}
         (group,) = converted["param_groups"]
-        value_names = [plain(name) for name, _ in self._value_model.named_parameters()]
-        missing = sorted(set(value_names) - {plain(n) for n in group["params"]})
-        extra = sorted({plain(n) for n in group["params"]} - set(value_names))
+        saved_names = {unwrapped(n) for n in group["params"]}
+        value_names = [unwrapped(n) for n, _ in self._value_model.named_parameters()]
+        missing = sorted(set(value_names) - saved_names)
+        extra = sorted(saved_names - set(value_names))
         if missing or extra:
             raise ValueError(
                 "The optimizer state is in torchtune 0.6.1's in-backward format, which "
@@ -826,11 +828,11 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
-        return PPOStats(
-            *map(torch.stack, zip(*minibatch_stats, strict=True))
-        ), grad_norms
+        stacked = PPOStats(*map(torch.stack, zip(*minibatch_stats, strict=True)))
+        return stacked, grad_norms
 
     def _trainable_params(self) -> Iterator[nn.Parameter]:
+        """The policy's parameters, then the value model's: the optimizer's order."""
         yield from self._policy_model.parameters()
         yield from self._value_model.parameters()
 

@@ -32,7 +32,8 @@ Tolerances:
   ``ACCUMULATION_TOLERANCE`` allows ``rtol=1e-5``.
 - A resume without the policy's optimizer state (what 0.6.1 did after an in-backward
   run) must move the resumed losses by far more than rounding: more than 1e-3
-  relative, against measured differences of 0 between correct resumes.
+  relative (measured: 2.1e-2 and 4.5e-2), against measured differences of 0 between
+  correct resumes.
 """
 
 from __future__ import annotations
