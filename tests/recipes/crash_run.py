@@ -1,0 +1,118 @@
+"""Run ``tune run ...`` and kill the process with SIGKILL at a chosen moment.
+
+Used by the fault-injection tests as ``python -m tests.recipes.crash_run KILL_POINT
+run <recipe> --config ...``. The kill is triggered by an event of the run itself, never
+by a timer, so it lands at the same place every time:
+
+- ``after_step:N``: right after the metrics of step N are logged and flushed.
+- ``in_step_save:N``: while the model and optimizer file of step checkpoint N is
+  being written (half of its bytes are on disk).
+- ``before_rename:N``: once step checkpoint N is complete under its temporary
+  name, just before it is renamed to ``step_N``.
+- ``in_epoch_save:E``: while the checkpointer writes ``recipe_state.pt`` of epoch E
+  in place (torchtune 0.6.1's checkpointers do), half of its bytes on disk.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_half_and_die(obj: Any, f: Any) -> None:
+    buffer = io.BytesIO()
+    _real_save(obj, buffer)
+    data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    if isinstance(f, str | os.PathLike):
+        with open(f, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+    else:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _die()
+
+
+_real_save = torch.save
+
+
+def install(kill_point: str) -> None:
+    """Arrange for this process to SIGKILL itself at ``kill_point``."""
+    what, _, number = kill_point.partition(":")
+    n = int(number)
+
+    if what == "after_step":
+        from torchtune.training.metric_logging import DiskLogger
+
+        log_dict = DiskLogger.log_dict
+
+        def log_then_die(self, payload, step):
+            log_dict(self, payload, step)
+            if step == n:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                _die()
+
+        DiskLogger.log_dict = log_then_die
+
+    elif what in ("in_step_save", "in_epoch_save"):
+
+        def save(obj, f, *args, **kwargs):
+            if what == "in_step_save":
+                hit = (
+                    isinstance(f, io.IOBase)
+                    and f".step_{n}.partial" in str(getattr(f, "name", ""))
+                    and isinstance(obj, dict)
+                    and "optimizer" in obj
+                )
+            else:
+                hit = (
+                    str(f).endswith("recipe_state.pt")
+                    and isinstance(obj, dict)
+                    and obj.get("epochs_run") == n + 1
+                )
+            if hit:
+                _write_half_and_die(obj, f)
+            return _real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+
+    elif what == "before_rename":
+        real_replace = os.replace
+
+        def replace(src, dst, *args, **kwargs):
+            if Path(src).name == f".step_{n}.partial":
+                _die()
+            return real_replace(src, dst, *args, **kwargs)
+
+        os.replace = replace
+
+    else:
+        raise ValueError(f"unknown kill point {kill_point!r}")
+
+
+def main() -> None:
+    kill_point, *tune_args = sys.argv[1:]
+    install(kill_point)
+    from torchtune._cli.tune import main as tune_main
+
+    sys.argv = ["tune", *tune_args]
+    tune_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Step checkpoints (``save_every_n_steps``): a run resumes exactly from any step, and
+a run killed at any moment, mid-save included, resumes to the end with the losses of
+the uninterrupted run.
+
+Every run trains the tiny Llama2 of ``tests/recipes/configs`` for two epochs of three
+steps with a step checkpoint every two steps and at each epoch's end (steps 2, 3, 4
+and 6; epoch checkpoints at steps 3 and 6), so a resume can land mid-epoch (steps 2
+and 4) or at an epoch's end (step 3).
+
+Tolerances:
+
+- A resume in the mode of the uninterrupted run: the same kernels see the same values
+  (model, optimizer state, data order and RNG state are restored), so the losses must
+  be bitwise equal: ``rtol=0, atol=0``.
+- A resume that switches between plain and in-backward: float rounding only (the
+  in-backward recipe divides the loss by the step's tokens before backward, plain
+  divides the gradients after it; about 1e-7 relative per step in fp32):
+  ``rtol=2e-6``, as in the other recipe tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import (
+    DISK_LOGGER,
+    REPO_ROOT,
+    TuneRun,
+    _override_list,
+    _subprocess_env,
+    read_disk_log,
+    run_tune_in_process,
+    tiny_config,
+)
+from torchtune.training import StepCheckpointer
+
+pytestmark = pytest.mark.integration_test
+
+STEPS_PER_EPOCH = 3
+ALL_STEPS = list(range(1, 2 * STEPS_PER_EPOCH + 1))
+EXACT = {"rtol": 0.0, "atol": 0.0}
+MODE_SWITCH = {"rtol": 2e-6, "atol": 0.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
+    """What run_tune gives its subprocesses, for the runs in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        yield
+
+
+def overrides(assets: TinyAssets, in_bwd: bool, **more: Any) -> dict[str, Any]:
+    return {
+        "assets_dir": assets.root,
+        "epochs": 2,
+        "max_steps_per_epoch": STEPS_PER_EPOCH,
+        "save_every_n_steps": 2,
+        "optimizer_in_bwd": in_bwd,
+        **more,
+    }
+
+
+def losses(run: TuneRun | dict[int, dict[str, float]]) -> dict[int, float]:
+    metrics = run.metrics if isinstance(run, TuneRun) else run
+    return {step: values["loss"] for step, values in sorted(metrics.items())}
+
+
+# -- single device ---------------------------------------------------------------
+
+SINGLE = "full_finetune_single_device"
+SINGLE_CONFIG = tiny_config("tiny_full_single_device")
+
+
+@pytest.fixture(scope="module")
+def single_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Uninterrupted runs, in each mode."""
+    return {
+        mode: run_tune_in_process(
+            SINGLE,
+            SINGLE_CONFIG,
+            overrides(tiny_assets, mode == "bwd"),
+            tmp_path_factory.mktemp(f"single_{mode}"),
+        )
+        for mode in ("plain", "bwd")
+    }
+
+
+def resume_from(
+    source: TuneRun, step: int, out: Path, assets: TinyAssets, in_bwd: bool
+) -> TuneRun:
+    """Resume, in a fresh output_dir holding only ``step_{step}``, with no file named:
+    the newest whole checkpoint is found."""
+    shutil.copytree(source.output_dir / f"step_{step}", out / f"step_{step}")
+    return run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(assets, in_bwd, resume_from_checkpoint=True),
+        out,
+    )
+
+
+def test_a_step_checkpoint_holds_everything_to_resume(
+    single_runs: dict[str, TuneRun],
+) -> None:
+    for run in single_runs.values():
+        names = sorted(p.name for p in run.output_dir.iterdir())
+        assert {"step_2", "step_3", "step_4", "step_6", "epoch_0", "epoch_1"} <= set(
+            names
+        )
+        assert not [n for n in names if n.startswith(".step_")]
+        state = torch.load(run.output_dir / "step_4" / "rank_0.pt", weights_only=False)
+        # Mid-epoch 1, after one of its three batches.
+        assert state["dataloader"]["_sampler_iter_yielded"] == 1, state["dataloader"]
+
+
+@pytest.mark.parametrize("mode", ["plain", "bwd"])
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    mode: str,
+    step: int,
+) -> None:
+    resumed = resume_from(single_runs[mode], step, tmp_path, tiny_assets, mode == "bwd")
+    expected = {s: v for s, v in losses(single_runs[mode]).items() if s > step}
+    assert losses(resumed) == pytest.approx(expected, rel=0, abs=0)
+
+
+@pytest.mark.parametrize(("source", "target"), [("plain", "bwd"), ("bwd", "plain")])
+def test_resume_mid_epoch_in_the_other_mode_gives_the_losses_within_rounding(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    source: str,
+    target: str,
+) -> None:
+    resumed = resume_from(
+        single_runs[source], 4, tmp_path, tiny_assets, target == "bwd"
+    )
+    expected = {s: v for s, v in losses(single_runs[source]).items() if s > 4}
+    assert_close(list(losses(resumed).values()), list(expected.values()), **MODE_SWITCH)
+    assert list(losses(resumed)) == list(expected)
+
+
+def test_keep_last_n_checkpoints_keeps_the_newest_step_checkpoints(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(
+            tiny_assets,
+            True,
+            max_steps_per_epoch=2,
+            save_every_n_steps=1,
+            **{"checkpointer.keep_last_n_checkpoints": 2},
+        ),
+        tmp_path,
+    )
+    steps = sorted(p.name for p in tmp_path.glob("step_*"))
+    assert steps == ["step_3", "step_4"]  # of steps 1 to 4, each saved
+    assert (tmp_path / "epoch_0").is_dir() and (tmp_path / "epoch_1").is_dir()
+
+
+def test_invalid_save_every_n_steps_is_refused_before_anything_is_written(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="save_every_n_steps=0 must be a positive"):
+        run_tune_in_process(
+            SINGLE,
+            SINGLE_CONFIG,
+            overrides(tiny_assets, True, save_every_n_steps=0),
+            tmp_path,
+        )
+    assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob("epoch_*"))
+
+
+# -- fault injection: SIGKILL at chosen moments, then resume ----------------------------
+
+
+def killed_run(
+    kill_point: str, assets: TinyAssets, out: Path, timeout: float = 300.0
+) -> dict[int, dict[str, float]]:
+    """Run the in-backward recipe in a subprocess that SIGKILLs itself at
+    ``kill_point`` (see ``tests/recipes/crash_run.py``); return what it logged."""
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "tests.recipes.crash_run",
+        kill_point,
+        "run",
+        SINGLE,
+        "--config",
+        str(SINGLE_CONFIG),
+        *_override_list(overrides(assets, True)),
+        f"output_dir={out}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_dir}",
+        "metric_logger.filename=killed.txt",
+    ]
+    proc = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env=_subprocess_env(out, None),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"expected a SIGKILL at {kill_point}, got exit status {proc.returncode}\n"
+        + proc.stdout[-3000:]
+        + proc.stderr[-3000:]
+    )
+    return read_disk_log(log_dir / "killed.txt")
+
+
+def assert_resumable(out: Path) -> None:
+    """Whatever resume would pick can be loaded."""
+    checkpointer = StepCheckpointer(out, every_n_steps=2)
+    point = checkpointer.resume_point(None)
+    if point is not None:
+        checkpointer.read(point)  # raises if it cannot be loaded
+    else:
+        # Only the epoch checkpoint (0.6.1's format) could be used: it must load.
+        torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=False)
+
+
+@pytest.mark.parametrize(
+    ("kill_point", "resumes_after"),
+    [
+        ("after_step:5", 4),  # between saves: back to step_4, mid-epoch
+        ("in_step_save:4", 3),  # step_4 half written: back to step_3
+        ("before_rename:4", 3),  # step_4 whole but never renamed: back to step_3
+        ("in_step_save:3", 2),  # epoch 0's end, half written: back to step_2
+        ("in_epoch_save:0", 3),  # epoch 0's recipe_state.pt torn: step_3 is whole
+    ],
+)
+def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    kill_point: str,
+    resumes_after: int,
+) -> None:
+    before = killed_run(kill_point, tiny_assets, tmp_path)
+    assert_resumable(tmp_path)
+    if kill_point.startswith("in_epoch_save"):
+        # Torn: what a 0.6.1 resume would have read.
+        with pytest.raises(RuntimeError, match="central directory"):
+            torch.load(tmp_path / "recipe_state" / "recipe_state.pt")
+
+    # Only the killed run needs a process of its own; this one runs here.
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, resume_from_checkpoint=True),
+        tmp_path,
+    )
+    assert min(resumed.metrics) == resumes_after + 1
+    # The step -> loss log of the killed and the resumed run together, steps done
+    # twice included, is the uninterrupted run's.
+    reference = losses(single_runs["bwd"])
+    assert set(losses(before)) | set(losses(resumed)) == set(ALL_STEPS)
+    for part in (losses(before), losses(resumed)):
+        assert_close(list(part.values()), [reference[s] for s in part], **EXACT)
+    assert not list(tmp_path.glob(".step_*")), "a partial save was left behind"
