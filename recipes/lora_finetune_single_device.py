@@ -84,7 +84,13 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
       state. A resumed run reads the base weights from ``checkpoint_dir`` and the
       adapter from ``checkpointer.adapter_checkpoint`` (default: the latest
       ``epoch_*`` folder), and starts at an epoch boundary. Saving never changes the
-      model being trained.
+      model being trained. ``save_every_n_steps: N`` also saves a step checkpoint
+      every N steps and at the end of every epoch to ``output_dir/step_{global_step}/``
+      (adapter, optimizer, recipe, dataloader and RNG state; written whole or not at
+      all), and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of
+      those. ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
+      continues from whichever whole checkpoint is furthest along, mid-epoch
+      included; a damaged one is skipped with a warning.
     - Logging (``metric_logger``, ``log_every_n_steps``, ``log_peak_memory_stats``):
       ``loss``, ``lr``, ``tokens_per_second_per_gpu``, ``grad_norm`` and, on devices
       that report them, peak memory stats. Profiling (``profiler``; its
@@ -104,6 +110,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             scaling).
         ValueError: ``compile`` on an NPU device.
         ValueError: ``profiler._component_`` is not ``setup_torch_profiler``.
+        ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
+            is not a positive integer or null.
         ValueError: ``resume_from_checkpoint=True`` and no adapter checkpoint found.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
@@ -181,6 +189,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
             self._log_peak_memory_stats = False
         self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
 
         # Public: updated from the checkpoint on resume, and read by tests.
@@ -194,11 +203,37 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
         """Load the base weights; when resuming, also the adapter, optimizer and
-        recipe state."""
+        recipe state: from a step checkpoint when one is further along than the
+        epoch checkpoint."""
+        cfg_checkpointer = training.StepCheckpointer.checkpointer_config(
+            cfg_checkpointer
+        )
+        step_checkpoint = (
+            self._step_checkpointer.resume_point(cfg_checkpointer.recipe_checkpoint)
+            if self._resume_from_checkpoint
+            else None
+        )
         self._checkpointer = config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer,
+            should_load_recipe_state=(
+                self._resume_from_checkpoint and step_checkpoint is None
+            ),
         )
         checkpoint_dict = self._checkpointer.load_checkpoint()
+        # Mid-epoch resume state: the dataloader position and the RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
+        if step_checkpoint is not None:
+            recipe_state, rank_state, state = self._step_checkpointer.read(
+                step_checkpoint
+            )
+            log.info(f"Resuming from step checkpoint {step_checkpoint}.")
+            # The base weights are the checkpoint's; the step saved the adapter.
+            checkpoint_dict |= recipe_state | {
+                training.ADAPTER_KEY: state["model"],
+                training.OPT_KEY: state["optimizer"],
+            }
+            self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+            self._resume_rng_state = rank_state["rng"]
         if self._resume_from_checkpoint:
             if training.ADAPTER_KEY not in checkpoint_dict:
                 raise ValueError(
@@ -262,7 +297,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
+        self.global_step = checkpoint_dict.get(
+            "global_step", self.epochs_run * self._steps_per_epoch
+        )
 
         # The scheduler is not checkpointed: last_epoch puts it where the interrupted
         # run was, and the optimizer state brings back its initial_lr.
@@ -480,6 +518,26 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             adapter_only=self._save_adapter_weights_only,
         )
 
+    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
+        """Save everything a run needs to continue from this very step. At an
+        epoch's end the next epoch starts with a fresh loader, as it does here."""
+        progress = TrainingProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=progress.state_dict(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+            # The base weights never change: the checkpoint's are the ones to load.
+            model_state_dict=get_adapter_state_dict(self._model.state_dict()),
+        )
+
     def _loss_step(
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,14 +558,25 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._compile["model"]:
             log.info("The model compiles in its first forward: expect a slow step 1.")
         self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming mid-run: draw (dropout) what the interrupted run would have.
+            training.restore_rng_state(self._resume_rng_state)
         # Totals over the current step's batches.
         running_loss, num_tokens = 0, 0
         t0 = time.perf_counter()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            pbar = tqdm(total=self._steps_per_epoch)
             self._dataloader.sampler.set_epoch(curr_epoch)
-            for idx, batch in enumerate(self._dataloader):
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            pbar = tqdm(total=self._steps_per_epoch, initial=steps_done)
+            first_batch = steps_done * self._gradient_accumulation_steps
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
+                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
                 record_memory = curr_epoch == 0 and self._memory_window is not None
                 if record_memory and idx == self._memory_window[0]:
                     torch.cuda.memory._record_memory_history()
@@ -569,19 +638,26 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                             log_dict |= training.get_memory_stats(device=self._device)
                         self._metric_logger.log_dict(log_dict, step=self.global_step)
                     running_loss, num_tokens = 0, 0
+                    epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                        self._steps_per_epoch
+                    )
+                    if self._step_checkpointer.is_due(self.global_step) and not (
+                        epoch_ends
+                    ):
+                        self._save_step_checkpoint(curr_epoch, mid_epoch=True)
                     t0 = time.perf_counter()
 
                 if record_memory and idx == self._memory_window[1]:
                     torch.cuda.memory._record_memory_history(enabled=None)
                 # Steps per batch, so a trace may not end on an optimizer step.
                 self._profiler.step()
-                if (
-                    idx + 1
-                ) // self._gradient_accumulation_steps == self.max_steps_per_epoch:
-                    break
 
             pbar.close()
             self.epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
             start = time.perf_counter()
             self.save_checkpoint(epoch=curr_epoch)
             log.info(f"Checkpoint saved in {time.perf_counter() - start:.2f} seconds.")

@@ -191,6 +191,35 @@ def test_invalid_save_every_n_steps_is_refused_before_anything_is_written(
     assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob("epoch_*"))
 
 
+# -- LoRA, single device -----------------------------------------------------------
+
+LORA = "lora_finetune_single_device"
+LORA_CONFIG = tiny_config("tiny_lora_single_device")
+
+
+@pytest.mark.parametrize("mode", ["plain", "bwd"])
+def test_lora_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    settings = overrides(tiny_assets, mode == "bwd")
+    uninterrupted = run_tune_in_process(
+        LORA, LORA_CONFIG, settings, tmp_path_factory.mktemp(f"lora_{mode}")
+    )
+    # A LoRA step checkpoint holds the adapter only: the base weights never change.
+    saved = torch.load(
+        uninterrupted.output_dir / "step_4" / "model_optimizer.pt", weights_only=False
+    )
+    assert saved["model"] and all("lora" in name for name in saved["model"])
+
+    out = tmp_path_factory.mktemp(f"lora_{mode}_resumed")
+    shutil.copytree(uninterrupted.output_dir / "step_4", out / "step_4")
+    resumed = run_tune_in_process(
+        LORA, LORA_CONFIG, settings | {"resume_from_checkpoint": True}, out
+    )
+    expected = {s: v for s, v in losses(uninterrupted).items() if s > 4}
+    assert losses(resumed) == pytest.approx(expected, rel=0, abs=0)
+
+
 # -- fault injection: SIGKILL at chosen moments, then resume ----------------------------
 
 

@@ -221,6 +221,8 @@ class StepCheckpointer:
         optimizer: torch.optim.Optimizer,
         recipe_state: dict[str, Any],
         rank_state: dict[str, Any],
+        *,
+        model_state_dict: dict[str, Any] | None = None,
     ) -> Path:
         """Write the step checkpoint of ``global_step``; call it on every rank.
 
@@ -232,6 +234,10 @@ class StepCheckpointer:
                 same on every rank (rank 0's is saved).
             rank_state (dict[str, Any]): what differs per rank, e.g. the dataloader's
                 state; this rank's RNG state is added to it.
+            model_state_dict (dict[str, Any] | None): on one process, the part of the
+                model's state to save, when not all of it (a LoRA recipe saves the
+                adapter: the base weights are the checkpoint it started from).
+                Default: ``model.state_dict()``.
 
         Returns:
             Path: the complete checkpoint folder ``output_dir/step_{global_step}``.
@@ -254,8 +260,10 @@ class StepCheckpointer:
                 checkpoint_id=partial / MODEL_OPTIMIZER_DCP,
             )
         else:
+            if model_state_dict is None:
+                model_state_dict = model.state_dict()
             _save_file(
-                {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                {"model": model_state_dict, "optimizer": optimizer.state_dict()},
                 partial / MODEL_OPTIMIZER_FILE,
             )
         _save_file({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank}.pt")
