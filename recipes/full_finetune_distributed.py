@@ -17,6 +17,9 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.distributed import destroy_process_group, init_device_mesh
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -33,6 +36,9 @@ from torchtune.training.activations import apply_selective_activation_checkpoint
 from torchtune.training.checkpointing._checkpoint_client import (
     CheckpointClient,
     TrainingProgress,
+)
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    is_legacy_in_bwd_state_dict,
 )
 
 log = utils.get_logger("DEBUG")
@@ -365,7 +371,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         """
         The only place that tells the two modes apart. ``OptimizerInBackward`` has the
         plain optimizer's groups, state and state dict format, so the state of either
-        mode loads here, and nothing downstream needs to know which one it got.
+        mode loads here, and nothing downstream needs to know which one it got. So
+        does a torchtune 0.6.1 in-backward checkpoint, converted first.
         """
         params = [p for p in self._model.parameters() if p.requires_grad]
         if self._optimizer_in_bwd:
@@ -374,6 +381,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             )
         else:
             optimizer = config.instantiate(cfg_optimizer, params)
+        if opt_state_dict and is_legacy_in_bwd_state_dict(opt_state_dict):
+            # 0.6.1's in-backward runs saved {parameter name: that parameter's own
+            # full optimizer state dict}. Its names carry activation checkpointing's
+            # wrapper prefix where it was on; the standard format's names never do.
+            opt_state_dict = training.convert_legacy_optim_in_bwd_state_dict(
+                {
+                    name.replace(_CHECKPOINT_PREFIX, ""): per_param
+                    for name, per_param in opt_state_dict.items()
+                }
+            )
         if opt_state_dict:
             training.load_from_full_optimizer_state_dict(
                 self._model, optimizer, opt_state_dict, self._device

@@ -6,7 +6,9 @@ Every claim is an equivalence between runs on the same seed and data:
 - resumed vs uninterrupted, from a synchronous full checkpoint and from an
   asynchronous distributed (DCP) checkpoint, within a mode and across modes;
 - FSDP x tensor parallel on 4 processes, resumed from a 2-process FSDP run's full
-  checkpoint, vs that run.
+  checkpoint, vs that run;
+- resumed from a torchtune 0.6.1 in-backward checkpoint (made from this tree's by
+  rewriting its optimizer state in 0.6.1's format) vs uninterrupted, in both modes.
 
 Each comparison checks loss and grad_norm at every step, and lr exactly. Runs are
 shared through module-scoped fixtures; every run is configured for the same
@@ -36,7 +38,9 @@ shows in grad_norm, off by a factor, more than in the loss: hence both are compa
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.assets.make_assets import TinyAssets
-from tests.recipes.utils import TuneRun, run_tune, tiny_config
+from tests.recipes.utils import TuneRun, run_tune, run_tune_in_process, tiny_config
 
 pytestmark = pytest.mark.integration_test
 
@@ -99,6 +103,44 @@ def _resume(
     run = _train(out, assets, **resume, **overrides)
     assert list(run.metrics) == list(_steps_after(epoch)), run.metrics
     return run
+
+
+def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
+    """``_train`` on one process, in this process: no interpreter start and no
+    imports to pay, so a few seconds a run. ``tune run`` without ``--nproc_per_node``
+    runs the recipe in its own process; the environment gives it what torchrun gives
+    a rank. One thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``).
+    """
+    base = {
+        "assets_dir": assets.root,
+        "epochs": EPOCHS,
+        "max_steps_per_epoch": STEPS,
+        "clip_grad_norm": None,
+        # 1 process x 8 = 2 processes x 4: the same samples per step.
+        "batch_size": 8,
+    }
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            mp.setenv("HF_HUB_OFFLINE", "1")
+            mp.setenv("HF_DATASETS_OFFLINE", "1")
+            mp.setenv("HF_DATASETS_CACHE", str(out / ".hf_datasets_cache"))
+            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
+    finally:
+        if torch.distributed.is_initialized():  # the run failed before its cleanup
+            torch.distributed.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _steps_after(epoch: int) -> range:
@@ -222,6 +264,83 @@ def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
         enable_async_checkpointing=True,
     )
     _assert_same_training(resumed, in_bwd_async_from_plain, EXACT, _steps_after(1))
+
+
+def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
+    """Rewrite the optimizer state of ``output_dir``'s recipe state as torchtune
+    0.6.1's distributed recipe saved it with ``optimizer_in_bwd``: one optimizer per
+    parameter, keyed by ``model.named_parameters()`` names (which include activation
+    checkpointing's wrapper where it was on), each saved as its own full state dict
+    (``get_optimizer_state_dict``: keyed by the clean name). Only the first one holds
+    the scheduler's ``initial_lr``: 0.6.1 built the scheduler on that one alone.
+    """
+    path = output_dir / "recipe_state" / "recipe_state.pt"
+    recipe_state = torch.load(path, weights_only=False)
+    saved = recipe_state["optimizer"]
+    (group,) = saved["param_groups"]
+    legacy = {}
+    for i, fqn in enumerate(group["params"]):
+        name = fqn
+        if checkpoint_wrapped:
+            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        if i > 0:
+            del hyperparameters["initial_lr"]
+        legacy[name] = {
+            "state": {fqn: saved["state"][fqn]} if fqn in saved["state"] else {},
+            "param_groups": [hyperparameters | {"params": [fqn]}],
+        }
+    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    recipe_state["optimizer"] = legacy
+    torch.save(recipe_state, path)
+
+
+EPOCH_1_WEIGHTS = "epoch_1/model-00001-of-00001.safetensors"
+
+
+def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # 0.6.1's distributed configs turn activation checkpointing on, which puts its
+    # wrapper in the saved names; the resumed run has it on too. Recomputing the
+    # forward in backward runs the same kernels on the same values, so the run
+    # stays bitwise equal to the uninterrupted one.
+    out = runs_dir / "in_bwd_from_0_6_1"
+    shutil.copytree(
+        in_bwd.output_dir, out, ignore=shutil.ignore_patterns(".hf_datasets_cache")
+    )
+    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=True)
+    resumed = _train(
+        out,
+        tiny_assets,
+        resume_from_checkpoint=True,
+        optimizer_in_bwd=True,
+        enable_activation_checkpointing=True,
+        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
+    )
+    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
+    _assert_same_training(resumed, in_bwd, EXACT, _steps_after(1))
+
+
+def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # On one process (in this process, to keep it cheap) against the 2-process
+    # reference: across modes and layouts (module docstring). Moments that failed
+    # to load would restart Adam's bias correction and move the loss by far more.
+    out = runs_dir / "plain_from_0_6_1"
+    for part in ("epoch_1", "recipe_state"):
+        shutil.copytree(in_bwd.output_dir / part, out / part)
+    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
+    resumed = _train_here(
+        out,
+        tiny_assets,
+        resume_from_checkpoint=True,
+        optimizer_in_bwd=False,
+        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
+    )
+    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
+    _assert_same_training(resumed, in_bwd, ACROSS_LAYOUTS, _steps_after(1))
 
 
 @pytest.fixture(scope="module")
