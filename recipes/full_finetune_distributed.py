@@ -188,6 +188,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 "isn't. Enabling activation offloading should reduce memory further.",
             )
         self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         self._checkpoint_client = CheckpointClient(cfg)
 
         # Public: updated from the checkpoint on resume, read by tests.
@@ -224,7 +225,15 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        # A step checkpoint further along than the epoch checkpoint wins.
+        step_checkpoint = (
+            self._step_checkpointer.resume_point(cfg.checkpointer.recipe_checkpoint)
+            if self._resume_from_checkpoint
+            else None
+        )
+        checkpoint_dict = self._checkpoint_client.load_base_checkpoint(
+            resume_from_epoch=step_checkpoint is None
+        )
         self._model = self._setup_model(
             cfg_model=cfg.model,
             custom_sharded_layers=cfg.get("custom_sharded_layers", None),
@@ -238,8 +247,18 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             cfg_optimizer=cfg.optimizer,
             opt_state_dict=checkpoint_dict.get(training.OPT_KEY),
         )
+        # Mid-epoch resume state: the dataloader position and the RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
         if self._resume_from_checkpoint:
-            if self._enable_async_checkpointing:
+            if step_checkpoint is not None:
+                # Every rank loads its shards, its dataloader position and RNG.
+                checkpoint_dict, rank_state = self._step_checkpointer.load(
+                    step_checkpoint, self._model, self._optimizer
+                )
+                utils.log_rank_zero(log, f"Resumed from {step_checkpoint}.")
+                self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+                self._resume_rng_state = rank_state["rng"]
+            elif self._enable_async_checkpointing:
                 # Intermediate checkpoints were written by DCP, not by the configured
                 # checkpointer: take weights, optimizer and progress from the latest.
                 checkpoint_dict = self._checkpoint_client.load_distributed_checkpoint(
@@ -266,7 +285,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
+        self.global_step = checkpoint_dict.get(
+            "global_step", self.epochs_run * self._steps_per_epoch
+        )
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg_lr_scheduler=cfg.get("lr_scheduler", None),
@@ -373,8 +395,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         plain optimizer's groups, state and state dict format, so the state of either
         mode loads here, and nothing downstream needs to know which one it got. So
         does a torchtune 0.6.1 in-backward checkpoint, converted first.
+
+        Both get every parameter of the model, as in 0.6.1 and the other recipes:
+        frozen ones get no state (and no in-backward hook), and the state dicts of a
+        partly frozen model hold the same parameters in both modes and in 0.6.1.
         """
-        params = [p for p in self._model.parameters() if p.requires_grad]
+        params = list(self._model.parameters())
         if self._optimizer_in_bwd:
             optimizer = training.OptimizerInBackward(
                 params, functools.partial(config.instantiate, cfg_optimizer)
@@ -509,6 +535,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         """
         training.cleanup_before_training()
         self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming mid-run: draw (dropout) what the interrupted run would have.
+            training.restore_rng_state(self._resume_rng_state)
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
@@ -516,9 +545,22 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            pbar = tqdm(total=self._steps_per_epoch, disable=not self._is_rank_zero)
             self._dataloader.sampler.set_epoch(curr_epoch)
-            for idx, batch in enumerate(self._dataloader):
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=steps_done,
+                disable=not self._is_rank_zero,
+            )
+            first_batch = steps_done * self._gradient_accumulation_steps
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
+                # Batches past the epoch's last full step are left unused.
+                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
                 self._record_memory_history(curr_epoch, idx, start=True)
                 utils.batch_to_device(batch, self._device)
                 current_num_tokens = (
@@ -593,17 +635,21 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
                 running_loss.zero_()
                 num_tokens.zero_()
+                epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                    self._steps_per_epoch
+                )
+                if self._step_checkpointer.is_due(self.global_step) and not epoch_ends:
+                    self._save_step_checkpoint(curr_epoch, mid_epoch=True)
                 t0 = time.perf_counter()
                 self._record_memory_history(curr_epoch, idx, start=False)
                 # One profiler step per optimizer step (all its batches).
                 self._profiler.step()
-                # Batches past the epoch's last full step are left unused.
-                if (
-                    idx + 1
-                ) // self._gradient_accumulation_steps == self._steps_per_epoch:
-                    break
 
             self.epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
             self._checkpoint_client.save_checkpoint(
                 model=self._model,
                 optimizer=self._optimizer,
@@ -617,6 +663,24 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 epoch=curr_epoch,
             )
         self._profiler.stop()
+
+    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
+        """Save, from every rank, everything the run needs to continue from this very
+        step. At an epoch's end the next epoch starts with a fresh loader."""
+        progress = TrainingProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=progress.state_dict(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+        )
 
     def _record_memory_history(self, epoch: int, idx: int, start: bool) -> None:
         """Starts/stops the CUDA memory snapshot around the profiler's active steps."""

@@ -39,6 +39,7 @@ from tests.recipes.utils import (
     _override_list,
     _subprocess_env,
     read_disk_log,
+    run_tune,
     run_tune_in_process,
     tiny_config,
 )
@@ -189,6 +190,42 @@ def test_invalid_save_every_n_steps_is_refused_before_anything_is_written(
             tmp_path,
         )
     assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob("epoch_*"))
+
+
+# -- two processes (FSDP2 over gloo): sharded step checkpoints --------------------------
+
+DISTRIBUTED = "full_finetune_distributed"
+DISTRIBUTED_CONFIG = tiny_config("tiny_full_distributed")
+
+
+@pytest.mark.parametrize("mode", ["plain", "bwd"])
+def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    settings = overrides(tiny_assets, mode == "bwd", clip_grad_norm=None)
+    uninterrupted = run_tune(
+        DISTRIBUTED,
+        DISTRIBUTED_CONFIG,
+        settings,
+        nproc=2,
+        output_dir=tmp_path_factory.mktemp(f"fsdp_{mode}"),
+    )
+    # Each rank wrote its own shards and its own dataloader position.
+    step_4 = uninterrupted.output_dir / "step_4"
+    assert (step_4 / "model_optimizer" / ".metadata").is_file()
+    assert {p.name for p in step_4.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+
+    out = tmp_path_factory.mktemp(f"fsdp_{mode}_resumed")
+    shutil.copytree(step_4, out / "step_4")
+    resumed = run_tune(
+        DISTRIBUTED,
+        DISTRIBUTED_CONFIG,
+        settings | {"resume_from_checkpoint": True},
+        nproc=2,
+        output_dir=out,
+    )
+    expected = {s: v for s, v in losses(uninterrupted).items() if s > 4}
+    assert losses(resumed) == pytest.approx(expected, rel=0, abs=0)
 
 
 # -- LoRA, single device -----------------------------------------------------------

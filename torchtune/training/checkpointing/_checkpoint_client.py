@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torchtune import config, training, utils
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.checkpointing._step_checkpointer import StepCheckpointer
 
 log = utils.get_logger("DEBUG")
 
@@ -190,6 +191,8 @@ class CheckpointClient:
         self._checkpointer = None
         self._dcp_checkpointer: DistributedCheckpointer | None = None
         self._resume_from_checkpoint = cfg.get("resume_from_checkpoint", False)
+        # False when the run resumes from a step checkpoint instead of an epoch one.
+        self._resume_from_epoch = self._resume_from_checkpoint
         self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
         self._device = utils.get_device(device=cfg.device)
         _, self._rank = utils.get_world_size_and_rank()
@@ -203,12 +206,13 @@ class CheckpointClient:
         """The checkpointer configured under ``cfg.checkpointer``."""
         if self._checkpointer is None:
             # With asynchronous checkpointing the recipe state comes from the DCP
-            # checkpoint, not from the configured checkpointer's files.
+            # checkpoint, not from the configured checkpointer's files; from a step
+            # checkpoint, it comes from there. keep_last_n_checkpoints is the step
+            # checkpoints' option, which 0.6.1's checkpointers do not take.
             self._checkpointer = config.instantiate(
-                self._cfg.checkpointer,
+                StepCheckpointer.checkpointer_config(self._cfg.checkpointer),
                 should_load_recipe_state=(
-                    self._resume_from_checkpoint
-                    and not self._enable_async_checkpointing
+                    self._resume_from_epoch and not self._enable_async_checkpointing
                 ),
             )
         return self._checkpointer
@@ -369,14 +373,21 @@ class CheckpointClient:
         else:
             self._save_checkpoint_sync(model, optimizer, training_progress, epoch)
 
-    def load_base_checkpoint(self) -> dict[str, Any]:
+    def load_base_checkpoint(self, resume_from_epoch: bool = True) -> dict[str, Any]:
         """Load the checkpoint the configured checkpointer points at.
+
+        Args:
+            resume_from_epoch (bool): when resuming, whether the recipe state comes
+                from an epoch checkpoint (``False``: from a step checkpoint, which the
+                recipe loads itself; the base weights are then read as for a new
+                run). Must be decided before the first call. Default: ``True``
 
         Returns:
             dict[str, Any]: the checkpointer's output: model weights under
             ``training.MODEL_KEY`` and, when resuming synchronously saved runs,
             optimizer state and training progress.
         """
+        self._resume_from_epoch = self._resume_from_checkpoint and resume_from_epoch
         return self._get_checkpointer().load_checkpoint()
 
     def load_distributed_checkpoint(

@@ -403,18 +403,29 @@ class StepCheckpointer:
         latest = self.find_latest()
         if latest is None:
             return None
+        step_progress = torch.load(latest / RECIPE_STATE, weights_only=False)
+        if self._epochs_at_epoch_checkpoint(latest) > step_progress[EPOCHS_KEY]:
+            return None
+        return latest
+
+    def _epochs_at_epoch_checkpoint(self, latest: Path) -> int:
+        """Epochs done at the newest epoch checkpoint that can be resumed: the
+        synchronous one's ``recipe_state/recipe_state.pt`` or an asynchronous (DCP)
+        ``dist_epoch_{N}`` folder. A torn recipe state (a kill while the checkpointer wrote
+        it in place) counts as none, with a warning."""
+        epochs = 0
         epoch_state = self.output_dir / "recipe_state" / "recipe_state.pt"
         if epoch_state.is_file():
             try:
-                epoch_progress = torch.load(epoch_state, weights_only=False)
-                epochs_at_epoch_checkpoint = epoch_progress[EPOCHS_KEY]
-            except Exception as e:  # a torn or foreign file: the step checkpoint wins
+                epochs = torch.load(epoch_state, weights_only=False)[EPOCHS_KEY]
+            except Exception as e:  # torn, or not a recipe state at all
                 log.warning(f"Cannot read {epoch_state} ({e}); resuming from {latest}")
-                return latest
-            step_progress = torch.load(latest / RECIPE_STATE, weights_only=False)
-            if epochs_at_epoch_checkpoint > step_progress[EPOCHS_KEY]:
-                return None
-        return latest
+        # torch distributed checkpointing's epoch folders, whole once .metadata is in.
+        for folder in self.output_dir.glob("dist_epoch_*"):
+            match = re.fullmatch(r"dist_epoch_(\d+)", folder.name)
+            if match and (folder / ".metadata").is_file():
+                epochs = max(epochs, int(match.group(1)) + 1)
+        return epochs
 
     def load(
         self,
