@@ -134,6 +134,7 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._fake_quant_after_n_steps = cfg.get("fake_quant_after_n_steps", None)
         if self._fake_quant_after_n_steps is not None and not (
             isinstance(self._fake_quant_after_n_steps, int)
+            and not isinstance(self._fake_quant_after_n_steps, bool)
             and self._fake_quant_after_n_steps >= 0
         ):
             raise ValueError(

@@ -5,20 +5,24 @@ int8 dynamic activation + int4 weight fake quantization (torchao's
 Every claim is an equivalence between runs on the same seed and data:
 
 - in-backward vs plain, with fake quantization on;
-- resumed from epoch 0 vs uninterrupted: within a mode, across modes, and from a
-  checkpoint in torchtune 0.6.1's in-backward layout;
+- resumed from epoch 0 vs uninterrupted: in-backward from its own checkpoint, and
+  plain from the in-backward checkpoint rewritten in torchtune 0.6.1's in-backward
+  layout (with activation checkpointing and separately sharded layers added);
 - 2 processes vs 1 at the same global batch;
 - fake quantization off for ``fake_quant_after_n_steps`` steps, then on.
 
 Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
-fake quantization from step 3), shared through module-scoped fixtures.
+fake quantization from step 3), shared through module-scoped fixtures: five runs in
+all. Refusals run in this process. The shipped configs are checked to resolve
+(components and keys), not run: neither sets ``optimizer_in_bwd: True``.
 
 The data: the runs train on the records of the tiny instruct set whose answer is 4
 label tokens, so every step's global token count is 8 x 4 = 32. That makes the
 two modes' loss normalizations exact: in-backward multiplies the loss by
 ``world_size / tokens`` = 1/16 before backward, plain multiplies the gradients by it
-after, and scaling by a power of two rounds nothing. Backward is linear in its
-incoming gradient, so both modes reach the same gradients bit for bit; FSDP's
+after, and scaling by a power of two rounds nothing. Backward carries the incoming
+gradient through products and sums, each of which commutes exactly with a
+power-of-two factor, so both modes reach the same gradients bit for bit; FSDP's
 average over 2 ranks (another power of two) and AdamW's per-element update keep them
 equal. This matters for QAT: fake quantization rounds each weight and activation to
 a coarse grid, so a weight one ulp apart can land on the next grid point and change
@@ -245,36 +249,23 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=EXACT)
 
 
-def test_plain_resume_from_in_backward_checkpoint_equals_uninterrupted_run(
+def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
 ) -> None:
-    # Also with activation checkpointing and the embeddings and output sharded on
-    # their own, as the shipped configs have them: recomputing the forward and
-    # grouping parameters differently change no value, so the losses stay bitwise.
-    resumed = _resume(
-        in_bwd,
-        runs_dir / "plain_from_in_bwd",
-        tiny_assets,
-        four_token_data,
-        optimizer_in_bwd=False,
-        enable_activation_checkpointing=True,
-        custom_sharded_layers=["tok_embeddings", "output"],
-    )
-    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=NORM_KERNELS)
+    """The in-backward run's epoch 0, its optimizer state rewritten the way torchtune
+    0.6.1's qat_distributed saved in-backward runs (one full optimizer state dict per
+    parameter, keyed by the parameter's name), resumed with the plain optimizer.
 
-
-def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
-    plain: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
-) -> None:
-    """The plain run's epoch 0, its optimizer state rewritten as torchtune 0.6.1's
-    qat_distributed saved in-backward runs: one full (name-keyed) optimizer state
-    dict per parameter, keyed by the parameter's name."""
+    Also with activation checkpointing and the embeddings and output sharded on their
+    own, as the shipped configs have them: recomputing the forward and grouping the
+    parameters differently change no value, so the losses stay bitwise equal.
+    """
     from torchtune import training
 
-    out = runs_dir / "in_bwd_from_0_6_1"
-    shutil.copytree(plain.output_dir / "epoch_0", out / "epoch_0")
+    out = runs_dir / "plain_from_0_6_1"
+    shutil.copytree(in_bwd.output_dir / "epoch_0", out / "epoch_0")
     state = torch.load(
-        plain.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
+        in_bwd.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
     )
     optimizer = state[training.OPT_KEY]
     (group,) = optimizer["param_groups"]
@@ -288,8 +279,16 @@ def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
     (out / "recipe_state").mkdir()
     torch.save(state, out / "recipe_state" / "recipe_state.pt")
 
-    resumed = _resume(plain, out, tiny_assets, four_token_data)
-    _assert_same_training(resumed, plain, EPOCH_1, loss=EXACT, grad_norm=NORM_KERNELS)
+    resumed = _resume(
+        in_bwd,
+        out,
+        tiny_assets,
+        four_token_data,
+        optimizer_in_bwd=False,
+        enable_activation_checkpointing=True,
+        custom_sharded_layers=["tok_embeddings", "output"],
+    )
+    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=NORM_KERNELS)
 
 
 def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_keys(
