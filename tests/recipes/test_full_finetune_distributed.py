@@ -8,7 +8,10 @@ Every claim is an equivalence between runs on the same seed and data:
 - FSDP x tensor parallel on 4 processes, resumed from a 2-process FSDP run's full
   checkpoint, vs that run;
 - resumed from a torchtune 0.6.1 in-backward checkpoint (made from this tree's by
-  rewriting its optimizer state in 0.6.1's format) vs uninterrupted, in both modes.
+  rewriting its optimizer state in 0.6.1's format) vs uninterrupted, in both modes;
+- a partly frozen model: its checkpoint's optimizer state holds the parameters
+  0.6.1's did, and resumes (from this tree's format and from 0.6.1's) as
+  uninterrupted.
 
 Each comparison checks loss and grad_norm at every step, and lr exactly. Runs are
 shared through module-scoped fixtures; every run is configured for the same
@@ -50,6 +53,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.assets.make_assets import TinyAssets
+from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import TuneRun, run_tune, run_tune_in_process, tiny_config
 
 pytestmark = pytest.mark.integration_test
@@ -295,7 +299,8 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
     torch.save(recipe_state, path)
 
 
-EPOCH_1_WEIGHTS = "epoch_1/model-00001-of-00001.safetensors"
+SHARD = "model-00001-of-00001.safetensors"
+EPOCH_1_WEIGHTS = f"epoch_1/{SHARD}"
 
 
 def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
@@ -341,6 +346,75 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
     _assert_same_training(resumed, in_bwd, ACROSS_LAYOUTS, _steps_after(1))
+
+
+# A partly frozen model, as llama3_2_vision/11B_full with decoder_trainable: False
+# is: the embedding (in FSDP's root unit, beside trainable weights) and a whole layer
+# (an FSDP unit of its own).
+FROZEN = ["tok_embeddings", "layers.0"]
+PARTLY_FROZEN = {
+    "model._component_": "tests.recipes.partly_frozen_model.partly_frozen_llama2",
+    "model.frozen": FROZEN,
+}
+
+
+@pytest.fixture(scope="module")
+def frozen_in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    """In-backward, one process (in this process), the FROZEN modules frozen."""
+    return _train_here(
+        runs_dir / "frozen_in_bwd", tiny_assets, optimizer_in_bwd=True, **PARTLY_FROZEN
+    )
+
+
+def test_a_partly_frozen_models_optimizer_state_holds_what_0_6_1_saved(
+    frozen_in_bwd: TuneRun, tiny_assets: TinyAssets
+) -> None:
+    model = partly_frozen_llama2(FROZEN, **tiny_assets.model_kwargs)
+    names = [name for name, _ in model.named_parameters()]
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(names)
+    recipe_state = frozen_in_bwd.output_dir / "recipe_state" / "recipe_state.pt"
+    saved = torch.load(recipe_state, weights_only=False)["optimizer"]
+    # 0.6.1's optimizer held every parameter, in model order, and had state for
+    # those that train (plain: one optimizer over model.parameters(); in-backward:
+    # one per parameter, the frozen ones never stepped). This tree's holds the same.
+    (group,) = saved["param_groups"]
+    assert group["params"] == names
+    assert sorted(saved["state"]) == sorted(trainable)
+    # And the frozen weights are the base checkpoint's, the others trained.
+    base = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
+    final = load_file(frozen_in_bwd.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
+    for key in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(final[key], base[key]), key
+    assert not torch.equal(
+        final["model.layers.1.mlp.down_proj.weight"],
+        base["model.layers.1.mlp.down_proj.weight"],
+    )
+
+
+@pytest.mark.parametrize("checkpoint_format", ["this tree", "0.6.1 in-backward"])
+def test_a_partly_frozen_model_resumes_as_uninterrupted(
+    checkpoint_format: str,
+    frozen_in_bwd: TuneRun,
+    runs_dir: Path,
+    tiny_assets: TinyAssets,
+) -> None:
+    out = runs_dir / f"frozen_resumed_from_{checkpoint_format.replace(' ', '_')}"
+    for part in ("epoch_1", "recipe_state"):
+        shutil.copytree(frozen_in_bwd.output_dir / part, out / part)
+    if checkpoint_format == "0.6.1 in-backward":
+        _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
+    resumed = _train_here(
+        out,
+        tiny_assets,
+        resume_from_checkpoint=True,
+        optimizer_in_bwd=True,
+        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
+        **PARTLY_FROZEN,
+    )
+    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
+    # The same process layout and mode: the same kernels on the same values.
+    _assert_same_training(resumed, frozen_in_bwd, EXACT, _steps_after(1))
 
 
 @pytest.fixture(scope="module")
