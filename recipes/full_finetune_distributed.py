@@ -43,6 +43,8 @@ from torchtune.training.optim_in_bwd_legacy_state_dict import (
 
 log = utils.get_logger("DEBUG")
 
+_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
+
 
 class FullFinetuneRecipeDistributed(FTRecipeInterface):
     """
@@ -95,6 +97,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             with a fused optimizer, or not dividing the world size.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
             CUDA or ``enable_activation_checkpointing`` is False.
+        ValueError: If ``profiler._component_`` is not ``setup_torch_profiler`` (null
+            means it).
         RuntimeError: If ``left_pad_sequence`` is set as the data collator.
         RuntimeError: If ``dtype`` is bf16 and the hardware does not support it.
     """
@@ -110,6 +114,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
+            )
+
+        cfg_profiler = cfg.get(PROFILER_KEY) or {}
+        # null means the default, as in 0.6.1.
+        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
+        if profiler_component != _TORCH_PROFILER:
+            raise ValueError(
+                f"profiler._component_={profiler_component} is not supported: the "
+                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
+                f"returns, so only it can build the profiler. Set "
+                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
 
         self._device = utils.get_device(device=cfg.device)
@@ -458,16 +473,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         ``training.setup_torch_profiler`` for its keys); a missing or disabled section
         gives a ``DummyProfiler`` whose methods do nothing.
         """
-        if cfg_profiler is None:
-            cfg_profiler = DictConfig({"enabled": False})
-        component = cfg_profiler.get("_component_", None)
-        if component is None:
-            cfg_profiler["_component_"] = "torchtune.training.setup_torch_profiler"
-        elif component != "torchtune.training.setup_torch_profiler":
-            raise ValueError(
-                "Only torch profiler supported currently: component must be "
-                f"`torchtune.training.setup_torch_profiler`, got {component}"
-            )
+        cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
+        # __init__ refused any component but this one; null means it.
+        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         utils.log_rank_zero(
             log, f" Profiler config after instantiation: {profiler_cfg}"

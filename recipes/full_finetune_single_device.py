@@ -90,7 +90,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ValueError: ``dtype=fp16``, which this recipe does not support (no loss
             scaling).
         ValueError: ``compile`` on an NPU device.
-        ValueError: ``profiler._component_`` is not ``setup_torch_profiler``.
+        ValueError: ``profiler._component_`` is not ``setup_torch_profiler`` (null
+            means it).
         ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
             is not a positive integer or null.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
@@ -152,11 +153,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "torchtune.data.padded_collate_sft."
             )
         cfg_profiler = cfg.get(training.PROFILER_KEY) or {}
-        profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
+        # null means the default, as in 0.6.1.
+        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
         if profiler_component != _TORCH_PROFILER:
             raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: only "
-                f"{_TORCH_PROFILER} is."
+                f"profiler._component_={profiler_component} is not supported: the "
+                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
+                f"returns, so only it can build the profiler. Set "
+                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
 
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
@@ -293,7 +297,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         their first and last batch index, or is None.
         """
         cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = cfg_profiler.get("_component_", _TORCH_PROFILER)
+        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         log.info(f"Profiler config after instantiation: {profiler_cfg}")
 

@@ -110,7 +110,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             and ``optimizer_step``.
         ValueError: ``dtype=fp16``, which this recipe does not support (no loss
             scaling).
-        ValueError: ``profiler._component_`` is not ``setup_torch_profiler``.
+        ValueError: ``profiler._component_`` is not ``setup_torch_profiler`` (null
+            means it).
         ValueError: ``resume_from_checkpoint=True`` and no adapter checkpoint found.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
@@ -168,11 +169,14 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 "torchtune.data.padded_collate_sft."
             )
         cfg_profiler = cfg.get(training.PROFILER_KEY) or {}
-        profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
+        # null means the default, as in 0.6.1.
+        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
         if profiler_component != _TORCH_PROFILER:
             raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: only "
-                f"{_TORCH_PROFILER} is."
+                f"profiler._component_={profiler_component} is not supported: the "
+                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
+                f"returns, so only it can build the profiler. Set "
+                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
 
         self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
@@ -333,7 +337,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         their first and last batch index, or is None.
         """
         cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = cfg_profiler.get("_component_", _TORCH_PROFILER)
+        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         utils.log_rank_zero(log, f"Profiler config after instantiation: {profiler_cfg}")
 
