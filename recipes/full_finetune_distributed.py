@@ -95,10 +95,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         ValueError: If ``dtype`` is fp16.
         ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
             with a fused optimizer, or not dividing the world size.
-        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
-            CUDA or ``enable_activation_checkpointing`` is False.
         ValueError: If ``profiler._component_`` is not ``setup_torch_profiler`` (null
             means it).
+        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
+            CUDA or ``enable_activation_checkpointing`` is False.
         RuntimeError: If ``left_pad_sequence`` is set as the data collator.
         RuntimeError: If ``dtype`` is bf16 and the hardware does not support it.
     """
@@ -123,7 +123,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             raise ValueError(
                 f"profiler._component_={profiler_component} is not supported: the "
                 f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
-                f"returns, so only it can build the profiler. Set "
+                "returns, so only it can build the profiler. Set "
                 f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
 

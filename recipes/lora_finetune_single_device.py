@@ -180,7 +180,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             raise ValueError(
                 f"profiler._component_={profiler_component} is not supported: the "
                 f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
-                f"returns, so only it can build the profiler. Set "
+                "returns, so only it can build the profiler. Set "
                 f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
 

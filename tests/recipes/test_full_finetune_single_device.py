@@ -34,6 +34,7 @@ Tolerances:
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 from collections.abc import Mapping
@@ -337,6 +338,15 @@ def test_final_checkpoint_is_in_hf_format_and_loads_back(
     assert_close(written, plain, rtol=1e-5, atol=1e-6)
 
 
+PROFILER_REFUSAL = (
+    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
+    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
+    "returns, so only it can build the profiler. Set "
+    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
+    "same."
+)
+
+
 REFUSALS = {
     "clip_grad_norm": (
         ["clip_grad_norm=1.0"],
@@ -357,6 +367,10 @@ REFUSALS = {
         "in-backward updates run one parameter at a time inside autograd hooks, where "
         "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
         "or optimizer_in_bwd=False.",
+    ),
+    "profiler._component_": (
+        ["profiler._component_=torch.profiler.profile"],
+        PROFILER_REFUSAL,
     ),
 }
 
@@ -380,3 +394,28 @@ def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
             out,
         )
     assert snapshot_files(out) == before
+
+
+def test_a_null_profiler_component_means_the_torch_profiler(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
+    recipe = _load_recipe_class()(cfg)
+    assert isinstance(recipe._setup_profiler(cfg.profiler), torch.profiler.profile)
+
+
+def _load_recipe_class() -> type:
+    """The installed recipe file (recipes are files, never an importable package)."""
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
+    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FullFinetuneRecipeSingleDevice

@@ -283,6 +283,15 @@ def test_resume_switching_mode_equals_uninterrupted_run(
     _assert_same_training(resumed, source, ACROSS_MODES, EPOCH_1)
 
 
+PROFILER_REFUSAL = (
+    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
+    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
+    "returns, so only it can build the profiler. Set "
+    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
+    "same."
+)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -307,8 +316,14 @@ def test_resume_switching_mode_equals_uninterrupted_run(
             "where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False.",
         ),
+        ({"profiler": {"_component_": "torch.profiler.profile"}}, PROFILER_REFUSAL),
     ],
-    ids=["clip_grad_norm", "gradient_accumulation", "compiled_optimizer_step"],
+    ids=[
+        "clip_grad_norm",
+        "gradient_accumulation",
+        "compiled_optimizer_step",
+        "profiler_component",
+    ],
 )
 def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
     overrides: dict[str, Any], message: str, tmp_path: Path, tiny_assets: TinyAssets
@@ -331,3 +346,28 @@ def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
     after = checkpoint.stat()
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+
+
+def test_a_null_profiler_component_means_the_torch_profiler(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        try:
+            recipe = _load_recipe_class()(cfg)  # starts a 1-process group
+            profiler = recipe._setup_profiler(cfg.profiler)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    assert isinstance(profiler, torch.profiler.profile)

@@ -528,6 +528,15 @@ def test_dora_and_qlora_with_activation_checkpointing_train_in_backward_as_in_pl
         assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
 
 
+PROFILER_REFUSAL = (
+    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
+    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
+    "returns, so only it can build the profiler. Set "
+    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
+    "same."
+)
+
+
 REFUSALS = {
     "clip_grad_norm": (
         ["clip_grad_norm=1.0"],
@@ -548,6 +557,10 @@ REFUSALS = {
         "in-backward updates run one parameter at a time inside autograd hooks, where "
         "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
         "or optimizer_in_bwd=False.",
+    ),
+    "profiler._component_": (
+        ["profiler._component_=torch.profiler.profile"],
+        PROFILER_REFUSAL,
     ),
 }
 
@@ -571,3 +584,17 @@ def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
             out,
         )
     assert snapshot_files(out) == before
+
+
+def test_a_null_profiler_component_means_the_torch_profiler(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
+    recipe = _load_recipe_class()(cfg)
+    assert isinstance(recipe._setup_profiler(cfg.profiler), torch.profiler.profile)
