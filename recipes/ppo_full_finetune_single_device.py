@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
 from torchtune import config, generation, modules, rlhf, training, utils
@@ -84,11 +85,28 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     - Checkpointing: the policy and the value model after every epoch; the optimizer
       state of both (standard ``torch.optim`` format) and the recipe state, including
       the sampling generator's, for every epoch but the last, to resume from with
-      ``resume_from_checkpoint``. Training resumes at an epoch boundary. On resume, the
-      value weights are read from ``value_checkpointer``: point its
-      ``checkpoint_files`` at the saved ones. An optimizer state saved by a torchtune
-      0.6.1 ``optimizer_in_bwd`` run, which held the value model's state only, also
-      loads; the policy's then starts afresh, as it did in 0.6.1.
+      ``resume_from_checkpoint``. Resuming from an epoch checkpoint reads the value
+      weights from ``value_checkpointer``: point its ``checkpoint_files`` at the saved
+      ones. An optimizer state saved by a torchtune 0.6.1 ``optimizer_in_bwd`` run,
+      which held the value model's state only, also loads; the policy's then starts
+      afresh, as it did in 0.6.1.
+    - Step checkpoints: ``save_every_n_steps: N`` saves one after every N PPO steps
+      (a step is one batch of ``batch_size`` trajectories and its ``ppo_epochs``) and
+      at the end of every epoch, before the epoch checkpoint. Its folder is
+      ``output_dir/step_{global_step}/``, named by the optimizer-step count at which
+      the metrics are logged (``ppo_epochs * batch_size / ppo_batch_size`` per PPO
+      step), and written whole or not at all. It holds the policy's and the value
+      model's weights (``{"policy": ..., "value": ...}``), the one optimizer's state,
+      the PPO step and epoch counters, the sampling generator's state, the
+      dataloader's position and the global RNG state.
+      ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K.
+      ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
+      continues from whichever whole checkpoint is furthest along, mid-epoch
+      included, with the trajectories and updates the uninterrupted run would have
+      had. From a step checkpoint the policy, value and
+      optimizer state are the checkpoint's: ``checkpointer`` and
+      ``value_checkpointer`` stay pointed at the weights the run started from (they
+      are read for their format, and the epochs are saved in it).
     - Logging (``metric_logger``, ``log_every_n_steps``, ``log_peak_memory_stats``):
       rewards, KL, the PPO losses and ratios, ``lr``, ``grad_norm`` (the mean over the
       step's optimizer steps, in both modes) and throughput. Profiling (``profiler``).
@@ -111,6 +129,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         ValueError: a fresh run whose ``ref_policy_checkpointer`` reads other files
             than ``checkpointer``: the reference policy must start as the policy.
         ValueError: ``profiler._component_`` is not ``setup_torch_profiler``.
+        ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
+            is not a positive integer or null.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
 
         Every refusal happens here, before anything is built or written.
@@ -189,6 +209,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 f"profiler._component_={profiler_component} is not supported: only "
                 f"{_TORCH_PROFILER} is."
             )
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
 
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
         self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
@@ -213,14 +234,27 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        # Only the policy's checkpoint holds the recipe state; the others are read
-        # from wherever the config points them.
+        cfg_checkpointer = training.StepCheckpointer.checkpointer_config(
+            cfg.checkpointer
+        )
+        step_checkpoint = (
+            self._step_checkpointer.resume_point(cfg_checkpointer.recipe_checkpoint)
+            if self._resume_from_checkpoint
+            else None
+        )
+        # Only the policy's epoch checkpoint holds the recipe state; the others are
+        # read from wherever the config points them.
         self._policy_checkpointer = config.instantiate(
-            cfg.checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer,
+            should_load_recipe_state=(
+                self._resume_from_checkpoint and step_checkpoint is None
+            ),
         )
         self._value_checkpointer = config.instantiate(
             cfg.value_checkpointer, should_load_recipe_state=False
         )
+        # Also when resuming from a step checkpoint: the checkpointers learn the
+        # models' format from the files they load, and save epochs in it.
         policy_ckpt = self._policy_checkpointer.load_checkpoint()
         ref_policy_state_dict = config.instantiate(
             cfg.ref_policy_checkpointer, should_load_recipe_state=False
@@ -228,6 +262,21 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         value_state_dict = self._value_checkpointer.load_checkpoint()[
             training.MODEL_KEY
         ]
+        # Mid-epoch resume state: the dataloader position and the global RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
+        if step_checkpoint is not None:
+            recipe_state, rank_state, state = self._step_checkpointer.read(
+                step_checkpoint
+            )
+            log.info(f"Resuming from step checkpoint {step_checkpoint}.")
+            # The value model's weights too: value_checkpointer need not name them.
+            value_state_dict = state["model"]["value"]
+            policy_ckpt = recipe_state | {
+                training.MODEL_KEY: state["model"]["policy"],
+                training.OPT_KEY: state["optimizer"],
+            }
+            self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+            self._resume_rng_state = rank_state["rng"]
         reward_state_dict = config.instantiate(
             cfg.reward_checkpointer, should_load_recipe_state=False
         ).load_checkpoint()[training.MODEL_KEY]
@@ -268,13 +317,13 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             cfg.dataset, cfg.shuffle, self.batch_size
         )
         # One epoch is one pass over the prompts; the run ends after _total_steps.
-        batches_per_epoch = max(1, len(self._dataloader))
+        self._batches_per_epoch = batches_per_epoch = max(1, len(self._dataloader))
         self._total_epochs = math.ceil(self._total_steps / batches_per_epoch)
         if self._total_steps < batches_per_epoch:
             log.warning(
                 f"num_steps // batch_size = {self._total_steps} steps is less than one "
                 f"epoch ({batches_per_epoch} batches): the run ends within epoch 0 and "
-                "saves no intermediate checkpoint."
+                "saves no intermediate epoch checkpoint."
             )
         elif self._total_steps % batches_per_epoch != 0:
             log.warning(
@@ -415,11 +464,12 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
-    ) -> tuple[DistributedSampler, DataLoader]:
+    ) -> tuple[StatefulDistributedSampler, StatefulDataLoader]:
         """Build the prompt dataset (a list is concatenated) and its loader.
 
         Prompts are padded on the left, so that generation continues every prompt
-        from the same position.
+        from the same position. The loader's state is its position in the epoch,
+        which a step checkpoint saves.
         """
         if isinstance(cfg_dataset, ListConfig):
             ds = ConcatDataset(
@@ -428,10 +478,10 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, tokenizer=self._tokenizer)
         # The sampler's seed is fixed: the data order depends only on the epoch.
-        sampler = DistributedSampler(
+        sampler = StatefulDistributedSampler(
             ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0
         )
-        dataloader = DataLoader(
+        dataloader = StatefulDataLoader(
             dataset=ds,
             sampler=sampler,
             batch_size=batch_size,
@@ -544,6 +594,17 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._memory_window = (first, first + profiler_cfg["active_steps"])
         return profiler
 
+    def _recipe_state(self) -> dict[str, Any]:
+        """What :meth:`_update_recipe_state` takes back on resume."""
+        return {
+            training.SEED_KEY: self.seed,
+            training.EPOCHS_KEY: self._epochs_run,
+            training.TOTAL_EPOCHS_KEY: self._total_epochs,
+            training.MAX_STEPS_KEY: self._total_steps,
+            training.STEPS_KEY: self._steps_run,
+            training.RNG_KEY: self._rng.get_state(),
+        }
+
     def save_checkpoint(self, epoch: int, *, intermediate: bool) -> None:
         """Save the policy and the value model; for an intermediate checkpoint, also
         the optimizer state of both and the recipe state, in the policy's checkpoint."""
@@ -551,12 +612,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if intermediate:
             policy_ckpt |= {
                 training.OPT_KEY: self._optimizer.state_dict(),
-                training.SEED_KEY: self.seed,
-                training.EPOCHS_KEY: self._epochs_run,
-                training.TOTAL_EPOCHS_KEY: self._total_epochs,
-                training.MAX_STEPS_KEY: self._total_steps,
-                training.STEPS_KEY: self._steps_run,
-                training.RNG_KEY: self._rng.get_state(),
+                **self._recipe_state(),
             }
         self._policy_checkpointer.save_checkpoint(
             policy_ckpt, epoch=epoch, intermediate_checkpoint=intermediate
@@ -565,6 +621,24 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             {training.MODEL_KEY: self._value_model.state_dict()},
             epoch=epoch,
             intermediate_checkpoint=False,
+        )
+
+    def _save_step_checkpoint(self, *, mid_epoch: bool) -> None:
+        """Save everything the run needs to continue after this PPO step: both
+        trained models, the optimizer, the counters and the sampling generator, and
+        mid-epoch the loader's position. At an epoch's end (``_epochs_run`` already
+        counts it) the next epoch starts with a fresh loader, as it does here."""
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._policy_model,
+            self._optimizer,
+            recipe_state=self._recipe_state(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+            model_state_dict={
+                "policy": self._policy_model.state_dict(),
+                "value": self._value_model.state_dict(),
+            },
         )
 
     def _kv_cache(self, decoder_max_seq_len: int) -> contextlib.AbstractContextManager:
@@ -696,15 +770,26 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return ((start, size) for start in range(0, total, size))
 
     def train(self) -> None:
-        """Run the remaining PPO steps, saving a checkpoint after each epoch."""
+        """Run the remaining PPO steps, saving a checkpoint after each epoch and, with
+        ``save_every_n_steps``, a step checkpoint when one is due."""
         if self._compile:
             log.info("The models compile in their first forward: expect a slow step 1.")
         self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming from a step checkpoint: the global RNG as the run left it
+            # (sampling and minibatch order draw from self._rng, restored with the
+            # recipe state).
+            training.restore_rng_state(self._resume_rng_state)
         self._profiler.start()
         pbar = tqdm(total=self._total_steps, initial=self._steps_run)
         for curr_epoch in range(self._epochs_run, self._total_epochs):
             self._sampler.set_epoch(curr_epoch)
-            for idx, batch in enumerate(self._dataloader):
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            first_batch = self._steps_run - curr_epoch * self._batches_per_epoch
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
                 record_memory = curr_epoch == 0 and self._memory_window is not None
                 if record_memory and idx == self._memory_window[0]:
                     torch.cuda.memory._record_memory_history()
@@ -757,8 +842,17 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._profiler.step()
                 if self._steps_run == self._total_steps:
                     break
+                # The last step of an epoch is saved with the epoch, below.
+                if idx + 1 < self._batches_per_epoch and self._step_checkpointer.is_due(
+                    self._steps_run
+                ):
+                    self._save_step_checkpoint(mid_epoch=True)
 
             self._epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(mid_epoch=False)
             self.save_checkpoint(
                 curr_epoch, intermediate=self._steps_run < self._total_steps
             )

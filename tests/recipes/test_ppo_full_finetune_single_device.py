@@ -8,7 +8,10 @@ on CPU: the tiny policy, its reference, and the tiny reward and value models of
 over 8 trajectories in minibatches of 4, so 4 optimizer steps per PPO step and 16 in
 all. Metrics are logged at optimizer steps 4, 8, 12 and 16. Runs are module-scoped,
 shared between tests, and call ``tune``'s entry point in this process (the same
-command line a ``tune run`` process parses).
+command line a ``tune run`` process parses). The uninterrupted in-backward run also
+saves a step checkpoint after every PPO step (``save_every_n_steps=1``:
+``step_4`` ... ``step_16``); saving changes none of its metrics (measured: bitwise
+the same as without).
 
 Tolerances:
 
@@ -34,6 +37,9 @@ Tolerances:
   run) must move the resumed losses by far more than rounding: more than 1e-3
   relative (measured: 2.1e-2 and 4.5e-2), against measured differences of 0 between
   correct resumes.
+- A resume from the mid-epoch step checkpoint ``step_4`` (after PPO step 1 of 4) in
+  the same mode: bitwise, every metric at steps 8, 12 and 16, ``grad_norm`` and
+  ``lr`` included; measured: equal.
 """
 
 from __future__ import annotations
@@ -145,7 +151,8 @@ def runs(
     minibatch."""
     settings = {
         "plain": _mode("plain"),
-        "bwd": _mode("bwd"),
+        # Step checkpoints for the step-checkpoint resume test.
+        "bwd": {"save_every_n_steps": 1, **_mode("bwd")},
         "plain_accumulated": {"gradient_accumulation_steps": 2, **_mode("plain")},
     }
     return {
@@ -354,6 +361,45 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
     resumed = resume("bwd", "bwd", ("0_6_1", _as_0_6_1_in_bwd(ppo_assets)))
     assert sorted(resumed.metrics) == EPOCH_1
     _assert_metrics_close(resumed, expected, EPOCH_1, **EXACT)
+
+
+def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics(
+    ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    """The step checkpoint of PPO step 1 (optimizer step 4), alone in a fresh
+    output_dir, found by ``resume_from_checkpoint=True`` without naming a file: the
+    run continues mid-epoch 0 (the loader at its second batch), crosses into epoch 1,
+    and logs what the uninterrupted run logged. The value model comes from the step
+    checkpoint: ``value_checkpointer`` still reads the weights it started from."""
+    step_4 = runs["bwd"].output_dir / "step_4"
+    recipe_state = torch.load(step_4 / "recipe_state.pt", weights_only=False)
+    assert (recipe_state["global_step"], recipe_state["steps_run"]) == (4, 1)
+    saved = torch.load(step_4 / "model_optimizer.pt", weights_only=False)
+    assert sorted(saved["model"]) == ["policy", "value"]
+
+    out = tmp_path / "out"
+    shutil.copytree(step_4, out / "step_4")
+    resumed = run_tune_in_process(
+        RECIPE,
+        CONFIG,
+        _overrides(
+            ppo_assets,
+            save_every_n_steps=1,
+            resume_from_checkpoint=True,
+            **_mode("bwd"),
+        ),
+        out,
+    )
+    steps = EPOCH_0[1:] + EPOCH_1
+    assert sorted(resumed.metrics) == steps
+    _assert_metrics_close(resumed, runs["bwd"], steps, **EXACT)
+    for metric in ("grad_norm", "lr"):
+        assert_close(
+            _series(resumed, metric, steps),
+            _series(runs["bwd"], metric, steps),
+            **EXACT,
+            msg=lambda m, metric=metric: f"{metric}: {m}",
+        )
 
 
 def test_final_checkpoints_load_back_into_the_models(
