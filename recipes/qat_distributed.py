@@ -15,6 +15,9 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.distributed import destroy_process_group
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+)
 from torch.distributed.tensor import DTensor
 from torchao.quantization.qat.linear import enable_linear_fake_quant
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -407,10 +410,15 @@ class QATRecipeDistributed(FTRecipeInterface):
             optimizer = config.instantiate(cfg_optimizer, params)
         if opt_state_dict:
             if is_legacy_in_bwd_state_dict(opt_state_dict):
-                # torchtune 0.6.1's in-backward runs saved one full state dict per
-                # parameter, keyed by its name; merged, it loads into either mode.
+                # torchtune 0.6.1's in-backward runs saved {parameter name: that
+                # parameter's own full optimizer state dict}; merged, it loads into
+                # either mode. Its names carry activation checkpointing's wrapper
+                # prefix where it was on; the standard format's names never do.
                 opt_state_dict = training.convert_legacy_optim_in_bwd_state_dict(
-                    opt_state_dict
+                    {
+                        name.replace(_CHECKPOINT_PREFIX, ""): per_param
+                        for name, per_param in opt_state_dict.items()
+                    }
                 )
             training.load_from_full_optimizer_state_dict(
                 self._model, optimizer, opt_state_dict, self._device

@@ -253,14 +253,29 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
 ) -> None:
     """The in-backward run's epoch 0, its optimizer state rewritten the way torchtune
-    0.6.1's qat_distributed saved in-backward runs (one full optimizer state dict per
-    parameter, keyed by the parameter's name), resumed with the plain optimizer.
+    0.6.1's qat_distributed saved in-backward runs of the shipped configs, which turn
+    activation checkpointing on: one full optimizer state dict per parameter, keyed
+    by the parameter's name in the wrapped model (``layers.0._checkpoint_wrapped_
+    module.attn.q_proj.weight``). Resumed with the plain optimizer.
 
     Also with activation checkpointing and the embeddings and output sharded on their
     own, as the shipped configs have them: recomputing the forward and grouping the
     parameters differently change no value, so the losses stay bitwise equal.
     """
-    from torchtune import training
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        _CHECKPOINT_PREFIX,
+    )
+
+    from torchtune import modules, training
+    from torchtune.models.llama2 import llama2
+
+    with torch.device("meta"):
+        model = llama2(**tiny_assets.model_kwargs)
+    training.set_activation_checkpointing(
+        model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+    )
+    wrapped_names = [name for name, _ in model.named_parameters()]
+    assert any(_CHECKPOINT_PREFIX in name for name in wrapped_names)
 
     out = runs_dir / "plain_from_0_6_1"
     shutil.copytree(in_bwd.output_dir / "epoch_0", out / "epoch_0")
@@ -269,13 +284,19 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     )
     optimizer = state[training.OPT_KEY]
     (group,) = optimizer["param_groups"]
+    # The inner state dicts came from torch's full-state API: unwrapped names.
     state[training.OPT_KEY] = {
-        name: {
+        wrapped: {
             "state": {name: optimizer["state"][name]},
             "param_groups": [group | {"params": [name]}],
         }
-        for name in group["params"]
+        for wrapped in wrapped_names
+        for name in [wrapped.replace(_CHECKPOINT_PREFIX, "")]
     }
+    assert sorted(optimizer["state"]) == sorted(
+        entry["param_groups"][0]["params"][0]
+        for entry in state[training.OPT_KEY].values()
+    )
     (out / "recipe_state").mkdir()
     torch.save(state, out / "recipe_state" / "recipe_state.pt")
 
