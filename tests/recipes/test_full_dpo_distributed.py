@@ -10,6 +10,9 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 - resumed from the epoch-0 checkpoint vs uninterrupted: in-backward -> in-backward
   from a synchronous full checkpoint, and plain -> in-backward from an
   asynchronous distributed (DCP) one;
+- resumed mid-epoch from the sharded step checkpoint of step 4
+  (``save_every_n_steps``, copied alone into a fresh ``output_dir``) vs
+  uninterrupted, in-backward;
 - 1 process vs 2 at the same global batch.
 
 Besides: the shipped ``llama3_1/8B_full_dpo`` config trains on the tiny assets as
@@ -43,8 +46,8 @@ Tolerances, from the arithmetic (measured on these runs in brackets):
   hence the margin. The absolute floor is for the rewards, which are small
   differences of much larger terms (``beta`` times a difference of two summed
   log-probabilities of about 20: 0.1 * 20 * 6e-8 ~ 1e-7 of absolute rounding).
-  [losses 8.8e-8 relative, grad norms 4.8e-7, log-probabilities 8.5e-8, rewards
-  4.7e-8 absolute]
+  [losses 8.9e-8 relative, grad norms 4.8e-7, log-probabilities 8.5e-8, rewards
+  7.2e-8 absolute]
 
 A wrong normalization (the loss not averaged over ranks, or over accumulated
 batches) shows in ``grad_norm`` by a factor of 2 or more, far beyond these.
@@ -90,9 +93,13 @@ SHIPPED_CONFIG = (
     / "llama3_1"
     / "8B_full_dpo.yaml"
 )
-EPOCHS, STEPS = 2, 2
+EPOCHS, STEPS = 2, 3
 ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 EPOCH_1 = range(STEPS + 1, EPOCHS * STEPS + 1)
+# The in-backward run saves a step checkpoint every SAVE_EVERY steps and at each
+# epoch's end; RESUME_STEP is one of them, in the middle of epoch 1.
+SAVE_EVERY, RESUME_STEP = 2, 4
+AFTER_RESUME_STEP = range(RESUME_STEP + 1, EPOCHS * STEPS + 1)
 PAIRS_PER_STEP = 8
 # Several runs share 2 cores; a collective reached by only some ranks hangs: fail.
 TIMEOUT_S = 300
@@ -150,9 +157,15 @@ class Runs:
         self._root = root
         self._assets = assets
         # One thread per subprocess run: each mostly waits on its subprocess.
-        self._pool = ThreadPoolExecutor(max_workers=4)
+        self._pool = ThreadPoolExecutor(max_workers=5)
         self._futures: dict[str, Future[TuneRun]] = {}
-        self._submit("in_bwd", self._train, "in_bwd", optimizer_in_bwd=True)
+        self._submit(
+            "in_bwd",
+            self._train,
+            "in_bwd",
+            optimizer_in_bwd=True,
+            save_every_n_steps=SAVE_EVERY,
+        )
         self._submit(
             "plain_async",
             self._train,
@@ -174,6 +187,15 @@ class Runs:
             "in_bwd",
             "in_bwd_from_in_bwd",
             optimizer_in_bwd=True,
+        )
+        self._submit(
+            "in_bwd_from_step",
+            self._resume_from_step,
+            "in_bwd",
+            "in_bwd_from_step",
+            RESUME_STEP,
+            optimizer_in_bwd=True,
+            save_every_n_steps=SAVE_EVERY,
         )
         self._submit(
             "in_bwd_from_plain_async",
@@ -279,11 +301,23 @@ class Runs:
         shutil.copytree(
             source.output_dir,
             self._root / name,
-            ignore=shutil.ignore_patterns(".hf_datasets_cache"),
+            # Without its step checkpoints, which would be further along.
+            ignore=shutil.ignore_patterns(".hf_datasets_cache", "step_*"),
         )
         if not overrides.get("enable_async_checkpointing", False):
             weights = "epoch_0/model-00001-of-00001.safetensors"
             overrides["checkpointer.checkpoint_files"] = [weights]
+        return self._train(name, resume_from_checkpoint=True, **overrides)
+
+    def _resume_from_step(
+        self, source_name: str, name: str, step: int, **overrides: Any
+    ) -> TuneRun:
+        """Resume ``source_name`` from its step checkpoint ``step_{step}``, copied
+        alone into a fresh output_dir, naming no file: the recipe finds it."""
+        source = self[source_name]
+        self._in_process_done.wait()
+        folder = f"step_{step}"
+        shutil.copytree(source.output_dir / folder, self._root / name / folder)
         return self._train(name, resume_from_checkpoint=True, **overrides)
 
     def _shipped_overrides(self, **settings: Any) -> list[str]:
@@ -401,6 +435,35 @@ def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
         resumed, uninterrupted, ("grad_norm",), GRAD_NORM_ACROSS_MODES, EPOCH_1
     )
     _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+
+
+def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_run(
+    runs: Runs,
+) -> None:
+    uninterrupted = runs["in_bwd"]
+    # Every SAVE_EVERY steps, and at each epoch's end before the epoch checkpoint.
+    step_dirs = {p.name for p in uninterrupted.output_dir.glob("step_*")}
+    assert step_dirs == {"step_2", "step_3", "step_4", "step_6"}
+    # Each rank wrote its own shards and its own dataloader position.
+    step_checkpoint = uninterrupted.output_dir / f"step_{RESUME_STEP}"
+    assert (step_checkpoint / "model_optimizer" / ".metadata").is_file()
+    ranks = {p.name for p in step_checkpoint.glob("rank_*.pt")}
+    assert ranks == {"rank_0.pt", "rank_1.pt"}
+
+    resumed = runs["in_bwd_from_step"]
+    # Found without being named, and continued from step RESUME_STEP + 1.
+    copied = resumed.output_dir / step_checkpoint.name
+    assert f"Resumed from {copied}." in resumed.output
+    assert list(resumed.metrics) == list(AFTER_RESUME_STEP)
+    # The same mode, kernels and values: bitwise (module docstring).
+    _assert_same(
+        resumed,
+        uninterrupted,
+        ("loss", "grad_norm", *PAIR_METRICS),
+        EXACT,
+        AFTER_RESUME_STEP,
+    )
+    _assert_same_lr(resumed, uninterrupted, AFTER_RESUME_STEP)
 
 
 def test_two_processes_match_one_process_at_the_same_global_batch(
