@@ -240,3 +240,46 @@ def test_0_6_1_checkpoint_with_frozen_entries_resumes_through_optim_map(
         for name, optimizer in wrapper.optim_map.items()
     }
     assert set(resaved) == set(saved)
+
+
+# The public names of torchtune 0.6.1's torchtune/training/memory.py.
+MEMORY_0_6_1 = [
+    "set_activation_checkpointing",
+    "cleanup_before_training",
+    "OptimizerInBackwardWrapper",
+    "create_optim_in_bwd_wrapper",
+    "register_optim_in_bwd_hooks",
+    "get_memory_stats",
+    "log_memory_stats",
+    "DEFAULT_LOG_MESSAGE",
+]
+
+
+@pytest.mark.parametrize("name", MEMORY_0_6_1)
+def test_every_0_6_1_import_path_keeps_working(name: str) -> None:
+    import importlib
+
+    from torchtune.training import optim_in_bwd_deprecated
+
+    memory = importlib.import_module("torchtune.training.memory")
+    from_memory = getattr(memory, name)
+    if name != "DEFAULT_LOG_MESSAGE":  # 0.6.1 did not export it from training
+        assert getattr(training, name) is from_memory
+    if name in optim_in_bwd_deprecated.__all__:
+        assert from_memory is getattr(optim_in_bwd_deprecated, name)
+
+
+def test_modules_import_without_a_cycle_in_any_order() -> None:
+    import subprocess
+    import sys
+
+    for first in (
+        "optim_in_bwd_deprecated",
+        "optim_in_bwd_legacy_state_dict",
+        "memory",
+    ):
+        code = (
+            f"import torchtune.training.{first}; "
+            "from torchtune.training.memory import create_optim_in_bwd_wrapper"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
