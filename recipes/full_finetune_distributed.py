@@ -97,6 +97,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             with a fused optimizer, or not dividing the world size.
         ValueError: If ``profiler._component_`` is not ``setup_torch_profiler`` (null
             means it).
+        ValueError: If ``optimizer`` is a bitsandbytes optimizer (its kernels cannot
+            step FSDP2's sharded parameters), or a torchao low-bit one with ``epochs``
+            > 1 (its state cannot be saved from them); see
+            ``training.check_fsdp_optimizer``.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
             CUDA or ``enable_activation_checkpointing`` is False.
         RuntimeError: If ``left_pad_sequence`` is set as the data collator.
@@ -115,6 +119,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
             )
+        # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
+        # torchao's low-bit ones cannot save their state from them.
+        training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
 
         cfg_profiler = cfg.get(PROFILER_KEY) or {}
         # null means the default, as in 0.6.1.

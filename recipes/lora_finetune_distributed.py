@@ -58,7 +58,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
       to backward, ``fsdp_cpu_offload`` keeps parameters, gradients and optimizer
       state in CPU memory (CUDA only: on CPU there is nothing to move).
     - Precision (``dtype``): fp32 or bf16.
-    - Optimizer (``optimizer``, ``optimizer_in_bwd``): any ``torch.optim.Optimizer``.
+    - Optimizer (``optimizer``, ``optimizer_in_bwd``): any ``torch.optim.Optimizer``
+      that can step sharded parameters (not bitsandbytes'; see
+      ``training.check_fsdp_optimizer``).
       With ``optimizer_in_bwd: True`` each adapter parameter is updated inside
       backward as soon as its (reduce-scattered) gradient is ready, and the gradient
       is freed at once; the frozen base weights get no optimizer. The optimizer is
@@ -112,6 +114,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             scaling).
         ValueError: ``profiler._component_`` is not ``setup_torch_profiler`` (null
             means it).
+        ValueError: ``optimizer`` is a bitsandbytes optimizer (its kernels cannot step
+            FSDP2's sharded parameters), or a torchao low-bit one with ``epochs > 1``
+            (its state cannot be saved from them); see ``training.check_fsdp_optimizer``.
         ValueError: ``resume_from_checkpoint=True`` and no adapter checkpoint found.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
@@ -144,6 +149,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
             )
+        # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
+        # torchao's low-bit ones cannot save their state from them.
+        training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
         if self._dtype == torch.float16:
             raise ValueError(
                 "dtype=fp16 is not supported by this recipe (it has no loss scaling). "

@@ -292,6 +292,28 @@ PROFILER_REFUSAL = (
 )
 
 
+def _bitsandbytes_refusal(component: str) -> str:
+    return (
+        f"optimizer._component_={component} cannot train a model sharded with "
+        "FSDP2, with or without optimizer_in_bwd: FSDP2 makes every parameter a "
+        "DTensor, and bitsandbytes' update kernels take plain tensors only (8-bit ones "
+        "fail with 'got mixed torch.Tensor and DTensor', 32-bit ones with 'no sharding "
+        "strategy registered'). Use torch.optim.AdamW or torchao.optim._AdamW; for "
+        "low-bit optimizer state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit "
+        "with epochs=1; or this optimizer in a single-device recipe."
+    )
+
+
+TORCHAO_REFUSAL = (
+    "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with epochs=2 "
+    "under FSDP2: every epoch but the last ends with a checkpoint of the optimizer "
+    "state, and this optimizer's quantized state cannot be saved from sharded "
+    "parameters (its tensors support neither the all-gather of a full checkpoint nor "
+    "the copy of a sharded one). Set epochs=1, or use torch.optim.AdamW or "
+    "torchao.optim._AdamW."
+)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -317,12 +339,30 @@ PROFILER_REFUSAL = (
             "compile.optimizer_step=False or optimizer_in_bwd=False.",
         ),
         ({"profiler": {"_component_": "torch.profiler.profile"}}, PROFILER_REFUSAL),
+        (
+            {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit"}},
+            _bitsandbytes_refusal("bitsandbytes.optim.AdamW8bit"),
+        ),
+        (
+            {
+                "optimizer_in_bwd": False,
+                "optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW"},
+            },
+            _bitsandbytes_refusal("bitsandbytes.optim.PagedAdamW"),
+        ),
+        (
+            {"optimizer": {"_component_": "torchao.optim.AdamW8bit"}, "epochs": 2},
+            TORCHAO_REFUSAL,
+        ),
     ],
     ids=[
         "clip_grad_norm",
         "gradient_accumulation",
         "compiled_optimizer_step",
         "profiler_component",
+        "bitsandbytes_8bit_in_backward",
+        "bitsandbytes_32bit_paged_plain",
+        "torchao_low_bit_with_intermediate_checkpoints",
     ],
 )
 def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(

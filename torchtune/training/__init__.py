@@ -84,6 +84,7 @@ from torchtune.training.precision import (
 )
 from torchtune.training.quantization import get_quantizer_mode
 from torchtune.training.recipe_options import (
+    check_fsdp_optimizer,
     check_optimizer_in_bwd_options,
     parse_compile_config,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "get_lr",
     # memory and optimizer in backward
     "OptimizerInBackward",
+    "check_fsdp_optimizer",
     "check_optimizer_in_bwd_options",
     "parse_compile_config",
     "cleanup_before_training",

@@ -1,9 +1,11 @@
-"""Recipe config options that several recipes share: how ``compile`` is parsed, and
-which options ``optimizer_in_bwd=True`` refuses."""
+"""Recipe config options that several recipes share: how ``compile`` is parsed,
+which options ``optimizer_in_bwd=True`` refuses, and which optimizers FSDP2 refuses."""
 
 from typing import Any
 
 from omegaconf import DictConfig
+
+from torchtune.config._utils import _get_component_from_path
 
 # What ``compile`` can turn on, each on its own.
 COMPILE_TARGETS = ("model", "loss", "optimizer_step")
@@ -100,3 +102,79 @@ def check_optimizer_in_bwd_options(
             "where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False."
         )
+
+
+# torchao optimizers that keep their state in quantized tensor subclasses.
+_TORCHAO_LOW_BIT_OPTIMIZERS = (
+    "Adam8bit",
+    "Adam4bit",
+    "AdamFp8",
+    "AdamW8bit",
+    "AdamW4bit",
+    "AdamWFp8",
+)
+
+
+def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
+    """Refuse an optimizer that cannot train, or cannot be checkpointed, on parameters
+    sharded with FSDP2 (DTensors), with or without ``optimizer_in_bwd``.
+
+    The distributed recipes call this before they build anything, with the
+    optimizer's ``_component_`` from the config. It imports the component, not the
+    config's other arguments.
+
+    What works (measured with 2 gloo processes on CPU, torch 2.13, torchao 0.13,
+    bitsandbytes 0.50): ``torch.optim`` optimizers and ``torchao.optim._AdamW``
+    train and checkpoint. torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``,
+    ``AdamWFp8`` and their Adam variants) train, with the plain losses in-backward,
+    but saving their state fails: its quantized tensors support neither the
+    all-gather of a full checkpoint nor the copy of a sharded one. bitsandbytes'
+    optimizers fail in their first update, 8-bit and 32-bit, paged or not.
+
+    Args:
+        optimizer_component (str): the optimizer's ``_component_``, e.g.
+            ``"torch.optim.AdamW"``.
+        epochs (int): the ``epochs`` option. Every epoch but the last ends with a
+            checkpoint that holds the optimizer state.
+
+    Raises:
+        ValueError: if the optimizer is a bitsandbytes one (its update kernels take
+            plain tensors only), or a torchao low-bit one with ``epochs > 1``.
+        InstantiationError: if ``optimizer_component`` cannot be imported.
+
+    Example:
+        >>> check_fsdp_optimizer("torchao.optim.AdamW8bit", epochs=1)
+        >>> check_fsdp_optimizer("bitsandbytes.optim.PagedAdamW8bit", epochs=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot ...
+    """
+    optimizer_cls = _get_component_from_path(optimizer_component)
+    package = (getattr(optimizer_cls, "__module__", None) or "").split(".")[0]
+    if package == "bitsandbytes":
+        from bitsandbytes.optim.optimizer import Optimizer8bit
+
+        if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer8bit):
+            raise ValueError(
+                f"optimizer._component_={optimizer_component} cannot train a model "
+                "sharded with FSDP2, with or without optimizer_in_bwd: FSDP2 makes "
+                "every parameter a DTensor, and bitsandbytes' update kernels take "
+                "plain tensors only (8-bit ones fail with 'got mixed torch.Tensor and "
+                "DTensor', 32-bit ones with 'no sharding strategy registered'). Use "
+                "torch.optim.AdamW or torchao.optim._AdamW; for low-bit optimizer "
+                "state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit with "
+                "epochs=1; or this optimizer in a single-device recipe."
+            )
+    if package == "torchao" and epochs > 1:
+        import torchao.optim
+
+        low_bit = [getattr(torchao.optim, n, None) for n in _TORCHAO_LOW_BIT_OPTIMIZERS]
+        if optimizer_cls in low_bit:
+            raise ValueError(
+                f"optimizer._component_={optimizer_component} cannot be combined with "
+                f"epochs={epochs} under FSDP2: every epoch but the last ends with a "
+                "checkpoint of the optimizer state, and this optimizer's quantized "
+                "state cannot be saved from sharded parameters (its tensors support "
+                "neither the all-gather of a full checkpoint nor the copy of a sharded "
+                "one). Set epochs=1, or use torch.optim.AdamW or torchao.optim._AdamW."
+            )

@@ -1,5 +1,6 @@
 """Tests for torchtune/training/recipe_options.py: ``parse_compile_config`` (the
-``compile`` option every recipe reads) and ``check_optimizer_in_bwd_options``."""
+``compile`` option every recipe reads), ``check_optimizer_in_bwd_options`` and
+``check_fsdp_optimizer``."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -54,3 +55,59 @@ def test_check_optimizer_in_bwd_options_accepts_compatible_options():
     training.check_optimizer_in_bwd_options(
         clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
     )
+
+
+@pytest.mark.parametrize(
+    "component",
+    [
+        "bitsandbytes.optim.AdamW8bit",
+        "bitsandbytes.optim.PagedAdamW8bit",
+        "bitsandbytes.optim.AdamW32bit",
+        "bitsandbytes.optim.PagedAdamW",
+        "bitsandbytes.optim.Lion8bit",
+        # The class where bitsandbytes defines it, not only its usual alias.
+        "bitsandbytes.optim.adamw.AdamW",
+    ],
+)
+def test_check_fsdp_optimizer_refuses_bitsandbytes_8_and_32_bit_paged_or_not(
+    component,
+):
+    with pytest.raises(ValueError) as info:
+        training.check_fsdp_optimizer(component, epochs=1)
+    message = str(info.value)
+    # what was asked, why it fails, and what works instead
+    assert message.startswith(f"optimizer._component_={component} cannot train")
+    assert "DTensor" in message
+    assert "Use torch.optim.AdamW or torchao.optim._AdamW" in message
+
+
+@pytest.mark.parametrize(
+    "component", ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit"]
+)
+def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_when_an_epoch_saves_it(
+    component,
+):
+    training.check_fsdp_optimizer(component, epochs=1)
+    with pytest.raises(ValueError) as info:
+        training.check_fsdp_optimizer(component, epochs=2)
+    message = str(info.value)
+    assert message.startswith(
+        f"optimizer._component_={component} cannot be combined with epochs=2"
+    )
+    assert "Set epochs=1, or use torch.optim.AdamW or torchao.optim._AdamW." in message
+
+
+@pytest.mark.parametrize(
+    "component",
+    [
+        "torch.optim.AdamW",
+        "torch.optim.SGD",
+        "torchao.optim._AdamW",
+        # bitsandbytes' pure-PyTorch LARS runs no bitsandbytes kernel.
+        "bitsandbytes.optim.PytorchLARS",
+    ],
+)
+def test_check_fsdp_optimizer_accepts_optimizers_that_train_and_checkpoint_sharded(
+    component,
+):
+    training.check_fsdp_optimizer(component, epochs=3)
