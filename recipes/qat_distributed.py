@@ -86,6 +86,17 @@ class QATRecipeDistributed(FTRecipeInterface):
           recipe state for ``resume_from_checkpoint``. With
           ``enable_async_checkpointing`` intermediate checkpoints are saved
           asynchronously as distributed checkpoints, and resuming reads the latest one.
+          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
+          the end of every epoch to ``output_dir/step_{global_step}/``, written by
+          every rank: the QAT-prepared model's weights and the optimizer state (a
+          sharded distributed checkpoint), the recipe state, and each rank's
+          dataloader and RNG state; written whole or not at all.
+          ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K step
+          checkpoints. ``resume_from_checkpoint: True`` without
+          ``checkpointer.recipe_checkpoint`` continues from whichever whole
+          checkpoint is furthest along, mid-epoch included, on as many processes as
+          saved it; a damaged one is skipped with a warning. Fake quantization is set
+          from the resumed step count, as in the interrupted run.
         - Logging (metrics from rank 0), profiling and memory snapshots as in the other
           recipes.
 
@@ -101,6 +112,8 @@ class QATRecipeDistributed(FTRecipeInterface):
             compiled by this recipe).
         ValueError: If ``dtype`` is fp16.
         ValueError: If ``profiler._component_`` is not the torch profiler.
+        ValueError: If ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
+            is not a positive integer or null.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
             CUDA or ``enable_activation_checkpointing`` is False.
         RuntimeError: If ``left_pad_sequence`` is set as the data collator.
@@ -169,6 +182,8 @@ class QATRecipeDistributed(FTRecipeInterface):
                 f"collate_fn={self._collate_fn} is for inference only. Use "
                 "torchtune.data.padded_collate_sft."
             )
+        # Step checkpoints; a bad save_every_n_steps is refused here.
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         cfg_profiler = cfg.get(PROFILER_KEY) or {}
         profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
         if profiler_component != _TORCH_PROFILER:
@@ -276,7 +291,17 @@ class QATRecipeDistributed(FTRecipeInterface):
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        # A step checkpoint further along than the epoch checkpoint wins.
+        step_checkpoint = (
+            self._step_checkpointer.resume_point(
+                cfg.checkpointer.get("recipe_checkpoint", None)
+            )
+            if self._resume_from_checkpoint
+            else None
+        )
+        checkpoint_dict = self._checkpoint_client.load_base_checkpoint(
+            resume_from_epoch=step_checkpoint is None
+        )
         self._model = self._setup_model(
             cfg_model=cfg.model,
             custom_sharded_layers=cfg.get("custom_sharded_layers", None),
@@ -290,8 +315,19 @@ class QATRecipeDistributed(FTRecipeInterface):
             cfg_optimizer=cfg.optimizer,
             opt_state_dict=checkpoint_dict.get(training.OPT_KEY),
         )
+        # Mid-epoch resume state: the dataloader position and the RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
         if self._resume_from_checkpoint:
-            if self._enable_async_checkpointing:
+            if step_checkpoint is not None:
+                # Every rank loads its shards (of the QAT-prepared model it saved),
+                # its dataloader position and RNG.
+                checkpoint_dict, rank_state = self._step_checkpointer.load(
+                    step_checkpoint, self._model, self._optimizer
+                )
+                utils.log_rank_zero(log, f"Resumed from {step_checkpoint}.")
+                self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+                self._resume_rng_state = rank_state["rng"]
+            elif self._enable_async_checkpointing:
                 # Intermediate checkpoints were written by DCP, not by the configured
                 # checkpointer: take weights, optimizer and progress from the latest.
                 checkpoint_dict = self._checkpoint_client.load_distributed_checkpoint(
@@ -313,7 +349,11 @@ class QATRecipeDistributed(FTRecipeInterface):
         )
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
+        # Fake quantization follows it (_update_fake_quant, before each batch).
+        self.global_step = checkpoint_dict.get(
+            "global_step", self.epochs_run * self._steps_per_epoch
+        )
 
         self._lr_scheduler = self._setup_lr_scheduler(
             cfg_lr_scheduler=cfg.get("lr_scheduler", None),
@@ -542,6 +582,9 @@ class QATRecipeDistributed(FTRecipeInterface):
         """
         training.cleanup_before_training()
         self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming mid-run: draw (dropout) what the interrupted run would have.
+            training.restore_rng_state(self._resume_rng_state)
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
@@ -549,9 +592,22 @@ class QATRecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            pbar = tqdm(total=self._steps_per_epoch, disable=not self._is_rank_zero)
             self._dataloader.sampler.set_epoch(curr_epoch)
-            for idx, batch in enumerate(self._dataloader):
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=steps_done,
+                disable=not self._is_rank_zero,
+            )
+            first_batch = steps_done * self._gradient_accumulation_steps
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
+                # Batches past the epoch's last full step are left unused.
+                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
                 self._record_memory_history(curr_epoch, idx, start=True)
                 self._update_fake_quant()
                 utils.batch_to_device(batch, self._device)
@@ -627,17 +683,21 @@ class QATRecipeDistributed(FTRecipeInterface):
 
                 running_loss.zero_()
                 num_tokens.zero_()
+                epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                    self._steps_per_epoch
+                )
+                if self._step_checkpointer.is_due(self.global_step) and not epoch_ends:
+                    self._save_step_checkpoint(curr_epoch, mid_epoch=True)
                 t0 = time.perf_counter()
                 self._record_memory_history(curr_epoch, idx, start=False)
                 # One profiler step per optimizer step (all its batches).
                 self._profiler.step()
-                # Batches past the epoch's last full step are left unused.
-                if (
-                    idx + 1
-                ) // self._gradient_accumulation_steps == self._steps_per_epoch:
-                    break
 
             self.epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
             self._checkpoint_client.save_checkpoint(
                 model=self._model,
                 optimizer=self._optimizer,
@@ -651,6 +711,27 @@ class QATRecipeDistributed(FTRecipeInterface):
                 epoch=curr_epoch,
             )
         self._profiler.stop()
+
+    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
+        """Save, from every rank, everything the run needs to continue from this very
+        step: the QAT-prepared model (its fake-quantized layers keep the base names,
+        and hold no state of their own), which a resumed run loads into the model it
+        prepared the same way. At an epoch's end the next epoch starts with a fresh
+        loader."""
+        progress = TrainingProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=progress.state_dict(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+        )
 
     def _record_memory_history(self, epoch: int, idx: int, start: bool) -> None:
         """Starts/stops the CUDA memory snapshot around the profiler's active steps."""

@@ -8,11 +8,13 @@ Every claim is an equivalence between runs on the same seed and data:
 - resumed from epoch 0 vs uninterrupted: in-backward from its own checkpoint, and
   plain from the in-backward checkpoint rewritten in torchtune 0.6.1's in-backward
   layout (with activation checkpointing and separately sharded layers added);
+- resumed from the in-backward run's mid-epoch step checkpoint (``step_1``, before
+  fake quantization starts) vs uninterrupted;
 - 2 processes vs 1 at the same global batch;
 - fake quantization off for ``fake_quant_after_n_steps`` steps, then on.
 
 Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
-fake quantization from step 3), shared through module-scoped fixtures: five runs in
+fake quantization from step 3), shared through module-scoped fixtures: six runs in
 all. Refusals run in this process. The shipped configs are checked to resolve
 (components and keys), not run: neither sets ``optimizer_in_bwd: True``.
 
@@ -171,10 +173,15 @@ def _assert_same_training(
     assert_close(_metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT)
 
 
+# A step checkpoint after every step: step_1 and step_3 land mid-epoch. Saving them
+# changes no loss, grad_norm or lr of the run (checked bitwise against a run without).
+STEP_CHECKPOINTS = {"save_every_n_steps": 1}
+
+
 @pytest.fixture(scope="module")
 def in_bwd(runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path) -> TuneRun:
-    """The reference: in-backward on 2 processes."""
-    return _train(runs_dir / "in_bwd", tiny_assets, four_token_data)
+    """The reference: in-backward on 2 processes, with step checkpoints."""
+    return _train(runs_dir / "in_bwd", tiny_assets, four_token_data, **STEP_CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +254,34 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     # that prepare() turned on (and the losses below show it is on).
     assert "fake quantization disabled" not in resumed.output
     _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=EXACT)
+
+
+def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> None:
+    """``step_1`` alone in a fresh output_dir, and the same command again with
+    ``resume_from_checkpoint=True``, naming no file: it continues mid-epoch 0, with the
+    QAT-prepared model's shards and optimizer state each rank saved, its dataloader
+    position and RNG, and fake quantization set from the resumed step count: off for
+    step 2, on from step 3."""
+    step_1 = in_bwd.output_dir / "step_1"
+    assert (step_1 / "model_optimizer" / ".metadata").is_file()
+    assert {p.name for p in step_1.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+    out = runs_dir / "in_bwd_from_step_1"
+    shutil.copytree(step_1, out / "step_1")
+    resumed = _train(
+        out,
+        tiny_assets,
+        four_token_data,
+        resume_from_checkpoint=True,
+        **STEP_CHECKPOINTS,
+    )
+    assert f"Resumed from {out.resolve() / 'step_1'}." in resumed.output
+    assert "Step 1: fake quantization disabled." in resumed.output
+    assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in resumed.output
+    resumed_steps = range(2, EPOCHS * STEPS + 1)
+    assert list(resumed.metrics) == list(resumed_steps), resumed.metrics
+    _assert_same_training(resumed, in_bwd, resumed_steps, loss=EXACT, grad_norm=EXACT)
 
 
 def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
