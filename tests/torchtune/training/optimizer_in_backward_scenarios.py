@@ -329,22 +329,25 @@ _add_resume_scenarios()
 # -- step checkpoints --------------------------------------------------------------
 
 
-def check_step_checkpoint_resume(tmp: Path, save_in_backward: bool) -> None:
+def check_step_checkpoint_resume(
+    tmp: Path, save_in_backward: bool, optimizer_name: str = "adamw"
+) -> None:
     """A sharded step checkpoint written by both ranks resumes, into the other kind
     of optimizer, to exactly the uninterrupted run."""
-    reference = build_model("fsdp")
-    train(reference, make_optimizer(False, reference), "fsdp", range(4))
+    width = OPTIMIZERS[optimizer_name][2]
+    reference = build_model("fsdp", width=width)
+    train(reference, make_optimizer(False, reference, optimizer_name), "fsdp", range(4))
 
-    model = build_model("fsdp")
-    optimizer = make_optimizer(save_in_backward, model)
+    model = build_model("fsdp", width=width)
+    optimizer = make_optimizer(save_in_backward, model, optimizer_name)
     train(model, optimizer, "fsdp", range(2))
     checkpointer = StepCheckpointer(tmp, every_n_steps=2)
     path = checkpointer.save(2, model, optimizer, {"epochs_run": 0}, {"rank": rank()})
     if save_in_backward:
         optimizer.remove_hooks()
 
-    resumed = build_model("fsdp", seed=1)
-    new_optimizer = make_optimizer(not save_in_backward, resumed)
+    resumed = build_model("fsdp", seed=1, width=width)
+    new_optimizer = make_optimizer(not save_in_backward, resumed, optimizer_name)
     assert checkpointer.find_latest() == path
     recipe_state, rank_state = checkpointer.load(path, resumed, new_optimizer)
     assert recipe_state["global_step"] == 2 and rank_state["rank"] == rank()
@@ -360,6 +363,15 @@ def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
 @scenario
 def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
     check_step_checkpoint_resume(tmp, save_in_backward=False)
+
+
+@scenario
+def torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(
+    tmp: Path,
+) -> None:
+    # Sharded step checkpoints save torchao's quantized state, which full-state
+    # (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
+    check_step_checkpoint_resume(tmp, True, "torchao_adamw8bit")
 
 
 # -- checkpoint client -------------------------------------------------------------
