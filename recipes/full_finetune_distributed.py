@@ -80,6 +80,14 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
           recipe state for ``resume_from_checkpoint``. With
           ``enable_async_checkpointing`` intermediate checkpoints are saved
           asynchronously as distributed checkpoints, and resuming reads the latest one.
+          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
+          the end of every epoch to ``output_dir/step_{global_step}/``, sharded from
+          every rank (trainable weights, optimizer, recipe, dataloader and RNG state;
+          written whole or not at all); ``checkpointer.keep_last_n_checkpoints: K``
+          keeps the newest K of those. ``resume_from_checkpoint: True`` without
+          ``checkpointer.recipe_checkpoint`` continues from whichever whole checkpoint
+          is furthest along, mid-epoch included; a damaged one is skipped with a
+          warning.
         - Logging (metrics from rank 0), profiling and memory snapshots as in the other
           recipes.
 
@@ -101,6 +109,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             step FSDP2's sharded parameters), or a torchao low-bit one with ``epochs``
             > 1 (its state cannot be saved from them); see
             ``training.check_fsdp_optimizer``.
+        ValueError: If ``save_every_n_steps`` or
+            ``checkpointer.keep_last_n_checkpoints`` is not a positive integer or null.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
             CUDA or ``enable_activation_checkpointing`` is False.
         RuntimeError: If ``left_pad_sequence`` is set as the data collator.
@@ -122,6 +132,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
         # torchao's low-bit ones cannot save their state from them.
         training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+        # save_every_n_steps and checkpointer.keep_last_n_checkpoints.
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
 
         cfg_profiler = cfg.get(PROFILER_KEY) or {}
         # null means the default, as in 0.6.1.
@@ -210,7 +222,6 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 "isn't. Enabling activation offloading should reduce memory further.",
             )
         self._resume_from_checkpoint = cfg.resume_from_checkpoint
-        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         self._checkpoint_client = CheckpointClient(cfg)
 
         # Public: updated from the checkpoint on resume, read by tests.

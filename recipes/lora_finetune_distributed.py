@@ -93,7 +93,14 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
       optimizer and recipe state. A resumed run reads the base weights from
       ``checkpoint_dir`` and the adapter from ``checkpointer.adapter_checkpoint``
       (default: the latest ``epoch_*`` folder), and starts at an epoch boundary.
-      Saving never changes the model being trained.
+      Saving never changes the model being trained. ``save_every_n_steps: N`` also
+      saves a step checkpoint every N steps and at the end of every epoch to
+      ``output_dir/step_{global_step}/``, sharded from every rank (adapter, optimizer,
+      recipe, dataloader and RNG state; written whole or not at all), and
+      ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of those.
+      ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
+      continues from whichever whole checkpoint is furthest along, mid-epoch
+      included; a damaged one is skipped with a warning.
     - Logging from rank 0 (``metric_logger``, ``log_every_n_steps``,
       ``log_peak_memory_stats``): ``loss``, ``lr``, ``tokens_per_second_per_gpu``,
       ``grad_norm`` and, on devices that report them, peak memory stats. Profiling
@@ -117,6 +124,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         ValueError: ``optimizer`` is a bitsandbytes optimizer (its kernels cannot step
             FSDP2's sharded parameters), or a torchao low-bit one with ``epochs > 1``
             (its state cannot be saved from them); see ``training.check_fsdp_optimizer``.
+        ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
+            is not a positive integer or null.
         ValueError: ``resume_from_checkpoint=True`` and no adapter checkpoint found.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
@@ -152,6 +161,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
         # torchao's low-bit ones cannot save their state from them.
         training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+        # save_every_n_steps and checkpointer.keep_last_n_checkpoints.
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         if self._dtype == torch.float16:
             raise ValueError(
                 "dtype=fp16 is not supported by this recipe (it has no loss scaling). "
@@ -238,12 +249,26 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
         """Load the base weights; when resuming, also the adapter, optimizer and
-        recipe state. Every rank reads the full checkpoint (memory-mapped)."""
+        recipe state. Every rank reads the full checkpoint (memory-mapped). When a
+        step checkpoint is further along than the epoch checkpoint, only the base
+        weights are read here; the recipe loads the step checkpoint once the model is
+        sharded (``self._step_checkpoint``)."""
+        cfg_checkpointer = training.StepCheckpointer.checkpointer_config(
+            cfg_checkpointer
+        )
+        self._step_checkpoint = (
+            self._step_checkpointer.resume_point(cfg_checkpointer.recipe_checkpoint)
+            if self._resume_from_checkpoint
+            else None
+        )
+        self._resume_from_epoch = self._resume_from_checkpoint and (
+            self._step_checkpoint is None
+        )
         self._checkpointer = config.instantiate(
-            cfg_checkpointer, should_load_recipe_state=self._resume_from_checkpoint
+            cfg_checkpointer, should_load_recipe_state=self._resume_from_epoch
         )
         checkpoint_dict = self._checkpointer.load_checkpoint()
-        if self._resume_from_checkpoint:
+        if self._resume_from_epoch:
             if training.ADAPTER_KEY not in checkpoint_dict:
                 raise ValueError(
                     "resume_from_checkpoint=True, but no adapter weights were found. "
@@ -276,7 +301,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._metric_logger.log_config(cfg)
 
         checkpoint_dict = self.load_checkpoint(cfg_checkpointer=cfg.checkpointer)
-        resumed = checkpoint_dict if self._resume_from_checkpoint else {}
+        # The epoch checkpoint's adapter and optimizer state, when resuming from it.
+        resumed = checkpoint_dict if self._resume_from_epoch else {}
         self._model = self._setup_model(
             cfg_model=cfg.model,
             custom_sharded_layers=cfg.get("custom_sharded_layers", None),
@@ -288,6 +314,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(
             cfg_optimizer=cfg.optimizer, opt_state_dict=resumed.get(training.OPT_KEY)
         )
+        # Mid-epoch resume state: the dataloader position and the RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
+        if self._step_checkpoint is not None:
+            # Every rank loads its shards, its dataloader position and RNG.
+            checkpoint_dict, rank_state = self._step_checkpointer.load(
+                self._step_checkpoint, self._model, self._optimizer
+            )
+            utils.log_rank_zero(log, f"Resumed from {self._step_checkpoint}.")
+            self._update_recipe_state(checkpoint_dict)
+            self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+            self._resume_rng_state = rank_state["rng"]
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._compile["loss"]:
@@ -311,7 +348,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if self.max_steps_per_epoch is not None:
             self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
-        self.global_step = self.epochs_run * self._steps_per_epoch
+        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
+        self.global_step = checkpoint_dict.get(
+            "global_step", self.epochs_run * self._steps_per_epoch
+        )
 
         # The scheduler is not checkpointed: last_epoch puts it where the interrupted
         # run was, and the optimizer state brings back its initial_lr.
@@ -620,15 +660,31 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 log, "The model compiles in its first forward: expect a slow step 1."
             )
         self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming mid-run: draw (dropout) what the interrupted run would have.
+            training.restore_rng_state(self._resume_rng_state)
         # This rank's totals over the current step's batches.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
         t0 = time.perf_counter()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            pbar = tqdm(total=self._steps_per_epoch, disable=not self._is_rank_zero)
             self._dataloader.sampler.set_epoch(curr_epoch)
-            for idx, batch in enumerate(self._dataloader):
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=steps_done,
+                disable=not self._is_rank_zero,
+            )
+            first_batch = steps_done * self._gradient_accumulation_steps
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
+                # Batches past the epoch's last full step are left unused.
+                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
                 record_memory = curr_epoch == 0 and self._memory_window is not None
                 if record_memory and idx == self._memory_window[0]:
                     torch.cuda.memory._record_memory_history()
@@ -701,6 +757,13 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         self._metric_logger.log_dict(log_dict, step=self.global_step)
                     running_loss.zero_()
                     num_tokens.zero_()
+                    epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                        self._steps_per_epoch
+                    )
+                    if self._step_checkpointer.is_due(self.global_step) and not (
+                        epoch_ends
+                    ):
+                        self._save_step_checkpoint(curr_epoch, mid_epoch=True)
                     t0 = time.perf_counter()
                     if record_memory and idx == self._memory_window[1]:
                         torch.cuda.memory._record_memory_history(enabled=None)
@@ -708,16 +771,33 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                     # 0.6.1.
                     self._profiler.step()
 
-                # Batches past the epoch's last full step are left unused.
-                if (
-                    idx + 1
-                ) // self._gradient_accumulation_steps == self._steps_per_epoch:
-                    break
-
             pbar.close()
             self.epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
             self.save_checkpoint(epoch=curr_epoch)
         self._profiler.stop()
+
+    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
+        """Save, from every rank, everything the run needs to continue from this very
+        step (the adapter: the frozen base is the checkpoint's). At an epoch's end the
+        next epoch starts with a fresh loader."""
+        progress = TrainingProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=progress.state_dict(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+        )
 
     def cleanup(self) -> None:
         if self._is_rank_zero:

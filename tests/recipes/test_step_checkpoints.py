@@ -228,6 +228,28 @@ def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
     assert losses(resumed) == pytest.approx(expected, rel=0, abs=0)
 
 
+def test_two_process_lora_resumes_mid_epoch_to_the_uninterrupted_losses_bitwise(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    settings = overrides(tiny_assets, True, clip_grad_norm=None)
+    config = tiny_config("tiny_lora_distributed")
+    recipe = "lora_finetune_distributed"
+    uninterrupted = run_tune(
+        recipe, config, settings, nproc=2, output_dir=tmp_path_factory.mktemp("lora2")
+    )
+    out = tmp_path_factory.mktemp("lora2_resumed")
+    shutil.copytree(uninterrupted.output_dir / "step_4", out / "step_4")
+    resumed = run_tune(
+        recipe,
+        config,
+        settings | {"resume_from_checkpoint": True},
+        nproc=2,
+        output_dir=out,
+    )
+    expected = {s: v for s, v in losses(uninterrupted).items() if s > 4}
+    assert losses(resumed) == pytest.approx(expected, rel=0, abs=0)
+
+
 # -- LoRA, single device -----------------------------------------------------------
 
 LORA = "lora_finetune_single_device"

@@ -6,7 +6,8 @@ a run needs to continue exactly where it was, mid-epoch included:
 
 - the model and optimizer state: ``model_optimizer.pt`` (``torch.save``) on one
   process, or a sharded ``torch.distributed.checkpoint`` folder ``model_optimizer/``
-  written by every rank in a distributed run;
+  written by every rank in a distributed run (trainable parameters only: frozen ones
+  are those of the base checkpoint, which a resumed run loads first);
 - ``recipe_state.pt``: what the recipe hands over (seed, epochs, global step, ...);
 - ``rank_{r}.pt`` for each rank: that rank's dataloader state and RNG state;
 - ``manifest.json``, written last: the size of every file above.
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -49,6 +51,12 @@ RECIPE_STATE = "recipe_state.pt"
 MODEL_OPTIMIZER_FILE = "model_optimizer.pt"
 MODEL_OPTIMIZER_DCP = "model_optimizer"
 _MANIFEST_VERSION = 1
+# Recipe-state entry: each optimizer param group's hyperparameters, for sharded runs.
+_HYPERPARAMETERS = "optimizer_param_group_hyperparameters"
+# A sharded step checkpoint holds the trainable parameters (and buffers): frozen ones
+# (a LoRA base, a frozen encoder, NF4 weights) are the base checkpoint's, which every
+# resume loads first.
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
 class CheckpointError(ValueError):
@@ -254,7 +262,7 @@ class StepCheckpointer:
         if world_size > 1:
             dcp.save(
                 {
-                    "model": get_model_state_dict(model),
+                    "model": get_model_state_dict(model, options=_TRAINABLE),
                     "optimizer": get_optimizer_state_dict(model, optimizer),
                 },
                 checkpoint_id=partial / MODEL_OPTIMIZER_DCP,
@@ -271,7 +279,19 @@ class StepCheckpointer:
 
         if rank == 0:
             _save_file(
-                {**recipe_state, "global_step": global_step, "world_size": world_size},
+                {
+                    **recipe_state,
+                    "global_step": global_step,
+                    "world_size": world_size,
+                    _HYPERPARAMETERS: [
+                        {
+                            k: v
+                            for k, v in g.items()
+                            if k not in ("params", "param_names")
+                        }
+                        for g in optimizer.param_groups
+                    ],
+                },
                 partial / RECIPE_STATE,
             )
             manifest = {
@@ -455,12 +475,25 @@ class StepCheckpointer:
         recipe_state = self.read_recipe_state(path)
         if _rank_and_world()[1] > 1:
             state = {
-                "model": get_model_state_dict(model),
+                "model": get_model_state_dict(model, options=_TRAINABLE),
                 "optimizer": get_optimizer_state_dict(model, optimizer),
             }
+            # Every entry of ``state`` must be in the checkpoint: nothing is skipped.
             dcp.load(state, checkpoint_id=path / MODEL_OPTIMIZER_DCP)
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(
+                model, state["model"], options=StateDictOptions(strict=False)
+            )
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            # DCP loads only the entries its target has, and a new optimizer lacks
+            # those a scheduler adds (initial_lr): the saved groups bring them all.
+            saved_groups = recipe_state[_HYPERPARAMETERS]
+            if len(saved_groups) != len(optimizer.param_groups):
+                raise CheckpointError(
+                    f"step checkpoint {path} holds {len(saved_groups)} optimizer param "
+                    f"groups, this optimizer has {len(optimizer.param_groups)}"
+                )
+            for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+                group.update(saved)
         else:
             state = torch.load(path / MODEL_OPTIMIZER_FILE, weights_only=False)
             model.load_state_dict(state["model"])
