@@ -8,6 +8,9 @@ BIN=.venv/bin
 # threads mostly wait for each other, worse still with 2 processes on 2 cores); one
 # thread everywhere also makes 1-process and 2-process runs use the same kernels.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# torch 2.13's on-disk AOT-autograd cache can hand a graph compiled for one torchao
+# optimizer to another in a later process (see tests/conftest.py): keep it off.
+export TORCHINDUCTOR_AUTOGRAD_CACHE=0
 
 echo "== ruff format --check"
 "$BIN/ruff" format --check .

@@ -10,11 +10,19 @@ sessions wait for one generator.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.assets.make_assets import DEFAULT_OUT, TinyAssets, ensure_assets
+
+# torch 2.13's on-disk AOT-autograd cache hands a graph compiled for one torchao
+# optimizer (AdamW8bit) to another (AdamW4bit, _AdamW) in a later process, which then
+# fails ("'Tensor' object has no attribute 'codes'"). The tests compile torchao's
+# steps in several processes (this one and the recipes' subprocesses, which inherit
+# the environment), so they keep that cache off.
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 
 
 def pytest_configure(config: pytest.Config) -> None:

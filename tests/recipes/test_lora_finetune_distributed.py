@@ -307,10 +307,10 @@ def _bitsandbytes_refusal(component: str) -> str:
 TORCHAO_REFUSAL = (
     "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with epochs=2 "
     "under FSDP2: every epoch but the last ends with a checkpoint of the optimizer "
-    "state, and this optimizer's quantized state cannot be saved from sharded "
-    "parameters (its tensors support neither the all-gather of a full checkpoint nor "
-    "the copy of a sharded one). Set epochs=1, or use torch.optim.AdamW or "
-    "torchao.optim._AdamW."
+    "state, which cannot hold this optimizer's quantized state (its tensors support "
+    "neither the all-gather of a full checkpoint nor the copy of an asynchronous "
+    "one). Set epochs=1 (step checkpoints, save_every_n_steps, are sharded and do "
+    "hold it), or use torch.optim.AdamW or torchao.optim._AdamW."
 )
 
 

@@ -127,8 +127,10 @@ def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
     bitsandbytes 0.50): ``torch.optim`` optimizers and ``torchao.optim._AdamW``
     train and checkpoint. torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``,
     ``AdamWFp8`` and their Adam variants) train, with the plain losses in-backward,
-    but saving their state fails: its quantized tensors support neither the
-    all-gather of a full checkpoint nor the copy of a sharded one. bitsandbytes'
+    but saving their state in an epoch checkpoint fails: its quantized tensors
+    support neither the all-gather of a full checkpoint nor the copy an asynchronous
+    one makes. Step checkpoints (``save_every_n_steps``), which torch distributed
+    checkpointing writes shard by shard, do save and resume it. bitsandbytes'
     optimizers fail in their first update, 8-bit and 32-bit, paged or not.
 
     Args:
@@ -173,8 +175,9 @@ def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
             raise ValueError(
                 f"optimizer._component_={optimizer_component} cannot be combined with "
                 f"epochs={epochs} under FSDP2: every epoch but the last ends with a "
-                "checkpoint of the optimizer state, and this optimizer's quantized "
-                "state cannot be saved from sharded parameters (its tensors support "
-                "neither the all-gather of a full checkpoint nor the copy of a sharded "
-                "one). Set epochs=1, or use torch.optim.AdamW or torchao.optim._AdamW."
+                "checkpoint of the optimizer state, which cannot hold this optimizer's "
+                "quantized state (its tensors support neither the all-gather of a full "
+                "checkpoint nor the copy of an asynchronous one). Set epochs=1 (step "
+                "checkpoints, save_every_n_steps, are sharded and do hold it), or use "
+                "torch.optim.AdamW or torchao.optim._AdamW."
             )
