@@ -1,4 +1,4 @@
-"""``full_finetune_distributed`` on CPU with 2 gloo processes (issue 5).
+"""``full_finetune_distributed`` on CPU with 2 gloo processes.
 
 Every claim is an equivalence between runs on the same seed and data:
 

@@ -1,4 +1,4 @@
-"""``lora_finetune_distributed`` on CPU with gloo (issue 6, item 5).
+"""``lora_finetune_distributed`` on CPU with gloo.
 
 Every claim is an equivalence between runs of the tiny LoRA Llama2 on the same seed
 and data (``tests/recipes/configs/tiny_lora_distributed.yaml``, 2 epochs of
