@@ -14,7 +14,8 @@ with the second epoch.
 For each optimizer class the configs use, one config (the one with the largest
 learning rate, whose resumed epoch moves the weights most) is also resumed from
 epoch 0, in the same mode as shipped (bf16) and switching between plain and
-in-backward (fp32). Runs go through ``tune``'s entry point in this process and are
+in-backward (fp32), and resumed mid-epoch from a step checkpoint
+(``save_every_n_steps``) as shipped. Runs go through ``tune``'s entry point in this process and are
 shared between tests.
 
 Tolerances:
@@ -394,3 +395,34 @@ def test_resume_switching_mode_in_fp32_gives_the_uninterrupted_losses(
     assert_close(
         _losses(resumed, EPOCH_1), _losses(uninterrupted, EPOCH_1), **FP32_MODE_SWITCH
     )
+
+
+@pytest.mark.parametrize("config", RESUME_SUBSET, ids=str)
+def test_step_checkpoint_resume_mid_epoch_as_shipped_gives_the_losses_bitwise(
+    config: ShippedConfig,
+    run_once: Callable[..., TuneRun],
+    tmp_path: Path,
+    tiny_assets: TinyAssets,
+) -> None:
+    # What an interrupted one-epoch run of the shipped config needs: step checkpoints.
+    saving = run_once(config, "shipped_steps", save_every_n_steps=2)
+    # Saving changes nothing in training.
+    all_steps = range(1, 2 * STEPS_PER_EPOCH + 1)
+    assert_close(
+        _losses(saving, all_steps),
+        _losses(_shipped_run(run_once, config), all_steps),
+        **EXACT,
+    )
+    # Step 4 is mid-epoch 1; the resumed run finds it with no file named.
+    shutil.copytree(saving.output_dir / "step_4", tmp_path / "step_4")
+    resumed = _run(
+        config,
+        _overrides(
+            tiny_assets, config, save_every_n_steps=2, resume_from_checkpoint=True
+        ),
+        tmp_path,
+    )
+    after = range(5, 2 * STEPS_PER_EPOCH + 1)
+    assert sorted(resumed.metrics) == list(after)
+    # Same mode, same dtype, same kernels (bitsandbytes' state restored as saved).
+    assert_close(_losses(resumed, after), _losses(saving, after), **EXACT)
