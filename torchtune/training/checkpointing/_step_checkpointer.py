@@ -161,10 +161,18 @@ class StepCheckpointer:
             or ``None``.
 
     Example:
-        >>> checkpointer = StepCheckpointer("/tmp/run", every_n_steps=100, keep_last_n=2)
-        >>> if checkpointer.is_due(global_step):
-        ...     checkpointer.save(global_step, model, optimizer, recipe_state, rank_state)
-        >>> latest = checkpointer.find_latest()  # None if there is none
+        >>> checkpointer = StepCheckpointer("step_run", every_n_steps=2, keep_last_n=1)
+        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
+        >>> for global_step in (1, 2):
+        ...     if checkpointer.is_due(global_step):
+        ...         path = checkpointer.save(
+        ...             global_step, model, optimizer, {"epochs_run": 0}, {}
+        ...         )
+        >>> checkpointer.find_latest().name
+        'step_2'
+        >>> recipe_state, rank_state = checkpointer.load(path, model, optimizer)
+        >>> recipe_state["global_step"]
+        2
     """
 
     def __init__(
