@@ -1,0 +1,933 @@
+"""Full fine-tuning of a decoder LLM with FSDP2, layer dropout and early-exit loss
+(LayerSkip-style training: every chosen layer learns to predict the next token).
+
+Run it with ``tune run --nproc_per_node N dev/early_exit_finetune_distributed
+--config <config>`` (CUDA with NCCL, or ``device=cpu`` with gloo). See
+:class:`EarlyExitFinetuneRecipeDistributed` for features and config keys.
+"""
+
+import functools
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, ListConfig
+from torch import nn
+from torch.distributed import destroy_process_group, init_device_mesh
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from tqdm import tqdm
+
+from torchtune import config, modules, training, utils
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset
+from torchtune.modules.common_utils import slice_str_to_array
+from torchtune.modules.early_exit_loss import EarlyExitCurriculum, early_exit_loss
+from torchtune.modules.layer_dropout import LayerDropout, prepare_layer_dropout
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training import PROFILER_KEY
+from torchtune.training.activations import apply_selective_activation_checkpointing
+from torchtune.training.checkpointing._checkpoint_client import (
+    CheckpointClient,
+    TrainingProgress,
+)
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    is_legacy_in_bwd_state_dict,
+)
+
+log = utils.get_logger("DEBUG")
+
+_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
+
+
+class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
+    """
+    Full finetuning recipe for dense transformer LLMs such as Llama2 with layer dropout
+    and early-exit loss, on one or more processes (``tune run --nproc_per_node N``).
+    Runs on CUDA with NCCL and on CPU with gloo. It is ``full_finetune_distributed``
+    plus the two features below; the rest is the same.
+
+    Features:
+        - Early-exit loss (``early_exit_loss``; off when absent or null). The loss is a
+          weighted sum of the next-token losses of the hidden states of chosen layers,
+          each read out through the model's final norm and output projection:
+          ``early_exit_loss.layers`` picks them with numpy-like slice syntax (``":"``
+          all, ``"0,4,8"``, ``"1::2"``); ``include_last_layer`` (default True) always
+          adds the last; ``scale`` (default 1.0) weighs the early layers against the
+          last; ``scale_fn`` (default
+          ``torchtune.modules.early_exit_loss.sum_l_loss_scale``) spreads the weights
+          over layers; ``curriculum`` (a class path, e.g.
+          ``torchtune.modules.early_exit_loss.RotationalEarlyExitCurriculum``) changes
+          the chosen layers every step; ``verbose`` is passed to it. Resuming builds
+          the curriculum anew at the resumed step, as 0.6.1 did.
+        - Layer dropout (``layer_dropout``; off when absent or null): each sample skips
+          a layer with probability ``prob``, scaled over depth by ``layers_scale``
+          (``uniform``, ``linear`` or ``exp``), on the layers that ``layers`` picks (same
+          syntax, default all); ``disable_on_eval`` (default True). The draws are
+          seeded from ``seed``, the step and the layer, and are the same on every rank
+          (so every rank runs, or skips, each layer's collectives together): the same
+          config draws the same in either optimizer mode and after a resume.
+        - FSDP2. Parameters, gradients and optimizer states are sharded over the data
+          parallel ranks. ``fsdp_cpu_offload`` offloads them to CPU;
+          ``fsdp_reshard_after_forward: False`` keeps parameters gathered between
+          forward and backward (SHARD_GRAD_OP); ``custom_sharded_layers`` names extra
+          modules to shard on their own (e.g. ``['tok_embeddings', 'output']``).
+        - Tensor parallelism. ``tensor_parallel_dim`` > 1 splits each model over that
+          many ranks with ``tensor_parallel_plan``; FSDP shards over the rest.
+        - Optimizer in backward. ``optimizer_in_bwd: True`` builds the optimizer as a
+          ``training.OptimizerInBackward``, which updates each parameter as soon as its
+          gradient is ready and frees the gradient, so the gradients of the whole model
+          never exist at once. Everything else (LR scheduler, logging, checkpoints)
+          treats it as the plain optimizer it imitates; checkpoints of either mode
+          resume in the other.
+        - Activation checkpointing (``enable_activation_checkpointing``, or selective
+          with ``ac_mode``/``ac_option``) and activation offloading
+          (``enable_activation_offloading``, CUDA only).
+        - Precision: fp32 or bf16 (``dtype``). fp16 is refused.
+        - Gradient accumulation: the global batch is
+          ``batch_size * data parallel ranks * gradient_accumulation_steps``.
+        - Gradient clipping (``clip_grad_norm``). ``grad_norm`` is logged in every mode.
+        - ``compile``: ``True`` compiles model and loss; a mapping with keys ``model``,
+          ``loss`` and ``optimizer_step`` chooses each.
+        - Checkpointing at the end of every epoch, written by rank 0 through the
+          configured checkpointer; intermediate checkpoints carry the optimizer and
+          recipe state for ``resume_from_checkpoint``. With
+          ``enable_async_checkpointing`` intermediate checkpoints are saved
+          asynchronously as distributed checkpoints, and resuming reads the latest one.
+          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
+          the end of every epoch to ``output_dir/step_{global_step}/``, sharded from
+          every rank (trainable weights, optimizer, recipe, dataloader and RNG state;
+          written whole or not at all); ``checkpointer.keep_last_n_checkpoints: K``
+          keeps the newest K of those. ``resume_from_checkpoint: True`` without
+          ``checkpointer.recipe_checkpoint`` continues from whichever whole checkpoint
+          is furthest along, mid-epoch included; a damaged one is skipped with a
+          warning.
+        - Logging (metrics from rank 0), profiling and memory snapshots as in the other
+          recipes.
+
+    Args:
+        cfg (DictConfig): OmegaConf object parsed from yaml file
+
+    Raises:
+        ValueError: If ``early_exit_loss`` is set and ``loss`` has no ``reduction`` of
+            ``"mean"`` (e.g. ``CEWithChunkedOutputLoss``): the early-exit loss reads
+            per-token losses from a copy of it with ``reduction="none"``.
+        ValueError: If ``optimizer_in_bwd`` is True and ``clip_grad_norm`` is set.
+        ValueError: If ``optimizer_in_bwd`` is True and ``gradient_accumulation_steps`` > 1.
+        ValueError: If ``optimizer_in_bwd`` is True and ``compile.optimizer_step`` is True.
+        ValueError: If ``compile`` is a mapping with keys other than ``model``,
+            ``loss`` and ``optimizer_step``.
+        ValueError: If ``dtype`` is fp16.
+        ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
+            with a fused optimizer, or not dividing the world size.
+        ValueError: If ``profiler._component_`` is not ``setup_torch_profiler`` (null
+            means it).
+        ValueError: If ``optimizer`` is a bitsandbytes optimizer (its kernels cannot
+            step FSDP2's sharded parameters), or a torchao low-bit one with ``epochs``
+            > 1 (its state cannot be saved from them); see
+            ``training.check_fsdp_optimizer``.
+        ValueError: If ``save_every_n_steps`` or
+            ``checkpointer.keep_last_n_checkpoints`` is not a positive integer or null.
+        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
+            CUDA or ``enable_activation_checkpointing`` is False.
+        RuntimeError: If ``left_pad_sequence`` is set as the data collator.
+        RuntimeError: If ``dtype`` is bf16 and the hardware does not support it.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        # Every refusal comes before the process group, the model or any file.
+        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self._compile = training.parse_compile_config(cfg.get("compile", False))
+        if self._optimizer_in_bwd:
+            training.check_optimizer_in_bwd_options(
+                clip_grad_norm=self._clip_grad_norm,
+                gradient_accumulation_steps=self._gradient_accumulation_steps,
+                compile_optimizer_step=self._compile["optimizer_step"],
+            )
+        # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
+        # torchao's low-bit ones cannot save their state from them.
+        training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+        # The early-exit loss takes per-token losses from a copy of the loss with
+        # reduction="none", and a token mean from them: only a mean-reducing loss
+        # module can be copied so. Building one is cheap and touches nothing.
+        self._cfg_early_exit_loss = cfg.get("early_exit_loss", None)
+        if self._cfg_early_exit_loss:
+            reduction = getattr(config.instantiate(cfg.loss), "reduction", None)
+            if reduction != "mean":
+                raise ValueError(
+                    f"early_exit_loss needs a loss with reduction='mean', but "
+                    f"loss._component_={cfg.loss._component_} has reduction="
+                    f"{reduction!r}: the early-exit loss computes per-token losses "
+                    "of every chosen layer from a copy of it. Set "
+                    "loss._component_=torch.nn.CrossEntropyLoss (with "
+                    "ignore_index=-100), or early_exit_loss=null."
+                )
+        # save_every_n_steps and checkpointer.keep_last_n_checkpoints.
+        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
+
+        cfg_profiler = cfg.get(PROFILER_KEY) or {}
+        # null means the default, as in 0.6.1.
+        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
+        if profiler_component != _TORCH_PROFILER:
+            raise ValueError(
+                f"profiler._component_={profiler_component} is not supported: the "
+                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
+                "returns, so only it can build the profiler. Set "
+                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
+            )
+
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        if self._dtype == torch.float16:
+            raise ValueError(
+                "full fp16 training is not supported with this recipe. Please use bf16 or fp32 instead."
+            )
+        self._enable_activation_checkpointing = cfg.get(
+            "enable_activation_checkpointing", False
+        )
+        self._enable_activation_offloading = cfg.get(
+            "enable_activation_offloading", False
+        )
+        if self._enable_activation_offloading and self._device.type != "cuda":
+            raise RuntimeError(
+                "enable_activation_offloading should only be True when training on CUDA"
+            )
+        if self._enable_activation_offloading and not (
+            self._enable_activation_checkpointing
+        ):
+            raise RuntimeError(
+                "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
+            )
+        self._tp_dim = cfg.get("tensor_parallel_dim", 1)
+        self._tp_plan = config.instantiate(cfg.get("tensor_parallel_plan", None))
+        if self._tp_dim > 1 and self._tp_plan is None:
+            raise ValueError(
+                "Tensor Parallel plan needs to be provided when tensor parallel is enabled."
+            )
+        if self._tp_dim > 1 and cfg.optimizer.get("fused", False):
+            raise ValueError(
+                "Tensor parallelism is currently incompatible with fused optimizer."
+            )
+
+        # gloo on CPU; NCCL on CUDA, plus gloo for the CPU-side collectives of FSDP's
+        # CPU offload and of asynchronous checkpoint saves.
+        self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
+        if self._fsdp_cpu_offload and self._device.type == "cpu":
+            # Everything is in CPU memory already (and FSDP's offload pins memory,
+            # which needs an accelerator).
+            log.info(
+                "fsdp_cpu_offload is ignored on CPU, where it has nothing to move."
+            )
+            self._fsdp_cpu_offload = False
+        self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
+        torch.distributed.init_process_group(
+            "gloo"
+            if self._device.type == "cpu"
+            else training.get_distributed_backend(
+                self._device.type,
+                offload_ops_to_cpu=self._fsdp_cpu_offload
+                or self._enable_async_checkpointing,
+            )
+        )
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+        if self.world_size % self._tp_dim != 0:
+            raise ValueError(
+                f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
+            )
+
+        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
+        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
+        if self._log_peak_memory_stats and self._device.type == "cpu":
+            utils.log_rank_zero(
+                log, "log_peak_memory_stats is ignored on CPU, which has no such stats."
+            )
+            self._log_peak_memory_stats = False
+        if self._enable_activation_checkpointing and not (
+            self._enable_activation_offloading
+        ):
+            utils.log_rank_zero(
+                log,
+                "Hint: enable_activation_checkpointing is True, but enable_activation_offloading "
+                "isn't. Enabling activation offloading should reduce memory further.",
+            )
+        self._resume_from_checkpoint = cfg.resume_from_checkpoint
+        self._checkpoint_client = CheckpointClient(cfg)
+
+        # Public: updated from the checkpoint on resume, read by tests.
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        self.epochs_run = 0
+        self.total_epochs = cfg.epochs
+        self.max_steps_per_epoch = cfg.max_steps_per_epoch
+        self.global_step = 0
+
+    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
+        """Take the epoch count, seed and steps per epoch from the checkpoint."""
+        progress = TrainingProgress.from_checkpoint(
+            ckpt_dict,
+            seed=self.seed,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        self.epochs_run = progress.epochs_run
+        self.seed = progress.seed
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
+
+    def setup(self, cfg: DictConfig) -> None:
+        """
+        Builds, in order: metric logger, model (sharded, with the base or resumed
+        weights), tokenizer, optimizer (with resumed state), loss, data, LR scheduler
+        and profiler.
+        """
+        if self._fsdp_cpu_offload:
+            # The CPU optimizer step is ~2x faster with every core in intra-op use.
+            training.set_torch_num_threads()
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+
+        # A step checkpoint further along than the epoch checkpoint wins.
+        step_checkpoint = (
+            self._step_checkpointer.resume_point(cfg.checkpointer.recipe_checkpoint)
+            if self._resume_from_checkpoint
+            else None
+        )
+        checkpoint_dict = self._checkpoint_client.load_base_checkpoint(
+            resume_from_epoch=step_checkpoint is None
+        )
+        self._model = self._setup_model(
+            cfg_model=cfg.model,
+            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            model_state_dict=checkpoint_dict[training.MODEL_KEY],
+            ac_mode=cfg.get("ac_mode", None),
+            ac_option=cfg.get("ac_option", None),
+        )
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        if self._cfg_early_exit_loss and isinstance(self._model, FSDPModule):
+            # The early-exit loss calls the model's norm and output projection after
+            # forward, so the root's parameters (those not in a layer) must stay
+            # gathered until backward; FSDP frees them after forward when asked to
+            # reshard, as the recipe does.
+            self._model.set_reshard_after_forward(False, recurse=False)
+        cfg_layer_dropout = cfg.get("layer_dropout", None)
+        if cfg_layer_dropout:
+            # Before the optimizer: the wrapper puts ".module" in the parameters'
+            # names, which the optimizer's state dict is keyed by, on save and load.
+            prepare_layer_dropout(
+                self._model.layers,
+                prob_max=cfg_layer_dropout.get("prob", 0.0),
+                prob_layer_scale=cfg_layer_dropout.get("layers_scale", "uniform"),
+                layers_str=cfg_layer_dropout.get("layers", ":"),
+                disable_on_eval=cfg_layer_dropout.get("disable_on_eval", True),
+            )
+        self._layer_dropouts = [
+            m for m in self._model.modules() if isinstance(m, LayerDropout)
+        ]
+        self._optimizer = self._setup_optimizer(
+            cfg_optimizer=cfg.optimizer,
+            opt_state_dict=checkpoint_dict.get(training.OPT_KEY),
+        )
+        # Mid-epoch resume state: the dataloader position and the RNG state.
+        self._resume_dataloader_state = self._resume_rng_state = None
+        if self._resume_from_checkpoint:
+            if step_checkpoint is not None:
+                # Every rank loads its shards, its dataloader position and RNG.
+                checkpoint_dict, rank_state = self._step_checkpointer.load(
+                    step_checkpoint, self._model, self._optimizer
+                )
+                utils.log_rank_zero(log, f"Resumed from {step_checkpoint}.")
+                self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
+                self._resume_rng_state = rank_state["rng"]
+            elif self._enable_async_checkpointing:
+                # Intermediate checkpoints were written by DCP, not by the configured
+                # checkpointer: take weights, optimizer and progress from the latest.
+                checkpoint_dict = self._checkpoint_client.load_distributed_checkpoint(
+                    self._model, self._optimizer
+                )
+            self._update_recipe_state(checkpoint_dict)
+
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._compile["loss"]:
+            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        utils.log_rank_zero(log, "Loss is initialized.")
+
+        self._dataloader = self._setup_data(
+            cfg_dataset=cfg.dataset,
+            shuffle=cfg.shuffle,
+            batch_size=cfg.batch_size,
+            collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
+        )
+        # A step is one optimizer update: gradient_accumulation_steps batches.
+        self._steps_per_epoch = (
+            len(self._dataloader) // self._gradient_accumulation_steps
+        )
+        if self.max_steps_per_epoch is not None:
+            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
+        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
+        self.global_step = checkpoint_dict.get(
+            "global_step", self.epochs_run * self._steps_per_epoch
+        )
+
+        # The curriculum knows the total steps and continues from the resumed one.
+        self._early_exit_layers, self._early_exit_curriculum = (
+            self._setup_early_exit_loss(self._cfg_early_exit_loss)
+        )
+        if self._early_exit_layers is not None:
+            self._final_hidden = None
+            self._model.norm.register_forward_pre_hook(self._keep_final_hidden)
+        self._lr_scheduler = self._setup_lr_scheduler(
+            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            last_epoch=self.global_step - 1,
+        )
+        if self._compile["optimizer_step"]:
+            # After the scheduler, which wraps the bound step() to check call order.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
+        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+        # Appended to the shifted labels so logits need no slicing.
+        self.ignore_labels_cache = torch.full(
+            (cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device
+        )
+
+    def _setup_model(
+        self,
+        cfg_model: DictConfig,
+        custom_sharded_layers: list[str] | None,
+        reshard_after_forward: bool,
+        model_state_dict: dict[str, Any],
+        ac_mode: str | None = None,
+        ac_option: int | str | None = None,
+    ) -> nn.Module:
+        """
+        Builds the model on the meta device (no memory), applies tensor parallelism,
+        activation checkpointing and FSDP2, then loads the full state dict into the
+        shards; each rank materializes only its own shards.
+        """
+        init_start = time.perf_counter()
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg_model)
+        if self._compile["model"]:
+            training.compile_model(model, verbose=self._is_rank_zero)
+
+        dp_dim = self.world_size // self._tp_dim
+        device_mesh = init_device_mesh(
+            self._device.type,
+            mesh_shape=(dp_dim, self._tp_dim),
+            mesh_dim_names=("dp", "tp"),
+        )
+        self.dp_size = device_mesh["dp"].size()
+        self.dp_rank = device_mesh["dp"].get_local_rank()
+        if self._tp_dim > 1:
+            # Heads and embed_dim become per-rank numbers before the plan splits them.
+            model = training.prepare_mha_for_tp(model, device_mesh["tp"])
+            parallelize_module(model, device_mesh["tp"], self._tp_plan)
+
+        # Selective AC (ac_mode/ac_option) only applies without full AC.
+        if self._enable_activation_checkpointing and ac_mode is None:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        elif not self._enable_activation_checkpointing and ac_mode is not None:
+            apply_selective_activation_checkpointing(model, ac_mode, ac_option)
+
+        if dp_dim > 1:
+            training.shard_model(
+                model=model,
+                shard_conditions=[
+                    functools.partial(
+                        training.get_shard_conditions,
+                        names_to_match=custom_sharded_layers,
+                    )
+                ],
+                cpu_offload=self._fsdp_cpu_offload,
+                reshard_after_forward=reshard_after_forward,
+                dp_mesh=device_mesh["dp"],
+            )
+
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                # RoPE buffers are not in the state dict: compute them on the device.
+                if hasattr(m, "rope_init"):
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            model,
+            model_state_dict,
+            self._device,
+            strict=True,
+            cpu_offload=self._fsdp_cpu_offload,
+        )
+        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._enable_activation_offloading
+        )
+        training.validate_no_params_on_meta_device(model)
+        utils.log_rank_zero(
+            log,
+            f"Instantiating model and loading checkpoint took {time.perf_counter() - init_start:.2f} secs",
+        )
+        if self._is_rank_zero and self._device.type != "cpu":
+            training.log_memory_stats(training.get_memory_stats(device=self._device))
+        torch.distributed.barrier()
+        return model
+
+    def _setup_optimizer(
+        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None = None
+    ) -> torch.optim.Optimizer:
+        """
+        The only place that tells the two modes apart. ``OptimizerInBackward`` has the
+        plain optimizer's groups, state and state dict format, so the state of either
+        mode loads here, and nothing downstream needs to know which one it got. So
+        does a torchtune 0.6.1 in-backward checkpoint, converted first.
+
+        Both get every parameter of the model, as in 0.6.1 and the other recipes:
+        frozen ones get no state (and no in-backward hook), and the state dicts of a
+        partly frozen model hold the same parameters in both modes and in 0.6.1.
+        """
+        params = list(self._model.parameters())
+        if self._optimizer_in_bwd:
+            optimizer = training.OptimizerInBackward(
+                params, functools.partial(config.instantiate, cfg_optimizer)
+            )
+        else:
+            optimizer = config.instantiate(cfg_optimizer, params)
+        if opt_state_dict and is_legacy_in_bwd_state_dict(opt_state_dict):
+            # 0.6.1's in-backward runs saved {parameter name: that parameter's own
+            # full optimizer state dict}. Its names carry activation checkpointing's
+            # wrapper prefix where it was on; the standard format's names never do.
+            opt_state_dict = training.convert_legacy_optim_in_bwd_state_dict(
+                {
+                    name.replace(_CHECKPOINT_PREFIX, ""): per_param
+                    for name, per_param in opt_state_dict.items()
+                }
+            )
+        if opt_state_dict:
+            training.load_from_full_optimizer_state_dict(
+                self._model, optimizer, opt_state_dict, self._device
+            )
+        utils.log_rank_zero(
+            log, f"Optimizer is initialized: {type(optimizer).__name__}."
+        )
+        return optimizer
+
+    def _setup_early_exit_loss(
+        self, cfg_early_exit_loss: DictConfig | None
+    ) -> tuple[list[bool] | None, EarlyExitCurriculum | None]:
+        """
+        Which layers' hidden states the early-exit loss reads (one flag per layer;
+        ``None`` when it is off), and the curriculum that changes them, if any.
+        """
+        if not cfg_early_exit_loss:
+            return None, None
+        self._early_exit_loss_scale = cfg_early_exit_loss.get("scale", 1.0)
+        self._early_exit_loss_scale_fn = _get_component_from_path(
+            cfg_early_exit_loss.get(
+                "scale_fn", "torchtune.modules.early_exit_loss.sum_l_loss_scale"
+            )
+        )
+        num_layers = len(self._model.layers)
+        layers = slice_str_to_array(cfg_early_exit_loss.get("layers", ":"), num_layers)
+        include_last_layer = cfg_early_exit_loss.get("include_last_layer", True)
+        curriculum_path = cfg_early_exit_loss.get("curriculum", None)
+        if not curriculum_path:
+            if include_last_layer:
+                layers[num_layers - 1] = True
+            return layers, None
+        curriculum = _get_component_from_path(curriculum_path)(
+            do_output_hidden_states=layers,
+            max_steps=self.total_epochs * self._steps_per_epoch,
+            train_last_layer=include_last_layer,
+            last_step=self.global_step,
+            verbose=cfg_early_exit_loss.get("verbose", False),
+        )
+        return curriculum.get(), curriculum
+
+    def _set_output_hidden_states(self) -> None:
+        """
+        Makes the model return the hidden states the early-exit loss reads now. The
+        model returns the *input* of each layer it is asked for, so layer i's output
+        is asked for as layer i + 1's; the last layer's output is the final norm's
+        input, which ``_keep_final_hidden`` keeps.
+        """
+        if self._early_exit_layers is not None:
+            self._model.output_hidden_states = [
+                i + 1 for i, chosen in enumerate(self._early_exit_layers[:-1]) if chosen
+            ]
+
+    def _keep_final_hidden(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Forward pre-hook of the model's final norm: keeps the last layer's output."""
+        self._final_hidden = args[0]
+
+    def _exit_hidden_states(self, outputs: Any) -> tuple[Any, dict[int, Any]]:
+        """
+        Splits the model's outputs into the logits and {layer: that layer's output}
+        for the early-exit loss (in layer order; empty when it is off).
+        """
+        if self._early_exit_layers is None:
+            return outputs, {}
+        logits = outputs
+        hidden_states = {}
+        if self._model.output_hidden_states:
+            # With hidden states requested the model returns [*hidden, logits].
+            logits = outputs.pop(-1)
+            hidden_states = {
+                i - 1: h
+                for i, h in zip(self._model.output_hidden_states, outputs, strict=True)
+            }
+        if self._early_exit_layers[-1]:
+            hidden_states[len(self._early_exit_layers) - 1] = self._final_hidden
+        self._final_hidden = None
+        return logits, hidden_states
+
+    def _seed_layer_dropout(self) -> None:
+        """
+        Seeds each layer dropout's generator from (seed, step, layer): a step draws
+        the same in both optimizer modes and when resumed, and on every rank, which
+        FSDP needs (a layer all of whose samples are dropped is not run, so neither
+        are its all-gather and reduce-scatter: every rank must skip it alike).
+        """
+        for layer, dropout in enumerate(self._layer_dropouts):
+            dropout.generator.manual_seed(
+                hash((self.seed, self.global_step, layer)) & (2**63 - 1)
+            )
+
+    def _setup_lr_scheduler(
+        self,
+        cfg_lr_scheduler: DictConfig | None,
+        num_training_steps: int,
+        last_epoch: int,
+    ) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """Builds the scheduler on the optimizer; ``None`` keeps the lr constant."""
+        if cfg_lr_scheduler is None:
+            utils.log_rank_zero(log, "No learning rate scheduler configured.")
+            return None
+        # A scheduler resumed at last_epoch >= 0 reads each group's initial_lr, which
+        # a DCP checkpoint cannot restore: DCP loads only the keys that a freshly built
+        # optimizer has. The base lr is what the optimizer was built with.
+        for group in self._optimizer.param_groups:
+            group.setdefault("initial_lr", self._optimizer.defaults["lr"])
+        lr_scheduler = config.instantiate(
+            cfg_lr_scheduler,
+            self._optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=last_epoch,
+        )
+        utils.log_rank_zero(log, "Learning rate scheduler is initialized.")
+        return lr_scheduler
+
+    def _setup_profiler(
+        self, cfg_profiler: DictConfig | None = None
+    ) -> torch.profiler.profile | training.DummyProfiler:
+        """
+        Builds the torch profiler from the ``profiler`` section (see
+        ``training.setup_torch_profiler`` for its keys); a missing or disabled section
+        gives a ``DummyProfiler`` whose methods do nothing.
+        """
+        cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
+        # __init__ refused any component but this one; null means it.
+        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
+        profiler, profiler_cfg = config.instantiate(cfg_profiler)
+        utils.log_rank_zero(
+            log, f" Profiler config after instantiation: {profiler_cfg}"
+        )
+        # CUDA memory history is recorded for the profiler's active steps of epoch 0.
+        self._memory_history_steps = None
+        if (
+            self._is_rank_zero
+            and self._device.type == "cuda"
+            and profiler_cfg["enabled"]
+            and profiler_cfg.get("profile_memory", False)
+        ):
+            start = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
+            self._memory_history_steps = (start, start + profiler_cfg["active_steps"])
+        return profiler
+
+    def _setup_data(
+        self,
+        cfg_dataset: DictConfig,
+        shuffle: bool,
+        batch_size: int,
+        collate_fn: str,
+    ) -> StatefulDataLoader:
+        """
+        Map-style dataset (or a list of them, concatenated) split over the data
+        parallel ranks; tensor parallel ranks of one replica read the same batches.
+        """
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+            packed = getattr(ds, "packed", False)
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+            packed = cfg_dataset.get("packed", False)
+        if "left_pad_sequence" in collate_fn:
+            raise RuntimeError("left_pad_sequence collator is only for inference.")
+        collate = _get_component_from_path(collate_fn)
+        sampler = StatefulDistributedSampler(
+            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle
+        )
+        return StatefulDataLoader(
+            dataset=ds,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=(
+                padded_collate_packed
+                if packed
+                else functools.partial(
+                    collate,
+                    padding_idx=self._tokenizer.pad_id,
+                    ignore_idx=self._loss_fn.ignore_index,
+                )
+            ),
+            # Full batches only: avoids shape changes under compile + flex attention.
+            drop_last=True,
+        )
+
+    def train(self) -> None:
+        """
+        The training loop. Each step sums ``token-mean loss * tokens`` over its
+        batches and normalizes by the step's global token count: before backward with
+        an in-backward optimizer (it updates during backward), on the gradients after
+        accumulation otherwise.
+        """
+        training.cleanup_before_training()
+        self._optimizer.zero_grad(set_to_none=True)
+        if self._resume_rng_state is not None:
+            # Resuming mid-run: draw (dropout) what the interrupted run would have.
+            training.restore_rng_state(self._resume_rng_state)
+        # Summed over the step's batches; all-reduced over ranks once per step.
+        running_loss = torch.zeros((), device=self._device)
+        num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
+        t0 = time.perf_counter()
+
+        self._set_output_hidden_states()
+        self._profiler.start()
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            self._dataloader.sampler.set_epoch(curr_epoch)
+            if self._resume_dataloader_state:
+                # Resuming mid-epoch: the loader continues where the saved one was.
+                self._dataloader.load_state_dict(self._resume_dataloader_state)
+                self._resume_dataloader_state = None
+            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            pbar = tqdm(
+                total=self._steps_per_epoch,
+                initial=steps_done,
+                disable=not self._is_rank_zero,
+            )
+            first_batch = steps_done * self._gradient_accumulation_steps
+            for idx, batch in enumerate(self._dataloader, start=first_batch):
+                # Batches past the epoch's last full step are left unused.
+                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
+                    break
+                self._record_memory_history(curr_epoch, idx, start=True)
+                if idx % self._gradient_accumulation_steps == 0:
+                    self._seed_layer_dropout()
+                utils.batch_to_device(batch, self._device)
+                current_num_tokens = (
+                    batch["labels"] != self._loss_fn.ignore_index
+                ).sum()
+                num_tokens += current_num_tokens
+                labels = batch.pop("labels")
+                with self.activations_handling_ctx:
+                    outputs = self._model(**batch)
+                logits, hidden_states = self._exit_hidden_states(outputs)
+                # Shift labels left by one (next-token targets), ignoring the last.
+                labels = torch.hstack(
+                    (labels[..., 1:], self.ignore_labels_cache[: labels.shape[0]])
+                )
+                if not isinstance(logits, list):
+                    labels = labels.reshape(-1)
+                    logits = logits.reshape(-1, logits.size(-1))
+                if hidden_states:
+                    # It reads out the last layer itself when it counts, so the
+                    # model's own logits are not used.
+                    loss = early_exit_loss(
+                        self._model,
+                        hidden_states,
+                        labels,
+                        self._loss_fn,
+                        self._early_exit_loss_scale,
+                        self._early_exit_loss_scale_fn,
+                    )
+                else:
+                    loss = self._loss_fn(logits, labels)
+                # Both average over this batch's tokens; undo it so batches and ranks
+                # can be summed and divided by the total once.
+                loss = loss * current_num_tokens
+                del logits, outputs, hidden_states  # free them before backward's peak
+                running_loss += loss.detach()
+                if self._optimizer_in_bwd:
+                    # Parameters are updated inside backward, so the loss must already
+                    # be divided by the step's global token count. FSDP averages the
+                    # gradients over ranks; world_size undoes that average.
+                    torch.distributed.all_reduce(num_tokens)
+                    loss = loss * (self.world_size / num_tokens)
+                loss.backward()
+                if (idx + 1) % self._gradient_accumulation_steps != 0:
+                    continue
+
+                if self._optimizer_in_bwd:
+                    # Updates already happened; the optimizer measured the gradients
+                    # it consumed (a collective: every rank reads it).
+                    grad_norm = self._optimizer.grad_norm
+                else:
+                    torch.distributed.all_reduce(num_tokens)
+                    training.scale_grads(self._model, self.world_size / num_tokens)
+                    grad_norm = _grad_norm(self._model.parameters())
+                    if self._clip_grad_norm is not None:
+                        # clip_grad_norm_'s rule, without its norm (see _grad_norm).
+                        clip_coef = float(self._clip_grad_norm) / (grad_norm + 1e-6)
+                        training.scale_grads(self._model, clip_coef.clamp(max=1.0))
+                # No-ops after an in-backward backward; the plain update otherwise.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                self.global_step += 1
+                if self._early_exit_curriculum is not None:
+                    self._early_exit_curriculum.step()
+                    self._early_exit_layers = self._early_exit_curriculum.get()
+                    self._set_output_hidden_states()
+
+                torch.distributed.all_reduce(running_loss)
+                loss_to_log = running_loss.item() / num_tokens.item()
+                pbar.update(1)
+                pbar.set_description(
+                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                )
+                if (
+                    self._is_rank_zero
+                    and self.global_step % self._log_every_n_steps == 0
+                ):
+                    time_per_step = time.perf_counter() - t0
+                    log_dict = {
+                        "loss": loss_to_log,
+                        "lr": training.get_lr(self._optimizer),
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_second_per_gpu": num_tokens.item()
+                        / (time_per_step * self.world_size),
+                    }
+                    if self._log_peak_memory_stats:
+                        log_dict.update(training.get_memory_stats(device=self._device))
+                    self._metric_logger.log_dict(log_dict, step=self.global_step)
+
+                running_loss.zero_()
+                num_tokens.zero_()
+                epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                    self._steps_per_epoch
+                )
+                if self._step_checkpointer.is_due(self.global_step) and not epoch_ends:
+                    self._save_step_checkpoint(curr_epoch, mid_epoch=True)
+                t0 = time.perf_counter()
+                self._record_memory_history(curr_epoch, idx, start=False)
+                # One profiler step per optimizer step (all its batches).
+                self._profiler.step()
+
+            self.epochs_run += 1
+            if self._step_checkpointer.every_n_steps is not None:
+                # Before the epoch checkpoint, whose recipe state is written in place:
+                # a crash while it is written leaves this one to resume from.
+                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
+            self._checkpoint_client.save_checkpoint(
+                model=self._model,
+                optimizer=self._optimizer,
+                training_progress=TrainingProgress(
+                    seed=self.seed,
+                    epochs_run=self.epochs_run,
+                    total_epochs=self.total_epochs,
+                    max_steps_per_epoch=self.max_steps_per_epoch,
+                    dataloader_state_dict=self._dataloader.state_dict(),
+                ),
+                epoch=curr_epoch,
+            )
+        self._profiler.stop()
+
+    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
+        """Save, from every rank, everything the run needs to continue from this very
+        step. At an epoch's end the next epoch starts with a fresh loader."""
+        progress = TrainingProgress(
+            seed=self.seed,
+            epochs_run=epochs_run,
+            total_epochs=self.total_epochs,
+            max_steps_per_epoch=self.max_steps_per_epoch,
+        )
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            self.global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=progress.state_dict(),
+            rank_state={training.DATALOADER_KEY: loader_state},
+        )
+
+    def _record_memory_history(self, epoch: int, idx: int, start: bool) -> None:
+        """Starts/stops the CUDA memory snapshot around the profiler's active steps."""
+        if self._memory_history_steps is None or epoch != 0:
+            return
+        if start and idx == self._memory_history_steps[0]:
+            torch.cuda.memory._record_memory_history()
+        elif not start and idx == self._memory_history_steps[1]:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def cleanup(self) -> None:
+        # An asynchronous save still in flight needs the process group.
+        self._checkpoint_client.wait_for_async_save()
+        if self._is_rank_zero:
+            self._metric_logger.close()
+        destroy_process_group()
+
+
+def _grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    """
+    Global L2 norm of the gradients. ``clip_grad_norm_`` fails on a mix of DTensors
+    from different meshes and plain tensors (tensor parallel leaves some parameters
+    unsharded), so DTensor gradients are reduced per mesh; plain tensors are
+    replicated, so their local norm is already global.
+    """
+    grads_by_mesh = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            grads_by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
+    norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """
+    Entry point for the recipe.
+
+    Configurable parameters are read in the following order:
+        - Parameters specified in config (see available configs through ``tune ls``)
+        - Overwritten by arguments from the command-line
+    """
+    config.log_config(recipe_name="EarlyExitFinetuneRecipeDistributed", cfg=cfg)
+    recipe = EarlyExitFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,152 @@
+"""``dev/early_exit_finetune_distributed`` on CPU with 2 gloo processes.
+
+The tiny config turns on the early-exit loss (both layers of the 2-layer model) and
+layer dropout (the last layer, probability 0.5), so every claim below covers them:
+
+- in-backward vs plain on the same seed and data, at every step;
+- in-backward resumed from an epoch-0 checkpoint vs uninterrupted;
+- a refused config raises before anything and leaves output_dir untouched.
+
+Layer dropout draws from generators seeded by (seed, step, layer): both modes, and a
+resumed run, draw the same samples to skip, so the runs compare step by step.
+
+Tolerances, from the arithmetic (observed on x86 CPU in brackets):
+
+- ``EXACT``: a resumed run reloads exact fp32 weights and optimizer state, recomputes
+  the lr from the step count and draws the same layer dropout: the same kernels on
+  the same values, so it agrees bitwise [0].
+- ``ACROSS_MODES``: in-backward divides the loss by the global token count before
+  backward, plain scales the gradients after it: the same update up to fp32 rounding
+  of each gradient (an ulp, ~6e-8 relative), which Adam passes on to the weights at
+  about that relative size. 1e-5 relative leaves a margin for other CPUs' kernels and
+  is far below a real error (a wrong normalization is off by a factor).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.assets.make_assets import TinyAssets
+from tests.recipes.utils import TuneRun, run_tune, tiny_config
+
+pytestmark = pytest.mark.integration_test
+
+RECIPE = "dev/early_exit_finetune_distributed"
+CONFIG = tiny_config("tiny_early_exit_distributed")
+EPOCHS, STEPS = 2, 2
+ALL_STEPS = range(1, EPOCHS * STEPS + 1)
+TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
+
+SHARD = "model-00001-of-00001.safetensors"
+EXACT = {"rtol": 0.0, "atol": 0.0}
+ACROSS_MODES = {"rtol": 1e-5, "atol": 0.0}
+
+
+def _train(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
+    base = {
+        "assets_dir": assets.root,
+        "epochs": EPOCHS,
+        "max_steps_per_epoch": STEPS,
+        "clip_grad_norm": None,
+    }
+    return run_tune(
+        RECIPE, CONFIG, base | overrides, nproc=2, output_dir=out, timeout=TIMEOUT_S
+    )
+
+
+def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
+    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
+
+
+def _assert_same_training(
+    run: TuneRun, reference: TuneRun, tol: dict[str, float], steps: range
+) -> None:
+    """Same loss and gradient norm at every step (within ``tol``), same lr."""
+    assert list(run.metrics) == list(steps), run.metrics
+    for name in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            _metric(run, name, steps), _metric(reference, name, steps), **tol
+        )
+    torch.testing.assert_close(
+        _metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT
+    )
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("early_exit_finetune_distributed")
+
+
+@pytest.fixture(scope="module")
+def in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    return _train(runs_dir / "in_bwd", tiny_assets, optimizer_in_bwd=True)
+
+
+@pytest.fixture(scope="module")
+def plain(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
+    return _train(runs_dir / "plain", tiny_assets, optimizer_in_bwd=False)
+
+
+def test_in_backward_matches_plain_with_early_exit_and_layer_dropout(
+    in_bwd: TuneRun, plain: TuneRun
+) -> None:
+    assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
+    _assert_same_training(in_bwd, plain, ACROSS_MODES, ALL_STEPS)
+
+
+def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # Its optimizer state holds every parameter, the last layer's included: the
+    # early-exit loss reads that layer's output, so it trains. The recipe state
+    # saved last is epoch 0's: none is saved after the last epoch.
+    out = runs_dir / "in_bwd_resumed"
+    shutil.copytree(
+        in_bwd.output_dir, out, ignore=shutil.ignore_patterns(".hf_datasets_cache")
+    )
+    resumed = _train(
+        out,
+        tiny_assets,
+        optimizer_in_bwd=True,
+        resume_from_checkpoint=True,
+        **{"checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"]},
+    )
+    _assert_same_training(resumed, in_bwd, EXACT, range(STEPS + 1, EPOCHS * STEPS + 1))
+
+
+def _load_recipe_class() -> type:
+    """The installed recipe file (recipes are files, never an importable package)."""
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
+    spec = importlib.util.spec_from_file_location("_early_exit_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.EarlyExitFinetuneRecipeDistributed
+
+
+def test_early_exit_with_a_chunked_loss_is_refused_leaving_output_dir_untouched(
+    tmp_path: Path, tiny_assets: TinyAssets
+) -> None:
+    checkpoint = tmp_path / "epoch_0" / SHARD
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"an earlier run's weights")
+    before = checkpoint.stat()
+    cfg = OmegaConf.load(CONFIG)
+    cfg.assets_dir = str(tiny_assets.root)
+    cfg.output_dir = str(tmp_path)
+    cfg.loss = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
+
+    with pytest.raises(ValueError, match="early_exit_loss needs a loss with reduction"):
+        _load_recipe_class()(cfg)
+    assert not torch.distributed.is_initialized()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
+    after = checkpoint.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
