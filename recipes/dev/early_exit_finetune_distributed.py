@@ -61,7 +61,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
     Features:
         - Early-exit loss (``early_exit_loss``; off when absent or null). The loss is a
           weighted sum of the next-token losses of the hidden states of chosen layers,
-          each read out through the model's final norm and output projection:
+          each read out through the model's final norm and output projection (the
+          exit of layer i reads layer i's output; 0.6.1 read its input, so its last
+          layer never got a gradient and its earliest exit read the embeddings):
           ``early_exit_loss.layers`` picks them with numpy-like slice syntax (``":"``
           all, ``"0,4,8"``, ``"1::2"``); ``include_last_layer`` (default True) always
           adds the last; ``scale`` (default 1.0) weighs the early layers against the
