@@ -31,7 +31,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 # Every recipe of this tree: each one that offers optimizer_in_bwd follows the rule.
 RECIPES = sorted(
-    str(path.relative_to(REPO)) for path in (REPO / "recipes").glob("*.py")
+    str(path.relative_to(REPO)) for path in (REPO / "recipes").rglob("*.py")
 )
 
 FLAG_NAMES = frozenset({"optimizer_in_bwd", "_optimizer_in_bwd"})
@@ -547,3 +547,18 @@ def test_rule_rejects_every_extra_branch_of_the_0_6_1_shape() -> None:
     # construction branch that loads state, the scheduler, checkpoint, zero_grad,
     # step and get_lr branches are not.
     assert lines == {13, 21, 26, 30, 36, 39, 43}, _format(find_violations(OLD_SHAPE))
+
+
+def test_no_installed_recipe_calls_the_deprecated_0_6_1_functions() -> None:
+    # Every recipe torchtune ships, ours and upstream's, as installed: the 0.6.1
+    # functions stay only for users' own recipes.
+    import torchtune
+
+    installed = Path(torchtune.__file__).resolve().parent.parent / "recipes"
+    deprecated = ("create_optim_in_bwd_wrapper", "register_optim_in_bwd_hooks")
+    callers = sorted(
+        str(path.relative_to(installed))
+        for path in installed.rglob("*.py")
+        if any(name in path.read_text() for name in deprecated)
+    )
+    assert callers == [], f"recipes still calling {deprecated}: {callers}"
