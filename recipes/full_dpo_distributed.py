@@ -35,7 +35,6 @@ from torchtune.training.checkpointing._checkpoint_client import (
 
 log = utils.get_logger("DEBUG")
 
-_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
 # Per-step means over the global batch of preference pairs, logged as named.
 _PAIR_METRICS = (
     "rewards/chosen",
@@ -168,13 +167,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             )
         # The policy's step checkpoints; a bad save_every_n_steps is refused here.
         self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
-        cfg_profiler = cfg.get(PROFILER_KEY) or {}
-        profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
-        if profiler_component != _TORCH_PROFILER:
-            raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: only "
-                f"{_TORCH_PROFILER} is."
-            )
+        # null means the default, as in 0.6.1.
+        training.check_profiler_component(cfg.get(PROFILER_KEY))
 
         self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
         if self._fsdp_cpu_offload and self._device.type == "cpu":
@@ -465,8 +459,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         """
         if cfg_profiler is None:
             cfg_profiler = DictConfig({"enabled": False})
-        if cfg_profiler.get("_component_", None) is None:
-            cfg_profiler["_component_"] = _TORCH_PROFILER
+        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         utils.log_rank_zero(
             log, f" Profiler config after instantiation: {profiler_cfg}"

@@ -43,8 +43,6 @@ from torchtune.training.optim_in_bwd_legacy_state_dict import (
 
 log = utils.get_logger("DEBUG")
 
-_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
-
 
 class FullFinetuneRecipeDistributed(FTRecipeInterface):
     """
@@ -135,16 +133,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         # save_every_n_steps and checkpointer.keep_last_n_checkpoints.
         self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
 
-        cfg_profiler = cfg.get(PROFILER_KEY) or {}
         # null means the default, as in 0.6.1.
-        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
-        if profiler_component != _TORCH_PROFILER:
-            raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: the "
-                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
-                "returns, so only it can build the profiler. Set "
-                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
-            )
+        training.check_profiler_component(cfg.get(PROFILER_KEY))
 
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
@@ -493,7 +483,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         """
         cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
         # __init__ refused any component but this one; null means it.
-        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
+        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         utils.log_rank_zero(
             log, f" Profiler config after instantiation: {profiler_cfg}"

@@ -36,8 +36,6 @@ from torchtune.training.checkpointing._checkpoint_client import TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
-_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
-
 
 class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     """LoRA fine-tuning of a dense decoder (Llama2, Llama3, Qwen2, ...) on one device.
@@ -173,16 +171,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 f"collate_fn={self._collate_fn} is for inference only. Use "
                 "torchtune.data.padded_collate_sft."
             )
-        cfg_profiler = cfg.get(training.PROFILER_KEY) or {}
         # null means the default, as in 0.6.1.
-        profiler_component = cfg_profiler.get("_component_") or _TORCH_PROFILER
-        if profiler_component != _TORCH_PROFILER:
-            raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: the "
-                f"recipe reads the profiler's settings back from what {_TORCH_PROFILER} "
-                "returns, so only it can build the profiler. Set "
-                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
-            )
+        training.check_profiler_component(cfg.get(training.PROFILER_KEY))
 
         self._output_dir = cfg.output_dir
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
@@ -338,7 +328,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         their first and last batch index, or is None.
         """
         cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = cfg_profiler.get("_component_") or _TORCH_PROFILER
+        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         log.info(f"Profiler config after instantiation: {profiler_cfg}")
 

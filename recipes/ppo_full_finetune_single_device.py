@@ -32,7 +32,6 @@ from torchtune.training.optim_in_bwd_legacy_state_dict import (
 
 log = utils.get_logger("DEBUG")
 
-_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
 # Compiled layers meet more shapes here than in supervised fine-tuning (prefill, one
 # token at a time with a KV cache, full sequences with and without gradients), more
 # than dynamo's default of 8 recompiles per frame.
@@ -202,13 +201,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "reference policy is the policy before training. Point both at the "
                 "same files (only checkpointer changes when resuming)."
             )
-        cfg_profiler = cfg.get(training.PROFILER_KEY) or {}
-        profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
-        if profiler_component != _TORCH_PROFILER:
-            raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: only "
-                f"{_TORCH_PROFILER} is."
-            )
+        # null means the default, as in 0.6.1.
+        training.check_profiler_component(cfg.get(training.PROFILER_KEY))
         self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
 
         self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
@@ -580,7 +574,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         their first and last batch index, or is None.
         """
         cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = cfg_profiler.get("_component_", _TORCH_PROFILER)
+        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         log.info(f"Profiler config after instantiation: {profiler_cfg}")
 

@@ -41,8 +41,6 @@ from torchtune.training.optim_in_bwd_legacy_state_dict import (
 
 log = utils.get_logger("DEBUG")
 
-_TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
-
 
 class QATRecipeDistributed(FTRecipeInterface):
     """
@@ -184,13 +182,8 @@ class QATRecipeDistributed(FTRecipeInterface):
             )
         # Step checkpoints; a bad save_every_n_steps is refused here.
         self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
-        cfg_profiler = cfg.get(PROFILER_KEY) or {}
-        profiler_component = cfg_profiler.get("_component_", _TORCH_PROFILER)
-        if profiler_component != _TORCH_PROFILER:
-            raise ValueError(
-                f"profiler._component_={profiler_component} is not supported: only "
-                f"{_TORCH_PROFILER} is."
-            )
+        # null means the default, as in 0.6.1.
+        training.check_profiler_component(cfg.get(PROFILER_KEY))
 
         # gloo on CPU; NCCL on CUDA, plus gloo for the CPU-side collectives of FSDP's
         # CPU offload and of asynchronous checkpoint saves.
@@ -502,7 +495,7 @@ class QATRecipeDistributed(FTRecipeInterface):
         """
         if cfg_profiler is None:
             cfg_profiler = DictConfig({"enabled": False})
-        cfg_profiler.setdefault("_component_", _TORCH_PROFILER)
+        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
         profiler, profiler_cfg = config.instantiate(cfg_profiler)
         utils.log_rank_zero(
             log, f" Profiler config after instantiation: {profiler_cfg}"

@@ -84,8 +84,10 @@ from torchtune.training.precision import (
 )
 from torchtune.training.quantization import get_quantizer_mode
 from torchtune.training.recipe_options import (
+    TORCH_PROFILER,
     check_fsdp_optimizer,
     check_optimizer_in_bwd_options,
+    check_profiler_component,
     parse_compile_config,
 )
 from torchtune.training.seed import set_seed
@@ -156,6 +158,8 @@ __all__ = [
     "OptimizerInBackward",
     "check_fsdp_optimizer",
     "check_optimizer_in_bwd_options",
+    "check_profiler_component",
+    "TORCH_PROFILER",
     "parse_compile_config",
     "cleanup_before_training",
     "convert_legacy_optim_in_bwd_state_dict",

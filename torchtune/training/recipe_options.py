@@ -1,5 +1,6 @@
 """Recipe config options that several recipes share: how ``compile`` is parsed,
-which options ``optimizer_in_bwd=True`` refuses, and which optimizers FSDP2 refuses."""
+which options ``optimizer_in_bwd=True`` refuses, which optimizers FSDP2 refuses, and
+which profiler a recipe can build."""
 
 from typing import Any
 
@@ -181,3 +182,37 @@ def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
                 "checkpoints, save_every_n_steps, are sharded and do hold it), or use "
                 "torch.optim.AdamW or torchao.optim._AdamW."
             )
+
+
+# The one profiler the recipes can build: they read its settings back from what it
+# returns.
+TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
+
+
+def check_profiler_component(cfg_profiler: DictConfig | dict[str, Any] | None) -> None:
+    """Refuse a ``profiler._component_`` other than ``setup_torch_profiler``.
+
+    A missing section, a missing ``_component_`` and ``_component_: null`` all mean
+    ``setup_torch_profiler``, as in torchtune 0.6.1.
+
+    Args:
+        cfg_profiler (DictConfig | dict[str, Any] | None): the ``profiler`` option.
+
+    Raises:
+        ValueError: if ``_component_`` names another component.
+
+    Example:
+        >>> check_profiler_component({"_component_": None, "enabled": False})
+        >>> check_profiler_component({"_component_": "my.profiler"})
+        Traceback (most recent call last):
+        ...
+        ValueError: profiler._component_=my.profiler is not supported: ...
+    """
+    component = (cfg_profiler or {}).get("_component_") or TORCH_PROFILER
+    if component != TORCH_PROFILER:
+        raise ValueError(
+            f"profiler._component_={component} is not supported: the recipe reads "
+            f"the profiler's settings back from what {TORCH_PROFILER} returns, so "
+            f"only it can build the profiler. Set profiler._component_={TORCH_PROFILER}"
+            ", or null for the same."
+        )

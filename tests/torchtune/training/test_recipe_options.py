@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from torchtune import training
+from torchtune.training import TORCH_PROFILER
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -111,3 +112,23 @@ def test_check_fsdp_optimizer_accepts_optimizers_that_train_and_checkpoint_shard
     component,
 ):
     training.check_fsdp_optimizer(component, epochs=3)
+
+
+@pytest.mark.parametrize(
+    "cfg_profiler",
+    [None, {"enabled": False}, {"_component_": None}, {"_component_": TORCH_PROFILER}],
+)
+def test_check_profiler_component_takes_the_default_however_it_is_given(cfg_profiler):
+    training.check_profiler_component(
+        None if cfg_profiler is None else OmegaConf.create(cfg_profiler)
+    )
+
+
+def test_check_profiler_component_refuses_another_naming_it_and_the_fix():
+    with pytest.raises(ValueError) as info:
+        training.check_profiler_component(OmegaConf.create({"_component_": "my.prof"}))
+    message = str(info.value)
+    assert message.startswith("profiler._component_=my.prof is not supported")
+    assert message.endswith(
+        f"Set profiler._component_={TORCH_PROFILER}, or null for the same."
+    )
