@@ -129,6 +129,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         # Every refusal comes before the process group, the models or any file.
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._compile = training.parse_compile_config(cfg.get("compile", False))
@@ -137,6 +139,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
+                bucket_cap_mb=self._bucket_cap_mb,
             )
 
         self._device = utils.get_device(device=cfg.device)
@@ -412,7 +415,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         params = list(self._model.parameters())
         make_optimizer = partial(config.instantiate, cfg_optimizer)
         optimizer = (
-            training.OptimizerInBackward(params, make_optimizer)
+            training.OptimizerInBackward(
+                params, make_optimizer, bucket_cap_mb=self._bucket_cap_mb
+            )
             if self._optimizer_in_bwd
             else make_optimizer(params)
         )

@@ -104,6 +104,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._compile = training.parse_compile_config(cfg.get("compile", False))
@@ -121,6 +123,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         if self._dtype == torch.float16:
             raise ValueError(
@@ -338,7 +341,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Parameter names let the in-backward optimizer also load the name-keyed
         # in-backward checkpoints of torchtune 0.6.1.
         optimizer = (
-            training.OptimizerInBackward(self._model.named_parameters(), make_optimizer)
+            training.OptimizerInBackward(
+                self._model.named_parameters(),
+                make_optimizer,
+                bucket_cap_mb=self._bucket_cap_mb,
+            )
             if self._optimizer_in_bwd
             else make_optimizer(self._model.parameters())
         )

@@ -138,6 +138,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._compile = training.parse_compile_config(cfg.get("compile", False))
@@ -155,6 +157,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
         # torchao's low-bit ones cannot save their state from them.
@@ -506,7 +509,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         params = list(self._model.parameters())
         make_optimizer = partial(config.instantiate, cfg_optimizer)
         optimizer = (
-            training.OptimizerInBackward(params, make_optimizer)
+            training.OptimizerInBackward(
+                params, make_optimizer, bucket_cap_mb=self._bucket_cap_mb
+            )
             if self._optimizer_in_bwd
             else make_optimizer(params)
         )

@@ -139,6 +139,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._compile = bool(cfg.get("compile", False))
         self._enable_activation_checkpointing = cfg.get(
@@ -150,7 +152,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # refused run leaves output_dir (and the checkpoints in it) as it was.
         if self._optimizer_in_bwd:
             training.check_optimizer_in_bwd_options(
-                gradient_accumulation_steps=self._gradient_accumulation_steps
+                gradient_accumulation_steps=self._gradient_accumulation_steps,
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         if self._dtype == torch.float16:
             raise ValueError(
@@ -396,7 +399,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # model's state here (see _from_0_6_1_in_bwd_state).
         params = list(self._trainable_params())
         optimizer = (
-            training.OptimizerInBackward(params, make_optimizer)
+            training.OptimizerInBackward(
+                params, make_optimizer, bucket_cap_mb=self._bucket_cap_mb
+            )
             if self._optimizer_in_bwd
             else make_optimizer(params)
         )

@@ -121,12 +121,15 @@ class QATRecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         # Every refusal comes before the process group, the model or any file.
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         if self._optimizer_in_bwd:
             training.check_optimizer_in_bwd_options(
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         compile_targets = training.parse_compile_config(cfg.get("compile", False))
         if any(compile_targets.values()):
@@ -437,7 +440,9 @@ class QATRecipeDistributed(FTRecipeInterface):
         params = [p for p in self._model.parameters() if p.requires_grad]
         if self._optimizer_in_bwd:
             optimizer = training.OptimizerInBackward(
-                params, functools.partial(config.instantiate, cfg_optimizer)
+                params,
+                functools.partial(config.instantiate, cfg_optimizer),
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         else:
             optimizer = config.instantiate(cfg_optimizer, params)

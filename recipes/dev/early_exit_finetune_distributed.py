@@ -148,6 +148,8 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         # Every refusal comes before the process group, the model or any file.
         self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        # MiB of gradients per in-backward optimizer call; None: the default.
+        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
         self._clip_grad_norm = cfg.get("clip_grad_norm", None)
         self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self._compile = training.parse_compile_config(cfg.get("compile", False))
@@ -156,6 +158,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 clip_grad_norm=self._clip_grad_norm,
                 gradient_accumulation_steps=self._gradient_accumulation_steps,
                 compile_optimizer_step=self._compile["optimizer_step"],
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
         # torchao's low-bit ones cannot save their state from them.
@@ -498,7 +501,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         params = list(self._model.parameters())
         if self._optimizer_in_bwd:
             optimizer = training.OptimizerInBackward(
-                params, functools.partial(config.instantiate, cfg_optimizer)
+                params,
+                functools.partial(config.instantiate, cfg_optimizer),
+                bucket_cap_mb=self._bucket_cap_mb,
             )
         else:
             optimizer = config.instantiate(cfg_optimizer, params)

@@ -60,9 +60,15 @@ from tests.assets.make_assets import TinyAssets
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
+    assert_same_steps,
+    assert_series_close,
+    assert_steps,
+    assert_weights_close,
+    load_weights,
     read_disk_log,
     run_tune,
     run_tune_in_process,
+    series,
     tiny_config,
 )
 from tests.torchtune.distributed_launcher import run_distributed, write_report
@@ -76,8 +82,26 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
-ACROSS_MODES = {"rtol": 1e-5, "atol": 0.0}
-ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 0.0}
+# Tolerances for the loss, the grad norm and the final weights (module docstring).
+Tolerances = dict[str, dict[str, float]]
+SAME: Tolerances = {"loss": EXACT, "grad_norm": EXACT, "weights": EXACT}
+ACROSS_MODES: Tolerances = {
+    "loss": {"rtol": 1e-5, "atol": 0.0},
+    "grad_norm": {"rtol": 1e-5, "atol": 0.0},
+    "weights": {"rtol": 1e-5, "atol": 1e-6},
+}
+ACROSS_LAYOUTS: Tolerances = {
+    "loss": {"rtol": 1e-5, "atol": 0.0},
+    "grad_norm": {"rtol": 1e-5, "atol": 0.0},
+    "weights": {"rtol": 1e-5, "atol": 1e-6},
+}
+TORCHAO_ACROSS_MODES: Tolerances = ACROSS_MODES
+BF16_ACROSS_MODES: Tolerances = {
+    "loss": {"rtol": 5e-2, "atol": 0.0},
+    "grad_norm": {"rtol": 5e-2, "atol": 0.0},
+    "weights": {"rtol": 5e-2, "atol": 1e-2},
+}
+SHARD = "model-00001-of-00001.safetensors"
 
 
 def _train(
@@ -162,21 +186,26 @@ def _steps_after(epoch: int) -> range:
     return range((epoch + 1) * STEPS + 1, EPOCHS * STEPS + 1)
 
 
-def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
-    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
+def _final_weights(run: TuneRun) -> dict[str, torch.Tensor]:
+    """The weights of ``run``'s last checkpoint, written when it finished."""
+    return load_weights(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
 
 
 def _assert_same_training(
-    run: TuneRun, reference: TuneRun, tol: dict[str, float], steps: range = ALL_STEPS
+    run: TuneRun, reference: TuneRun, tol: Tolerances, steps: range = ALL_STEPS
 ) -> None:
-    """Same loss and gradient norm at every step (within ``tol``), same lr."""
+    """``run`` logged exactly ``steps``, the uninterrupted ``reference`` every step;
+    at each of ``steps`` they have the same loss and gradient norm (within ``tol``)
+    and the same lr, and both end with the same weights (within ``tol``): those
+    also hold the update of the last step, which no logged loss shows."""
+    assert_steps(reference, ALL_STEPS)
+    assert_steps(run, steps)
     for name in ("loss", "grad_norm"):
-        torch.testing.assert_close(
-            _metric(run, name, steps), _metric(reference, name, steps), **tol
-        )
+        assert_series_close(run, reference, name, steps, **tol[name])
     # The schedule depends on nothing but the step count.
-    torch.testing.assert_close(
-        _metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT
+    assert_series_close(run, reference, "lr", steps, **EXACT)
+    assert_weights_close(
+        _final_weights(run), _final_weights(reference), **tol["weights"]
     )
 
 
@@ -221,8 +250,10 @@ def in_bwd_async_from_plain(
 def test_in_backward_matches_plain_on_two_processes(
     in_bwd: TuneRun, plain_async: TuneRun
 ) -> None:
-    assert list(in_bwd.metrics) == list(ALL_STEPS)
+    assert_same_steps(in_bwd, plain_async, ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
+    # In-backward read before step(): 0 had no update run inside backward.
+    assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     _assert_same_training(in_bwd, plain_async, ACROSS_MODES)
 
 
@@ -246,7 +277,7 @@ def test_in_backward_resume_from_sync_checkpoint_equals_uninterrupted_run(
     resumed = _resume(
         in_bwd, 1, runs_dir / "in_bwd_from_in_bwd", tiny_assets, optimizer_in_bwd=True
     )
-    _assert_same_training(resumed, in_bwd, EXACT, _steps_after(1))
+    _assert_same_training(resumed, in_bwd, SAME, _steps_after(1))
 
 
 def test_plain_resume_from_in_backward_sync_checkpoint_equals_uninterrupted_run(
@@ -278,7 +309,7 @@ def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
         optimizer_in_bwd=True,
         enable_async_checkpointing=True,
     )
-    _assert_same_training(resumed, in_bwd_async_from_plain, EXACT, _steps_after(1))
+    _assert_same_training(resumed, in_bwd_async_from_plain, SAME, _steps_after(1))
 
 
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
@@ -310,7 +341,6 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
     torch.save(recipe_state, path)
 
 
-SHARD = "model-00001-of-00001.safetensors"
 EPOCH_1_WEIGHTS = f"epoch_1/{SHARD}"
 
 
@@ -335,7 +365,7 @@ def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
         **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
-    _assert_same_training(resumed, in_bwd, EXACT, _steps_after(1))
+    _assert_same_training(resumed, in_bwd, SAME, _steps_after(1))
 
 
 def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
@@ -425,7 +455,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
     # The same process layout and mode: the same kernels on the same values.
-    _assert_same_training(resumed, frozen_in_bwd, EXACT, _steps_after(1))
+    _assert_same_training(resumed, frozen_in_bwd, SAME, _steps_after(1))
 
 
 @pytest.fixture(scope="module")
@@ -451,13 +481,13 @@ def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
     in_bwd: TuneRun, in_bwd_2d: TuneRun
 ) -> None:
     steps = _steps_after(1)
-    torch.testing.assert_close(
-        _metric(in_bwd_2d, "loss", steps),
-        _metric(in_bwd, "loss", steps),
-        **ACROSS_LAYOUTS,
-    )
-    torch.testing.assert_close(
-        _metric(in_bwd_2d, "lr", steps), _metric(in_bwd, "lr", steps), **EXACT
+    assert_steps(in_bwd, ALL_STEPS)
+    assert_steps(in_bwd_2d, steps)
+    assert_series_close(in_bwd_2d, in_bwd, "loss", steps, **ACROSS_LAYOUTS["loss"])
+    assert_series_close(in_bwd_2d, in_bwd, "lr", steps, **EXACT)
+    # The full checkpoint gathers the FSDP x TP shards into the same weights.
+    assert_weights_close(
+        _final_weights(in_bwd_2d), _final_weights(in_bwd), **ACROSS_LAYOUTS["weights"]
     )
 
 
@@ -465,10 +495,9 @@ def test_fsdp_with_tensor_parallel_logs_the_global_grad_norm(
     in_bwd: TuneRun, in_bwd_2d: TuneRun
 ) -> None:
     steps = _steps_after(1)
-    torch.testing.assert_close(
-        _metric(in_bwd_2d, "grad_norm", steps),
-        _metric(in_bwd, "grad_norm", steps),
-        **ACROSS_LAYOUTS,
+    assert_steps(in_bwd_2d, steps)
+    assert_series_close(
+        in_bwd_2d, in_bwd, "grad_norm", steps, **ACROSS_LAYOUTS["grad_norm"]
     )
 
 
@@ -538,27 +567,151 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
         assert run.outcome(name) == "ok", run.outcome(name)
         # The embedding and the projections (>= 4096 weights) hold 8-bit moments.
         assert "OptimState8bit" in run.reports[0][f"{name} state"].split(",")
-    metrics = {
-        name: read_disk_log(out / name / "logs" / "metrics.txt")
-        for name in ("plain", "in_bwd")
-    }
-    steps = range(1, 5)
-    assert list(metrics["in_bwd"]) == list(steps), metrics["in_bwd"]
-    losses = [metrics["in_bwd"][s]["loss"] for s in steps]
-    assert losses[-1] < losses[0]  # it learns
+    in_bwd, plain = (_forked_run(out / name) for name in ("in_bwd", "plain"))
+    steps = assert_same_steps(in_bwd, plain, range(1, 5))
+    assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     # As ACROSS_MODES (module docstring); a last-ulp difference in a moment that
     # moves it across an 8-bit code changes that one element's update alone.
-    # [measured: loss and grad_norm within 4.1e-7 relative, bitwise for 3 steps]
-    for key, tol in (
-        ("loss", ACROSS_MODES),
-        ("grad_norm", ACROSS_MODES),
-        ("lr", EXACT),
-    ):
-        in_bwd, plain = (
-            torch.tensor([metrics[n][s][key] for s in steps], dtype=torch.float64)
-            for n in ("in_bwd", "plain")
-        )
-        torch.testing.assert_close(in_bwd, plain, **tol)
+    for name in ("loss", "grad_norm"):
+        assert_series_close(in_bwd, plain, name, steps, **TORCHAO_ACROSS_MODES[name])
+    assert_series_close(in_bwd, plain, "lr", steps, **EXACT)
+    assert_weights_close(
+        load_weights(in_bwd.output_dir / "epoch_0" / SHARD),
+        load_weights(plain.output_dir / "epoch_0" / SHARD),
+        **TORCHAO_ACROSS_MODES["weights"],
+    )
+
+
+def _forked_run(output_dir: Path) -> TuneRun:
+    """What a run of the recipe in forked ranks logged (the tiny config's
+    ``DiskLogger`` file) and wrote."""
+    log_file = output_dir / "logs" / "metrics.txt"
+    metrics = read_disk_log(log_file)
+    return TuneRun(
+        losses=[metrics[s]["loss"] for s in sorted(metrics)],
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=[],
+        output="",
+        wall_s=0.0,
+    )
+
+
+def _run_planned_recipes(out_dir: Path) -> None:
+    """Each forked rank of the bf16 test: every run of ``out_dir/runs.json`` (name
+    -> config overrides) of the recipe on ``out_dir/config.yaml``, one after the
+    other, each in ``out_dir/NAME``. Reports ``"ok"`` or the traceback for each."""
+    import json
+
+    recipe_cls = _load_recipe_class()
+    rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    report = {}
+    runs = json.loads((out_dir / "runs.json").read_text())
+    for i, (name, overrides) in enumerate(runs.items()):
+        # Each run starts its own process group (its cleanup destroys it).
+        os.environ["MASTER_PORT"] = str(first_port + i)
+        cfg = OmegaConf.load(out_dir / "config.yaml")
+        cfg.merge_with(overrides)
+        cfg.output_dir = str(out_dir / name)
+        try:
+            recipe = recipe_cls(cfg)
+            recipe.setup(cfg)
+            recipe.train()
+            recipe.cleanup()
+            report[name] = "ok"
+        except Exception:
+            report[name] = traceback.format_exc()
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    write_report(out_dir, rank, report)
+
+
+def _fork_runs(out_dir: Path, runs: dict[str, dict[str, Any]]) -> dict[str, TuneRun]:
+    """Run ``runs`` (name -> overrides of ``out_dir/config.yaml``) on 2 forked ranks."""
+    import json
+
+    (out_dir / "runs.json").write_text(json.dumps(runs))
+    run = run_distributed(
+        __name__, "_run_planned_recipes", out_dir, timeout_s=TIMEOUT_S
+    )
+    for name in runs:
+        assert run.outcome(name) == "ok", run.outcome(name)
+    return {name: _forked_run(out_dir / name) for name in runs}
+
+
+BF16_STEPS = 2  # per epoch, 2 epochs
+BF16_ALL_STEPS = range(1, 2 * BF16_STEPS + 1)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
+    """2 processes in bf16, two epochs of two steps, in each mode; then the
+    in-backward run resumed in-backward from its epoch-0 checkpoint. The ranks are
+    forked from this process, so no interpreter start or import is paid."""
+    out = runs_dir / "bf16"
+    out.mkdir()
+    cfg = OmegaConf.load(CONFIG)
+    cfg.merge_with(
+        {
+            "assets_dir": str(tiny_assets.root),
+            "dtype": "bf16",
+            "epochs": 2,
+            "max_steps_per_epoch": BF16_STEPS,
+            "clip_grad_norm": None,
+        }
+    )
+    OmegaConf.save(cfg, out / "config.yaml")
+    runs = _fork_runs(
+        out,
+        {"plain": {"optimizer_in_bwd": False}, "in_bwd": {"optimizer_in_bwd": True}},
+    )
+    for part in ("epoch_0", "recipe_state"):
+        shutil.copytree(out / "in_bwd" / part, out / "resumed" / part)
+    resume = {
+        "optimizer_in_bwd": True,
+        "resume_from_checkpoint": True,
+        "checkpointer": {"checkpoint_files": [f"epoch_0/{SHARD}"]},
+    }
+    return runs | _fork_runs(out, {"resumed": resume})
+
+
+def test_bf16_in_backward_matches_plain_on_two_processes_within_bf16_rounding(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    in_bwd, plain = bf16_runs["in_bwd"], bf16_runs["plain"]
+    steps = assert_same_steps(in_bwd, plain, BF16_ALL_STEPS)
+    assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
+    assert (series(in_bwd, "grad_norm", steps) > 0).all()
+    for name in ("loss", "grad_norm"):
+        assert_series_close(in_bwd, plain, name, steps, **BF16_ACROSS_MODES[name])
+    assert_series_close(in_bwd, plain, "lr", steps, **EXACT)
+    final = load_weights(in_bwd.output_dir / "epoch_1" / SHARD)
+    assert all(w.dtype == torch.bfloat16 for w in final.values())
+    assert_weights_close(
+        final,
+        load_weights(plain.output_dir / "epoch_1" / SHARD),
+        **BF16_ACROSS_MODES["weights"],
+    )
+
+
+def test_bf16_in_backward_resume_on_two_processes_equals_uninterrupted_bitwise(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    in_bwd, resumed = bf16_runs["in_bwd"], bf16_runs["resumed"]
+    assert_steps(in_bwd, BF16_ALL_STEPS)
+    steps = assert_steps(resumed, range(BF16_STEPS + 1, 2 * BF16_STEPS + 1))
+    # bf16 weights and optimizer state are saved and loaded as they are, in the same
+    # process layout: the same kernels on the same values.
+    for name in ("loss", "grad_norm", "lr"):
+        assert_series_close(resumed, in_bwd, name, steps, **EXACT)
+    assert_weights_close(
+        load_weights(resumed.output_dir / "epoch_1" / SHARD),
+        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
+        **EXACT,
+    )
 
 
 def test_final_checkpoint_is_a_hf_checkpoint_of_the_trained_weights(
@@ -638,7 +791,8 @@ TORCHAO_REFUSAL = (
         (
             {"compile": {"model": False, "loss": False, "optimizer_step": True}},
             "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-            "in-backward updates run one parameter at a time inside autograd hooks, "
+            "in-backward updates run a bucket of parameters at a time inside autograd "
+            "hooks, "
             "where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False.",
         ),

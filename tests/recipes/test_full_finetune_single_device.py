@@ -42,13 +42,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
     TuneRun,
+    assert_same_steps,
+    assert_series_close,
+    assert_steps,
+    assert_weights_close,
+    load_weights,
     run_tune,
     run_tune_in_process,
+    series,
     snapshot_files,
     tiny_config,
 )
@@ -58,9 +63,24 @@ pytestmark = pytest.mark.integration_test
 RECIPE = "full_finetune_single_device"
 CONFIG = tiny_config("tiny_full_single_device")
 STEPS_PER_EPOCH = 3
+ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
+EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+SGD_STEPS = range(1, 5)
+EXACT = {"rtol": 0.0, "atol": 0.0}
 # In-backward vs plain: float rounding only (see the module docstring).
 MODE_TOLERANCE = {"rtol": 2e-6, "atol": 0.0}
-EXACT = {"rtol": 0.0, "atol": 0.0}
+GRAD_NORM_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
+LOSS_ACROSS_MODES = {
+    "adamw_cosine_warmup": MODE_TOLERANCE,
+    "sgd_momentum": MODE_TOLERANCE,
+}
+WEIGHTS_ACROSS_MODES = {
+    "adamw_cosine_warmup": {"rtol": 1e-5, "atol": 1e-6},
+    "sgd_momentum": {"rtol": 1e-5, "atol": 1e-6},
+}
+BF16_LOSS_ACROSS_MODES = {"rtol": 5e-2, "atol": 0.0}
+BF16_GRAD_NORM_ACROSS_MODES = {"rtol": 5e-2, "atol": 0.0}
+BF16_WEIGHTS_ACROSS_MODES = {"rtol": 5e-2, "atol": 1e-2}
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -232,28 +252,34 @@ def resumed_from_0_6_1(
     )
 
 
-def _series(run: TuneRun, metric: str, steps: range | None = None) -> list[float]:
-    """``metric`` at each of ``steps`` (default: every logged step, in order)."""
-    return [run.metrics[s][metric] for s in (steps or sorted(run.metrics))]
+def _final_weights(run: TuneRun, epoch: int = 1) -> dict[str, torch.Tensor]:
+    """The model weights of ``run``'s checkpoint of ``epoch`` (its last one)."""
+    return load_weights(run.output_dir / f"epoch_{epoch}" / SHARD)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_cosine_warmup", "sgd_momentum"])
 def test_in_backward_gives_the_plain_loss_at_every_step(
     optimizer: str, request: pytest.FixtureRequest
 ) -> None:
-    runs = request.getfixturevalue(
-        "adamw_runs" if optimizer == "adamw_cosine_warmup" else "sgd_runs"
-    )
+    adamw = optimizer == "adamw_cosine_warmup"
+    runs = request.getfixturevalue("adamw_runs" if adamw else "sgd_runs")
     plain, bwd = runs["plain"], runs["bwd"]
-    assert len(plain.losses) >= 4 and len(bwd.losses) == len(plain.losses)
+    steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
     # The loss must move, or equal losses would prove nothing.
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_close(bwd.losses, plain.losses, **MODE_TOLERANCE)
-    assert_close(_series(bwd, "lr"), _series(plain, "lr"), **EXACT)
+    assert_series_close(bwd, plain, "loss", steps, **LOSS_ACROSS_MODES[optimizer])
+    assert_series_close(bwd, plain, "lr", steps, **EXACT)
     # Both modes log the norm of the same normalized gradients (in-backward: the one
-    # the optimizer recorded during backward).
-    assert_close(
-        _series(bwd, "grad_norm"), _series(plain, "grad_norm"), rtol=1e-5, atol=0
+    # the optimizer recorded during backward, read before step(); were no update made
+    # inside backward, it would be 0).
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_series_close(bwd, plain, "grad_norm", steps, **GRAD_NORM_TOLERANCE)
+    # The weights each mode ends with (after every step's update, the last one
+    # included, which no logged loss shows).
+    assert_weights_close(
+        _final_weights(bwd, 1 if adamw else 0),
+        _final_weights(plain, 1 if adamw else 0),
+        **WEIGHTS_ACROSS_MODES[optimizer],
     )
     for run in (plain, bwd):
         for values in run.metrics.values():
@@ -277,31 +303,46 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
 ) -> None:
     uninterrupted = adamw_runs[source]
     resumed = resumed_runs[source, target]
-    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
     # The resumed run starts at the step after epoch 0, on the scheduler's position.
-    assert sorted(resumed.metrics) == list(epoch_1)
-    assert_close(
-        _series(resumed, "lr", epoch_1), _series(uninterrupted, "lr", epoch_1), **EXACT
+    assert_steps(uninterrupted, ALL_STEPS)
+    steps = assert_steps(resumed, EPOCH_1)
+    assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
+    same_mode = source == target
+    assert_series_close(
+        resumed,
+        uninterrupted,
+        "loss",
+        steps,
+        **(EXACT if same_mode else LOSS_ACROSS_MODES["adamw_cosine_warmup"]),
     )
-    tolerance = EXACT if source == target else MODE_TOLERANCE
-    assert_close(
-        _series(resumed, "loss", epoch_1),
-        _series(uninterrupted, "loss", epoch_1),
-        **tolerance,
+    # And it ends with the uninterrupted run's weights, after all three updates.
+    assert_weights_close(
+        _final_weights(resumed),
+        _final_weights(uninterrupted),
+        **(EXACT if same_mode else WEIGHTS_ACROSS_MODES["adamw_cosine_warmup"]),
     )
 
 
 def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
     adamw_runs: dict[str, TuneRun], resumed_from_0_6_1: TuneRun
 ) -> None:
-    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
-    assert sorted(resumed_from_0_6_1.metrics) == list(epoch_1)
-    for metric, tolerance in (("lr", EXACT), ("loss", MODE_TOLERANCE)):
-        assert_close(
-            _series(resumed_from_0_6_1, metric, epoch_1),
-            _series(adamw_runs["plain"], metric, epoch_1),
-            **tolerance,
-        )
+    plain = adamw_runs["plain"]
+    assert_steps(plain, ALL_STEPS)
+    steps = assert_steps(resumed_from_0_6_1, EPOCH_1)
+    assert_series_close(resumed_from_0_6_1, plain, "lr", steps, **EXACT)
+    # Saved by a plain run, resumed in-backward: across modes.
+    assert_series_close(
+        resumed_from_0_6_1,
+        plain,
+        "loss",
+        steps,
+        **LOSS_ACROSS_MODES["adamw_cosine_warmup"],
+    )
+    assert_weights_close(
+        _final_weights(resumed_from_0_6_1),
+        _final_weights(plain),
+        **WEIGHTS_ACROSS_MODES["adamw_cosine_warmup"],
+    )
 
 
 def test_final_checkpoint_is_in_hf_format_and_loads_back(
@@ -333,9 +374,77 @@ def test_final_checkpoint_is_in_hf_format_and_loads_back(
     model = llama2(**tiny_assets.model_kwargs)
     model.load_state_dict(state_dict)  # strict: every key, every shape
 
-    # The final weights of both modes agree up to rounding (module docstring).
-    plain = load_file(adamw_runs["plain"].output_dir / "epoch_1" / SHARD)
-    assert_close(written, plain, rtol=1e-5, atol=1e-6)
+
+BF16_STEPS_PER_EPOCH = 2
+BF16_ALL_STEPS = range(1, 2 * BF16_STEPS_PER_EPOCH + 1)
+BF16_EPOCH_1 = range(BF16_STEPS_PER_EPOCH + 1, 2 * BF16_STEPS_PER_EPOCH + 1)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Two epochs of two AdamW steps in bf16, in each mode, and the in-backward run
+    resumed in-backward from its epoch-0 checkpoint."""
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "dtype": "bf16",
+        "epochs": 2,
+        "max_steps_per_epoch": BF16_STEPS_PER_EPOCH,
+    }
+    runs = {
+        _name(bwd): tune_run_here(
+            CONFIG,
+            overrides | _mode_overrides(bwd),
+            tmp_path_factory.mktemp(f"bf16_{_name(bwd)}"),
+        )
+        for bwd in (False, True)
+    }
+    out = tmp_path_factory.mktemp("bf16_resumed")
+    for part in ("epoch_0", "recipe_state"):
+        shutil.copytree(runs["bwd"].output_dir / part, out / part)
+    runs["resumed"] = tune_run_here(
+        CONFIG,
+        overrides
+        | _mode_overrides(True)
+        | {
+            "resume_from_checkpoint": True,
+            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+        },
+        out,
+    )
+    return runs
+
+
+def test_bf16_in_backward_trains_as_plain_within_bf16_rounding(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
+    steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert_series_close(bwd, plain, "lr", steps, **EXACT)
+    assert_series_close(bwd, plain, "loss", steps, **BF16_LOSS_ACROSS_MODES)
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_series_close(bwd, plain, "grad_norm", steps, **BF16_GRAD_NORM_ACROSS_MODES)
+    final = _final_weights(bwd)
+    assert all(w.dtype == torch.bfloat16 for w in final.values())
+    assert_weights_close(final, _final_weights(plain), **BF16_WEIGHTS_ACROSS_MODES)
+
+
+def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    uninterrupted, resumed = bf16_runs["bwd"], bf16_runs["resumed"]
+    assert_steps(uninterrupted, BF16_ALL_STEPS)
+    steps = assert_steps(resumed, BF16_EPOCH_1)
+    # bf16 weights and optimizer state are saved and loaded as they are: the same
+    # kernels on the same values.
+    for metric in ("loss", "lr", "grad_norm"):
+        assert_series_close(resumed, uninterrupted, metric, steps, **EXACT)
+    assert_weights_close(
+        _final_weights(resumed), _final_weights(uninterrupted), **EXACT
+    )
 
 
 PROFILER_REFUSAL = (
@@ -364,7 +473,8 @@ REFUSALS = {
     "compile.optimizer_step": (
         ["~compile", "compile.optimizer_step=True"],
         "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-        "in-backward updates run one parameter at a time inside autograd hooks, where "
+        "in-backward updates run a bucket of parameters at a time inside autograd "
+        "hooks, where "
         "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
         "or optimizer_in_bwd=False.",
     ),

@@ -51,9 +51,15 @@ from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
     REPO_ROOT,
     TuneRun,
+    assert_same_steps,
+    assert_series_close,
+    assert_steps,
+    assert_weights_close,
     format_override,
+    load_weights,
     run_tune,
     run_tune_in_process,
+    series,
     snapshot_files,
     tiny_config,
 )
@@ -64,9 +70,27 @@ RECIPE = "lora_finetune_single_device"
 RECIPE_FILE = REPO_ROOT / "recipes" / f"{RECIPE}.py"
 CONFIG = tiny_config("tiny_lora_single_device")
 STEPS_PER_EPOCH = 3
+ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
+EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
+SGD_STEPS = range(1, 5)
+EXACT = {"rtol": 0.0, "atol": 0.0}
 # In-backward vs plain: float rounding only (see the module docstring).
 MODE_TOLERANCE = {"rtol": 2e-6, "atol": 0.0}
-EXACT = {"rtol": 0.0, "atol": 0.0}
+LOSS_ACROSS_MODES = {
+    "adamw_cosine_warmup": MODE_TOLERANCE,
+    "sgd_momentum": MODE_TOLERANCE,
+}
+GRAD_NORM_ACROSS_MODES = {"rtol": 1e-5, "atol": 0.0}
+ADAPTER_ACROSS_MODES = {
+    "adamw_cosine_warmup": {"rtol": 1e-4, "atol": 1e-5},
+    "sgd_momentum": {"rtol": 1e-4, "atol": 1e-5},
+}
+BF16_LOSS_ACROSS_MODES = {"rtol": 5e-2, "atol": 0.0}
+BF16_GRAD_NORM_ACROSS_MODES = {"rtol": 5e-2, "atol": 0.0}
+BF16_ADAPTER_ACROSS_MODES = {"rtol": 5e-2, "atol": 1e-2}
+VARIANT_LOSS = MODE_TOLERANCE
+VARIANT_GRAD_NORM = {"rtol": 1e-5, "atol": 0.0}
+VARIANT_ADAPTER = {"rtol": 1e-4, "atol": 1e-5}
 SHARD = "model-00001-of-00001.safetensors"
 # The tiny config's adapters.
 LORA_KWARGS = {
@@ -76,6 +100,12 @@ LORA_KWARGS = {
     "lora_rank": 4,
     "lora_alpha": 8,
 }
+
+
+def _num_lora_b(num_layers: int) -> int:
+    """How many ``lora_b`` weights the adapters of ``LORA_KWARGS`` have: one per
+    adapted projection of each layer (q, v and output; the MLP's w1, w2 and w3)."""
+    return num_layers * (len(LORA_KWARGS["lora_attn_modules"]) + 3)
 
 
 def tune_run_here(
@@ -95,9 +125,9 @@ def _name(optimizer_in_bwd: bool) -> str:
     return "bwd" if optimizer_in_bwd else "plain"
 
 
-def _series(run: TuneRun, metric: str, steps: range | None = None) -> list[float]:
-    """``metric`` at each of ``steps`` (default: every logged step, in order)."""
-    return [run.metrics[s][metric] for s in (steps or sorted(run.metrics))]
+def _adapter(run: TuneRun, epoch: int) -> dict[str, torch.Tensor]:
+    """The adapter weights of ``run``'s checkpoint of ``epoch``."""
+    return load_weights(run.output_dir / f"epoch_{epoch}" / "adapter_model.pt")
 
 
 @pytest.fixture(scope="module")
@@ -211,20 +241,23 @@ def resumed_runs(
 def test_in_backward_gives_the_plain_loss_at_every_step(
     optimizer: str, request: pytest.FixtureRequest
 ) -> None:
-    runs = request.getfixturevalue(
-        "adamw_runs" if optimizer == "adamw_cosine_warmup" else "sgd_runs"
-    )
+    adamw = optimizer == "adamw_cosine_warmup"
+    runs = request.getfixturevalue("adamw_runs" if adamw else "sgd_runs")
     plain, bwd = runs["plain"], runs["bwd"]
-    assert len(plain.losses) >= 4 and len(bwd.losses) == len(plain.losses)
+    steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
     # The loss must move, or equal losses would prove nothing.
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_close(bwd.losses, plain.losses, **MODE_TOLERANCE)
-    assert_close(_series(bwd, "lr"), _series(plain, "lr"), **EXACT)
+    assert_series_close(bwd, plain, "loss", steps, **LOSS_ACROSS_MODES[optimizer])
+    assert_series_close(bwd, plain, "lr", steps, **EXACT)
     # Both modes log the norm of the same normalized gradients (in-backward: the one
-    # the optimizer recorded during backward); the norm sums squares in a different
-    # order, so it gets a little more room than the loss.
-    assert_close(
-        _series(bwd, "grad_norm"), _series(plain, "grad_norm"), rtol=1e-5, atol=0
+    # the optimizer recorded during backward, read before step(): 0 had no update
+    # run inside backward); the norm sums squares in a different order.
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_series_close(bwd, plain, "grad_norm", steps, **GRAD_NORM_ACROSS_MODES)
+    # The adapters each mode ends with, after the last update too.
+    epoch = 1 if adamw else 0
+    assert_weights_close(
+        _adapter(bwd, epoch), _adapter(plain, epoch), **ADAPTER_ACROSS_MODES[optimizer]
     )
     for run in (plain, bwd):
         for values in run.metrics.values():
@@ -249,19 +282,24 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     # model, while the resumed one started from clean base weights.
     uninterrupted = adamw_runs[source]
     resumed = resumed_runs[source, target]
-    epoch_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
     # The resumed run starts at the step after epoch 0, on the scheduler's position.
-    assert sorted(resumed.metrics) == list(epoch_1)
-    assert_close(
-        _series(resumed, "lr", epoch_1), _series(uninterrupted, "lr", epoch_1), **EXACT
-    )
-    losses, expected = (
-        _series(resumed, "loss", epoch_1),
-        _series(uninterrupted, "loss", epoch_1),
-    )
+    assert_steps(uninterrupted, ALL_STEPS)
+    steps = assert_steps(resumed, EPOCH_1)
+    assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
     # The first step's forward runs on the same weights whatever the mode.
-    assert_close(losses[0], expected[0], **EXACT)
-    assert_close(losses, expected, **(EXACT if source == target else MODE_TOLERANCE))
+    assert_series_close(resumed, uninterrupted, "loss", steps[:1], **EXACT)
+    same_mode = source == target
+    across = LOSS_ACROSS_MODES["adamw_cosine_warmup"]
+    assert_series_close(
+        resumed, uninterrupted, "loss", steps, **(EXACT if same_mode else across)
+    )
+    # And it ends with the uninterrupted run's adapter, after all three updates.
+    across = ADAPTER_ACROSS_MODES["adamw_cosine_warmup"]
+    assert_weights_close(
+        _adapter(resumed, 1),
+        _adapter(uninterrupted, 1),
+        **(EXACT if same_mode else across),
+    )
 
 
 def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
@@ -363,14 +401,10 @@ def test_adapter_only_checkpoint_loads_back(
     assert config["lora_alpha"] == LORA_KWARGS["lora_alpha"]
     assert config["peft_type"] == "LORA"
 
-    # Both modes trained the same adapter, up to the rounding their losses show.
-    plain = torch.load(
-        adamw_runs["plain"].output_dir / "epoch_1" / "adapter_model.pt",
-        weights_only=True,
-    )
-    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
-    # Tolerance: see the module docstring.
-    assert_close(adapter, plain, rtol=1e-4, atol=1e-5)
+    # Trained: every lora_b starts at zero.
+    lora_b = [v for k, v in adapter.items() if "lora_b" in k]
+    assert len(lora_b) == _num_lora_b(tiny_assets.model_kwargs["num_layers"])
+    assert all(v.abs().max() > 0 for v in lora_b)
 
 
 def _load_recipe_class() -> type:
@@ -494,38 +528,143 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
     assert (tmp_path / "epoch_0" / SHARD).is_file()
 
 
+VARIANT_STEPS = range(1, 5)
+
+
 @pytest.mark.parametrize("variant", ["dora", "qlora"])
-def test_dora_and_qlora_with_activation_checkpointing_train_in_backward_as_in_plain(
+def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
     variant: str,
     tiny_assets: TinyAssets,
     qlora_checkpoint_dir: Path,
     tmp_path: Path,
 ) -> None:
+    from torchtune.training import OptimizerInBackward
+
+    # OptimizerInBackward.step() performs any update the backward hooks missed, so
+    # matching losses alone would not show that the updates ran inside backward.
+    # Record, at every step() of the in-backward optimizer, how many trainable
+    # parameters still hold a gradient: all of them, had no hook fired.
+    left_for_step: list[tuple[int, int]] = []
+
+    def before_step(optimizer, args, kwargs) -> None:
+        if isinstance(optimizer, OptimizerInBackward):
+            trainable = [
+                p
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.requires_grad
+            ]
+            with_grad = sum(p.grad is not None for p in trainable)
+            left_for_step.append((len(trainable), with_grad))
+
+    handle = torch.optim.optimizer.register_optimizer_step_pre_hook(before_step)
+    try:
+        runs = {
+            _name(bwd): tune_run_here(
+                CONFIG,
+                {
+                    "assets_dir": tiny_assets.root,
+                    # Every step but the first follows an update at the peak lr.
+                    "max_steps_per_epoch": len(VARIANT_STEPS),
+                    "lr_scheduler.num_warmup_steps": 0,
+                    # Recomputing activations in backward must not upset the
+                    # in-backward updates, which run as each gradient is accumulated.
+                    "enable_activation_checkpointing": True,
+                    **_mode_overrides(bwd),
+                    **_variant_overrides(variant, qlora_checkpoint_dir),
+                },
+                tmp_path / _name(bwd),
+            )
+            for bwd in (False, True)
+        }
+    finally:
+        handle.remove()
+    plain, bwd = runs["plain"], runs["bwd"]
+    steps = assert_same_steps(bwd, plain, VARIANT_STEPS)
+    # One step() a step, each finding every trainable parameter's gradient used.
+    assert len(left_for_step) == len(steps), left_for_step
+    assert all(n > 0 and left == 0 for n, left in left_for_step), left_for_step
+    # The norm in-backward logs was recorded as the hooks updated the parameters,
+    # before step(): it is the plain run's norm only if every update ran in backward.
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_series_close(bwd, plain, "grad_norm", steps, **VARIANT_GRAD_NORM)
+    assert_series_close(bwd, plain, "loss", steps, **VARIANT_LOSS)
+    num_layers = (
+        QLORA_MODEL_KWARGS["num_layers"]
+        if variant == "qlora"
+        else (tiny_assets.model_kwargs["num_layers"])
+    )
+    adapters = {name: _adapter(run, 0) for name, run in runs.items()}
+    for adapter in adapters.values():
+        # lora_b starts at zero: it moved, so the adapter trained.
+        lora_b = [v for k, v in adapter.items() if "lora_b" in k]
+        assert len(lora_b) == _num_lora_b(num_layers), sorted(adapter)
+        assert all(v.abs().max() > 0 for v in lora_b)
+    assert_weights_close(adapters["bwd"], adapters["plain"], **VARIANT_ADAPTER)
+
+
+BF16_STEPS_PER_EPOCH = 2
+BF16_ALL_STEPS = range(1, 2 * BF16_STEPS_PER_EPOCH + 1)
+BF16_EPOCH_1 = range(BF16_STEPS_PER_EPOCH + 1, 2 * BF16_STEPS_PER_EPOCH + 1)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, TuneRun]:
+    """Two epochs of two AdamW steps in bf16, in each mode, and the in-backward run
+    resumed in-backward from its epoch-0 checkpoint."""
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "dtype": "bf16",
+        "epochs": 2,
+        "max_steps_per_epoch": BF16_STEPS_PER_EPOCH,
+    }
     runs = {
         _name(bwd): tune_run_here(
             CONFIG,
-            {
-                "assets_dir": tiny_assets.root,
-                # The second step's loss follows an update at the peak lr.
-                "max_steps_per_epoch": 2,
-                "lr_scheduler.num_warmup_steps": 0,
-                # Recomputing activations in backward must not upset the in-backward
-                # updates, which run as each gradient is accumulated.
-                "enable_activation_checkpointing": True,
-                **_mode_overrides(bwd),
-                **_variant_overrides(variant, qlora_checkpoint_dir),
-            },
-            tmp_path / _name(bwd),
+            overrides | _mode_overrides(bwd),
+            tmp_path_factory.mktemp(f"bf16_{_name(bwd)}"),
         )
         for bwd in (False, True)
     }
-    assert_close(runs["bwd"].losses, runs["plain"].losses, **MODE_TOLERANCE)
-    for run in runs.values():
-        adapter = torch.load(
-            run.output_dir / "epoch_0" / "adapter_model.pt", weights_only=True
-        )
-        # lora_b starts at zero: it moved, so the adapter trained.
-        assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_b" in k)
+    out = tmp_path_factory.mktemp("bf16_resumed")
+    for part in ("epoch_0", "recipe_state"):
+        shutil.copytree(runs["bwd"].output_dir / part, out / part)
+    runs["resumed"] = tune_run_here(
+        CONFIG,
+        overrides | _mode_overrides(True) | {"resume_from_checkpoint": True},
+        out,
+    )
+    return runs
+
+
+def test_bf16_in_backward_trains_as_plain_within_bf16_rounding(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
+    steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert_series_close(bwd, plain, "lr", steps, **EXACT)
+    assert_series_close(bwd, plain, "loss", steps, **BF16_LOSS_ACROSS_MODES)
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_series_close(bwd, plain, "grad_norm", steps, **BF16_GRAD_NORM_ACROSS_MODES)
+    adapter = _adapter(bwd, 1)
+    assert all(w.dtype == torch.bfloat16 for w in adapter.values())
+    assert_weights_close(adapter, _adapter(plain, 1), **BF16_ADAPTER_ACROSS_MODES)
+
+
+def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
+    bf16_runs: dict[str, TuneRun],
+) -> None:
+    uninterrupted, resumed = bf16_runs["bwd"], bf16_runs["resumed"]
+    assert_steps(uninterrupted, BF16_ALL_STEPS)
+    steps = assert_steps(resumed, BF16_EPOCH_1)
+    # The bf16 adapter and optimizer state are saved and loaded as they are: the
+    # same kernels on the same values.
+    for metric in ("loss", "lr", "grad_norm"):
+        assert_series_close(resumed, uninterrupted, metric, steps, **EXACT)
+    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
 
 
 PROFILER_REFUSAL = (

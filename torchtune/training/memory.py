@@ -18,6 +18,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
 )
@@ -230,30 +231,52 @@ _STATE_DICT_HOOKS = (
 )
 
 
+#: Default most gradient bytes, in MiB, that :class:`OptimizerInBackward` updates in
+#: one optimizer call.
+DEFAULT_BUCKET_CAP_MB = 16.0
+
+
+def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    if (
+        not isinstance(bucket_cap_mb, int | float)
+        or isinstance(bucket_cap_mb, bool)
+        or not bucket_cap_mb >= 0
+    ):
+        raise ValueError(
+            f"bucket_cap_mb must be a number >= 0, got {bucket_cap_mb!r}: 0 updates "
+            "each parameter on its own, larger values update up to that many MiB of "
+            "gradients in one optimizer call"
+        )
+    return int(bucket_cap_mb * 1024**2)
+
+
 def _owner_of(param: torch.Tensor) -> OptimizerInBackward | None:
     ref = _OWNERS.get(param)
     return None if ref is None else ref()
 
 
-class _OneParamState(MutableMapping):
-    """What a per-parameter optimizer sees as its ``state``: the one entry of the
-    outer optimizer's ``state`` that belongs to its parameter.
+class _BucketState(MutableMapping):
+    """What a bucket's optimizer sees as its ``state``: the entries of the outer
+    optimizer's ``state`` that belong to the bucket's parameters.
 
-    The entry is looked up in ``owner.state`` on every access, so the moments live in
+    Entries are looked up in ``owner.state`` on every access, so the moments live in
     one place and stay linked after ``owner.load_state_dict`` replaces ``owner.state``.
     Like a ``defaultdict(dict)``, reading a missing entry creates it.
     """
 
-    __slots__ = ("_owner", "_param")
+    __slots__ = ("_owner", "_params")
 
-    def __init__(self, owner: OptimizerInBackward, param: torch.Tensor) -> None:
+    def __init__(self, owner: OptimizerInBackward, params: list[torch.Tensor]) -> None:
         self._owner = owner
-        self._param = param
+        # Keyed by identity, in the bucket's order.
+        self._params = {id(p): p for p in params}
 
     def _check(self, key: Any) -> None:
-        if key is not self._param:
+        if self._params.get(id(key)) is not key:
             raise KeyError(
-                "this per-parameter optimizer only holds state for its own parameter"
+                "this bucket's optimizer only holds state for the bucket's parameters"
             )
 
     def __getitem__(self, key: Any) -> Any:
@@ -269,20 +292,41 @@ class _OneParamState(MutableMapping):
         del self._owner.state[key]
 
     def __contains__(self, key: object) -> bool:
-        return key is self._param and self._param in self._owner.state
+        return self._params.get(id(key)) is key and key in self._owner.state
 
     def get(self, key: Any, default: Any = None) -> Any:
         # Unlike __getitem__, never creates an entry (as for a defaultdict).
         return self._owner.state[key] if key in self else default
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter([self._param] if self._param in self._owner.state else [])
+        state = self._owner.state
+        return iter([p for p in self._params.values() if p in state])
 
     def __len__(self) -> int:
-        return int(self._param in self._owner.state)
+        state = self._owner.state
+        return sum(1 for p in self._params.values() if p in state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+class _Bucket:
+    """Parameters of one param group that one ``optimizer_cls`` instance updates
+    together, once every one of them has its gradient."""
+
+    __slots__ = ("params", "optimizer", "ready")
+
+    def __init__(self, params: list[torch.Tensor], optimizer: Optimizer) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        # Parameters whose gradient arrived in this backward pass, by identity.
+        self.ready: set[int] = set()
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param``'s gradient on this rank (its local shard for a DTensor)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
 
 
 def _single_param(optimizer: Optimizer) -> torch.Tensor:
@@ -295,26 +339,34 @@ def _single_param(optimizer: Optimizer) -> torch.Tensor:
     return params[0]
 
 
+def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def _reclaim_inner_state(inner: Optimizer) -> None:
-    """Link a per-parameter optimizer's ``state`` back to its owner's.
+    """Link a bucket optimizer's ``state`` back to its owner's.
 
     A per-parameter optimizer's own ``load_state_dict`` replaces ``inner.state`` with a
     new dict (0.6.1 recipes load through ``optim_map[name]``). This moves the loaded
-    entry into the owning :class:`OptimizerInBackward` and puts the shared view back,
+    entries into the owning :class:`OptimizerInBackward` and puts the shared view back,
     so the loaded state is the state that training uses and that the owner saves. It
     runs as a load_state_dict post-hook where the class runs torch's hooks, and before
     every update and save for classes whose loader does not (bitsandbytes).
     """
-    if isinstance(inner.state, _OneParamState):
+    if isinstance(inner.state, _BucketState):
         return
-    param = _single_param(inner)
-    owner = _owner_of(param)
-    if owner is None or owner._inner.get(param) is not inner:
+    params = _optimizer_params(inner)
+    if not params:
         return
-    loaded = inner.state.get(param)
-    inner.state = _OneParamState(owner, param)
-    if loaded:
-        owner.state[param] = loaded
+    owner = _owner_of(params[0])
+    if owner is None or owner._inner.get(params[0]) is not inner:
+        return
+    loaded = inner.state
+    inner.state = _BucketState(owner, params)
+    for param in params:
+        entry = loaded.get(param)
+        if entry:
+            owner.state[param] = entry
 
 
 def _describe(param: torch.Tensor, name: str | None, index: int) -> str:
@@ -336,12 +388,19 @@ def _wrapped_attribute(name: str, doc: str) -> property:
 
 
 class OptimizerInBackward(Optimizer):
-    r"""An optimizer that updates each parameter inside ``backward()``, as soon as its
-    gradient is ready, and frees that gradient at once.
+    r"""An optimizer that updates parameters inside ``backward()``, as soon as their
+    gradients are ready, and frees those gradients at once.
 
-    Compared with calling a plain optimizer after ``backward()``, peak memory drops by up
-    to the size of all gradients, since no two gradients need to be alive at once
-    (except those of parameters that share a gradient bucket, e.g. under FSDP).
+    Parameters are updated in buckets: consecutive parameters of one param group,
+    holding up to ``bucket_cap_mb`` MiB of gradients together. A bucket is updated by
+    one optimizer call (one ``foreach`` or fused kernel launch for ``torch.optim``'s
+    optimizers) when the last of its gradients arrives, and its gradients are freed
+    right after. Compared with calling a plain optimizer after ``backward()``, peak
+    memory drops by about the size of all gradients less one bucket's: with
+    ``bucket_cap_mb=0`` each parameter is its own bucket and no two gradients need to
+    be alive at once (except those of parameters that share a buffer anyway, e.g. an
+    FSDP unit's reduce-scatter output). Larger buckets make fewer, larger optimizer
+    calls, which is faster for many small parameters.
 
     It *is* the optimizer it wraps, as far as everything outside the update goes:
     construction builds ``optimizer_cls(params, **optimizer_kwargs)``, and that
@@ -354,10 +413,14 @@ class OptimizerInBackward(Optimizer):
     torchtune's checkpointing work on it unchanged. Any other public attribute (for
     example bitsandbytes' ``is_paged``) is read from the wrapped optimizer too.
 
-    The update is done inside backward by one ``optimizer_cls`` instance per trainable
-    parameter, on that parameter's entry of ``state``, with the hyperparameters of
-    the param group that holds the parameter at that moment: a learning rate set by a
-    scheduler applies to every parameter from the next update on. This works for any
+    The update is done inside backward by one ``optimizer_cls`` instance per bucket,
+    on its parameters' entries of ``state``, with the hyperparameters of the param
+    group that holds them at that moment: a learning rate set by a scheduler applies
+    to every parameter from the next update on. A bucket whose parameters do not all
+    get a gradient in a backward pass (an unused layer, a dropped layer) is updated
+    when that backward pass ends. An optimizer step over a subset of parameters does
+    the same per-element arithmetic as one over all of them, so training equals the
+    plain optimizer's whatever the buckets. This works for any
     optimizer whose update of one parameter depends only on that parameter's gradient
     and state (``torch.optim``'s, bitsandbytes', torchao's low-bit ones); it cannot
     work for one that couples parameters in its step (e.g. a global-norm LAMB
@@ -365,7 +428,7 @@ class OptimizerInBackward(Optimizer):
 
     Parameters with ``requires_grad=False`` at construction (e.g. the frozen base of a
     LoRA model) stay in ``param_groups``, like in the plain optimizer, but get no hook
-    and no per-parameter optimizer. If one later receives a gradient, :meth:`step`
+    and no bucket. If one later receives a gradient, :meth:`step`
     updates it and from then on it is updated in backward like the others.
 
     Each parameter is updated by at most one :class:`OptimizerInBackward`. Building a
@@ -400,11 +463,17 @@ class OptimizerInBackward(Optimizer):
             parameters (and ``optimizer_kwargs``), e.g. ``torch.optim.AdamW``,
             ``bitsandbytes.optim.PagedAdamW8bit`` or
             ``functools.partial(torchtune.config.instantiate, cfg.optimizer)``.
+        bucket_cap_mb (float | None): most MiB of gradients (of this rank's shards,
+            for DTensor parameters) one bucket holds; a parameter larger than that
+            is a bucket of its own. ``0`` updates each parameter on its own, for the
+            lowest memory. ``None`` means :data:`DEFAULT_BUCKET_CAP_MB`.
+            Default: ``None``
         **optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
 
     Raises:
         TypeError: if ``optimizer_cls`` does not return a ``torch.optim.Optimizer``.
-        ValueError: if ``params`` is empty.
+        ValueError: if ``params`` is empty, or ``bucket_cap_mb`` is not a number
+            ``>= 0``.
 
     Example:
         >>> optimizer = OptimizerInBackward(
@@ -439,18 +508,23 @@ class OptimizerInBackward(Optimizer):
         self,
         params: Iterable[Any],
         optimizer_cls: Callable[..., Optimizer],
+        *,
+        bucket_cap_mb: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
+        cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
         optimizer = optimizer_cls(params, **optimizer_kwargs)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 "optimizer_cls must build a torch.optim.Optimizer, but "
                 f"{optimizer_cls!r} returned {type(optimizer).__name__}"
             )
-        self._init_in_backward(optimizer, optimizer_cls, optimizer_kwargs)
+        self._init_in_backward(
+            optimizer, optimizer_cls, optimizer_kwargs, bucket_cap_bytes=cap_bytes
+        )
 
     def _init_in_backward(
         self,
@@ -458,6 +532,7 @@ class OptimizerInBackward(Optimizer):
         optimizer_cls: Callable[..., Optimizer] | None,
         optimizer_kwargs: dict[str, Any],
         *,
+        bucket_cap_bytes: int = 0,
         adopted: dict[torch.Tensor, Optimizer] | None = None,
         names: dict[torch.Tensor, str] | None = None,
     ) -> None:
@@ -469,35 +544,48 @@ class OptimizerInBackward(Optimizer):
 
         Args:
             optimizer: the wrapped optimizer, holding every parameter.
-            optimizer_cls: builds the per-parameter optimizers; ``None`` for the
-                deprecated 0.6.1 API, which brings its own (``adopted``).
+            optimizer_cls: builds the bucket optimizers; ``None`` for the deprecated
+                0.6.1 API, which brings its own (``adopted``).
             optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
-            adopted: per-parameter optimizers to take over instead of building them.
-                Those of frozen parameters are taken over too (0.6.1 kept them).
+            bucket_cap_bytes: most gradient bytes a bucket holds (a parameter larger
+                than that has a bucket of its own); 0 for one parameter per bucket.
+            adopted: per-parameter optimizers to take over instead of building them,
+                each the bucket of its one parameter. Those of frozen parameters are
+                taken over too (0.6.1 kept them).
             names: parameter names known from outside ``param_groups``.
         """
         torch._C._log_api_usage_once("python.optimizer")
         self._optimizer = optimizer
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = optimizer_kwargs
-        self._adopted = dict(adopted or {})
+        self._bucket_cap_bytes = bucket_cap_bytes
         self._extra_names = dict(names or {})
-        # The per-parameter optimizer of every parameter this instance updates.
+        # The bucket of every parameter this instance updates, and its optimizer.
+        self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._inner: dict[torch.Tensor, Optimizer] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
         self._hooks_enabled = True
+        # Whether an end-of-backward update of unfinished buckets is queued.
+        self._flush_queued = False
         # Parameter -> the param group that holds it.
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         # Sum of squared gradient norms since zero_grad(), keyed by how to reduce it
-        # across ranks: None for plain tensors, (mesh, mesh dims) for DTensors.
+        # across ranks (None for plain tensors, (mesh, mesh dims) for DTensors) and
+        # by device.
         self._grad_sq_sums: dict[Any, torch.Tensor] = {}
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._patch_step_function()
         self._index_groups()
-        for param in self._group_of:
-            if param.requires_grad or param in self._adopted:
-                self._attach(param)
+        adopted = dict(adopted or {})
+        for group in self.param_groups:
+            trainable = []
+            for param in group["params"]:
+                if param in adopted:
+                    self._attach([param], adopted.pop(param))
+                elif param.requires_grad:
+                    trainable.append(param)
+            self._attach_in_buckets(trainable)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names this object does not have. Public ones are the
@@ -521,50 +609,88 @@ class OptimizerInBackward(Optimizer):
 
     # -- construction helpers ---------------------------------------------------
 
-    def _build_inner(self, param: torch.Tensor) -> Optimizer:
-        inner = self._adopted.pop(param, None)
-        if inner is None:
-            if self._optimizer_cls is None:
-                raise RuntimeError(
-                    "this optimizer was built from 0.6.1-style per-parameter optimizers "
-                    "and cannot build one for a new parameter; use "
-                    "OptimizerInBackward(params, optimizer_cls, **kwargs) instead"
-                )
-            inner = self._optimizer_cls([param], **self._optimizer_kwargs)
-            existing = None
+    def _attach_in_buckets(self, params: list[torch.Tensor]) -> None:
+        """Attach ``params`` (of one param group, in its order) in consecutive
+        buckets of at most ``bucket_cap_bytes`` gradient bytes each."""
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for param in params:
+            nbytes = _local_bytes(param)
+            if bucket and size + nbytes > self._bucket_cap_bytes:
+                self._attach(bucket)
+                bucket, size = [], 0
+            bucket.append(param)
+            size += nbytes
+        if bucket:
+            self._attach(bucket)
+
+    def _build_optimizer(self, params: list[torch.Tensor]) -> Optimizer:
+        if self._optimizer_cls is None:
+            raise RuntimeError(
+                "this optimizer was built from 0.6.1-style per-parameter optimizers "
+                "and cannot build one for a new parameter; use "
+                "OptimizerInBackward(params, optimizer_cls, **kwargs) instead"
+            )
+        return self._optimizer_cls(params, **self._optimizer_kwargs)
+
+    def _attach(
+        self, params: list[torch.Tensor], adopted: Optimizer | None = None
+    ) -> None:
+        """Make this instance the one that updates ``params``, as one bucket: by
+        ``adopted`` (with the state it holds) or by a new ``optimizer_cls``."""
+        for param in params:
+            previous = _owner_of(param)
+            if previous is not None and previous is not self:
+                previous._release(param)
+            self._detach(param)
+        if adopted is None:
+            inner = self._build_optimizer(params)
         else:
-            existing = inner.state[param] if param in inner.state else None
-        inner.state = _OneParamState(self, param)
-        if existing:
-            self.state[param] = existing
+            inner = adopted
+            for param in params:
+                if param in inner.state and inner.state[param]:
+                    self.state[param] = inner.state[param]
+        inner.state = _BucketState(self, params)
         if inner not in _HOOKED_INNER:
             inner.register_load_state_dict_post_hook(_reclaim_inner_state)
             _HOOKED_INNER.add(inner)
-        return inner
+        bucket = _Bucket(params, inner)
+        for param in params:
+            self._bucket_of[param] = bucket
+            self._inner[param] = inner
+            if (
+                self._hooks_enabled
+                and param.requires_grad
+                and param not in self._hook_handles
+            ):
+                self._hook_handles[param] = param.register_post_accumulate_grad_hook(
+                    self._on_grad_ready
+                )
+            _OWNERS[param] = weakref.ref(self)
 
-    def _attach(self, param: torch.Tensor) -> None:
-        """Make this instance the one that updates ``param``."""
-        previous = _owner_of(param)
-        if previous is not None and previous is not self:
-            previous._release(param)
-        if param not in self._inner:
-            self._inner[param] = self._build_inner(param)
-        if (
-            self._hooks_enabled
-            and param.requires_grad
-            and param not in self._hook_handles
-        ):
-            self._hook_handles[param] = param.register_post_accumulate_grad_hook(
-                self._on_grad_ready
-            )
-        _OWNERS[param] = weakref.ref(self)
+    def _detach(self, param: torch.Tensor) -> None:
+        """Take ``param`` out of its bucket, if it has one; the rest of the bucket
+        gets an optimizer of its own."""
+        bucket = self._bucket_of.pop(param, None)
+        self._inner.pop(param, None)
+        if bucket is None:
+            return
+        rest = [p for p in bucket.params if p is not param]
+        if rest:
+            inner = self._build_optimizer(rest)
+            inner.state = _BucketState(self, rest)
+            remaining = _Bucket(rest, inner)
+            remaining.ready = bucket.ready - {id(param)}
+            for p in rest:
+                self._bucket_of[p] = remaining
+                self._inner[p] = inner
 
     def _release(self, param: torch.Tensor) -> None:
         """Stop updating ``param``: another instance took it over."""
         handle = self._hook_handles.pop(param, None)
         if handle is not None:
             handle.remove()
-        self._inner.pop(param, None)
+        self._detach(param)
 
     def _index_groups(self) -> None:
         self._group_of = {
@@ -578,48 +704,87 @@ class OptimizerInBackward(Optimizer):
                 names.update(zip(group["params"], group["param_names"], strict=True))
         return names
 
+    def _buckets(self) -> list[_Bucket]:
+        return list({id(b): b for b in self._bucket_of.values()}.values())
+
     def _reclaim_inner_states(self) -> None:
-        for inner in self._inner.values():
-            _reclaim_inner_state(inner)
+        for bucket in self._buckets():
+            _reclaim_inner_state(bucket.optimizer)
 
     # -- the update ---------------------------------------------------------------
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         # A None grad means another hook already used it (e.g. a hand-written 0.6.1
         # hook that steps and clears): never update a parameter twice.
-        if param.grad is not None and param in self._inner:
-            self._update(param)
+        bucket = self._bucket_of.get(param)
+        if param.grad is None or bucket is None:
+            return
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._update(bucket)
+        elif not self._flush_queued:
+            # Some parameters of the bucket may get no gradient in this backward
+            # pass (unused, or frozen since): update the bucket when it ends.
+            if torch._C._current_graph_task_id() == -1:
+                self._update(bucket)  # not called from autograd: nothing to wait for
+            else:
+                Variable._execution_engine.queue_callback(self._flush)
+                self._flush_queued = True
+
+    def _flush(self) -> None:
+        """At the end of backward: update the buckets whose gradients did not all
+        arrive."""
+        self._flush_queued = False
+        for bucket in self._buckets():
+            if bucket.ready:
+                self._update(bucket)
 
     @torch.no_grad()
-    def _update(self, param: torch.Tensor) -> None:
-        self._accumulate_grad_norm(param.grad)
-        inner = self._inner[param]
+    def _update(self, bucket: _Bucket) -> None:
+        """Step ``bucket``'s optimizer on the parameters that hold a gradient, then
+        free those gradients."""
+        bucket.ready.clear()
+        params = [p for p in bucket.params if p.grad is not None]
+        if not params:
+            return
+        self._accumulate_grad_norm([p.grad for p in params])
+        inner = bucket.optimizer
         _reclaim_inner_state(inner)
-        # The outer group is the one schedulers and load_state_dict write to.
-        inner.param_groups[0].update(hyperparameters(self._group_of[param]))
+        # The outer group is the one schedulers and load_state_dict write to; all of
+        # a bucket's parameters are in the same one.
+        inner.param_groups[0].update(hyperparameters(self._group_of[params[0]]))
         inner.step()
-        param.grad = None
+        for param in params:
+            param.grad = None
 
-    def _accumulate_grad_norm(self, grad: torch.Tensor) -> None:
-        key = None
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                grad = grad.redistribute(
-                    placements=[
-                        Replicate() if p.is_partial() else p for p in grad.placements
-                    ]
+    def _accumulate_grad_norm(self, grads: list[torch.Tensor]) -> None:
+        by_key: dict[Any, list[torch.Tensor]] = {}
+        for grad in grads:
+            key = None
+            if isinstance(grad, DTensor):
+                if any(p.is_partial() for p in grad.placements):
+                    grad = grad.redistribute(
+                        placements=[
+                            Replicate() if p.is_partial() else p
+                            for p in grad.placements
+                        ]
+                    )
+                # Every mesh dim that is not replicated holds a different slice of
+                # the gradient. Test "not replicate" rather than is_shard(): FSDP
+                # over a tensor-parallel weight places a _StridedShard, whose
+                # is_shard() is False.
+                shard_dims = tuple(
+                    i for i, p in enumerate(grad.placements) if not p.is_replicate()
                 )
-            # Every mesh dim that is not replicated holds a different slice of the
-            # gradient. Test "not replicate" rather than is_shard(): FSDP over a
-            # tensor-parallel weight places a _StridedShard, whose is_shard() is False.
-            shard_dims = tuple(
-                i for i, p in enumerate(grad.placements) if not p.is_replicate()
-            )
-            key = (grad.device_mesh, shard_dims) if shard_dims else None
-            grad = grad.to_local()
-        squared = torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32).square()
-        total = self._grad_sq_sums.get(key)
-        self._grad_sq_sums[key] = squared if total is None else total + squared
+                key = (grad.device_mesh, shard_dims) if shard_dims else None
+                grad = grad.to_local()
+            by_key.setdefault((key, grad.device), []).append(grad)
+        for key, local in by_key.items():
+            # One pass over the bucket's gradients, in float32 whatever their dtype.
+            norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
+            squared = torch.stack(norms).square().sum()
+            total = self._grad_sq_sums.get(key)
+            self._grad_sq_sums[key] = squared if total is None else total + squared
 
     # -- torch.optim.Optimizer API -------------------------------------------------
 
@@ -648,8 +813,7 @@ class OptimizerInBackward(Optimizer):
         group = self.param_groups[-1]
         for param in group["params"]:
             self._group_of[param] = group
-            if param.requires_grad:
-                self._attach(param)
+        self._attach_in_buckets([p for p in group["params"] if p.requires_grad])
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -676,16 +840,20 @@ class OptimizerInBackward(Optimizer):
                 "backward pass would already update the parameters. Call step() "
                 "without arguments."
             )
+        due: dict[int, _Bucket] = {}
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if param not in self._inner:
+                if param not in self._bucket_of:
                     owner = _owner_of(param)
                     if owner is not None and owner is not self:
                         continue  # another OptimizerInBackward updates it
-                    self._attach(param)
-                self._update(param)
+                    self._attach([param])
+                bucket = self._bucket_of[param]
+                due[id(bucket)] = bucket
+        for bucket in due.values():
+            self._update(bucket)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and restart
@@ -709,7 +877,7 @@ class OptimizerInBackward(Optimizer):
         on every rank, like any collective.
         """
         total: torch.Tensor | None = None
-        for key, squared in self._grad_sq_sums.items():
+        for (key, _), squared in self._grad_sq_sums.items():
             if key is not None:
                 mesh, shard_dims = key
                 squared = squared.clone()

@@ -53,6 +53,7 @@ def check_optimizer_in_bwd_options(
     clip_grad_norm: float | None = None,
     gradient_accumulation_steps: int = 1,
     compile_optimizer_step: bool = False,
+    bucket_cap_mb: float | None = None,
 ) -> None:
     """Refuse recipe options that cannot work with ``optimizer_in_bwd=True``.
 
@@ -66,13 +67,16 @@ def check_optimizer_in_bwd_options(
             Default: ``1``
         compile_optimizer_step (bool): whether ``compile.optimizer_step`` is on.
             Default: ``False``
+        bucket_cap_mb (float | None): the ``optimizer_in_bwd_bucket_cap_mb`` option;
+            ``None`` means the default. Default: ``None``
 
     Raises:
         ValueError: if ``clip_grad_norm`` is set (the global gradient norm is only
             known after backward, when the in-backward updates have happened), if
             ``gradient_accumulation_steps != 1`` (each gradient is consumed as soon as
-            it is ready), or if ``compile_optimizer_step`` (in-backward updates run one
-            parameter at a time inside autograd hooks).
+            it is ready), if ``compile_optimizer_step`` (in-backward updates run a
+            bucket at a time inside autograd hooks), or if ``bucket_cap_mb`` is not
+            a number ``>= 0``.
 
     Example:
         >>> check_optimizer_in_bwd_options(clip_grad_norm=None)
@@ -99,9 +103,20 @@ def check_optimizer_in_bwd_options(
     if compile_optimizer_step:
         raise ValueError(
             "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-            "in-backward updates run one parameter at a time inside autograd hooks, "
-            "where a compiled whole-optimizer step cannot run. Set "
+            "in-backward updates run a bucket of parameters at a time inside autograd "
+            "hooks, where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False."
+        )
+    if bucket_cap_mb is not None and (
+        not isinstance(bucket_cap_mb, int | float)
+        or isinstance(bucket_cap_mb, bool)
+        or not bucket_cap_mb >= 0
+    ):
+        raise ValueError(
+            f"optimizer_in_bwd_bucket_cap_mb={bucket_cap_mb!r} is not a number >= 0. "
+            "It is the most MiB of gradients one in-backward optimizer call updates: "
+            "0 updates each parameter on its own (lowest memory); leave it unset for "
+            "the default."
         )
 
 

@@ -153,11 +153,12 @@ def make_optimizer(
 
 @scenario
 def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
-    reference, model = build_model("fsdp"), build_model("fsdp")
+    """Every bucketing against the plain run: one parameter per bucket, one FSDP unit
+    (a linear's weight and bias) per bucket, and the default cap, whose one bucket
+    spans all units, so it waits across reduce-scatters."""
+    reference = build_model("fsdp")
     plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    in_bwd = OptimizerInBackward(model.parameters(), torch.optim.AdamW, **ADAMW)
     plain_norms: list[torch.Tensor] = []
-    in_bwd_norms: list[torch.Tensor] = []
     train(
         reference,
         plain,
@@ -166,22 +167,40 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
         torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5),
         plain_norms,
     )
-    train(
-        model,
-        in_bwd,
-        "fsdp",
-        range(4),
-        torch.optim.lr_scheduler.StepLR(in_bwd, step_size=1, gamma=0.5),
-        in_bwd_norms,
-    )
-    assert_same_params(reference, model)
     # clip_grad_norm_ returns a DTensor for DTensor grads: compare full values.
     plain_norms = [
         n.full_tensor() if isinstance(n, DTensor) else n for n in plain_norms
     ]
-    torch.testing.assert_close(
-        torch.stack(in_bwd_norms), torch.stack(plain_norms), rtol=1e-6, atol=0
+    # The largest unit's local bytes: each unit then fills one bucket.
+    unit_mb = (
+        max(
+            sum(p.to_local().numel() * 4 for p in layer.parameters())
+            for layer in build_model("fsdp")
+            if isinstance(layer, nn.Linear)
+        )
+        / 2**20
     )
+    for bucket_cap_mb in (0, unit_mb, None):
+        model = build_model("fsdp")
+        in_bwd = OptimizerInBackward(
+            model.parameters(), torch.optim.AdamW, bucket_cap_mb=bucket_cap_mb, **ADAMW
+        )
+        sizes = [len(b.params) for b in in_bwd._buckets()]
+        assert sizes == {0: [1] * 6, unit_mb: [2] * 3, None: [6]}[bucket_cap_mb]
+        in_bwd_norms: list[torch.Tensor] = []
+        train(
+            model,
+            in_bwd,
+            "fsdp",
+            range(4),
+            torch.optim.lr_scheduler.StepLR(in_bwd, step_size=1, gamma=0.5),
+            in_bwd_norms,
+        )
+        assert_same_params(reference, model)
+        assert len(in_bwd_norms) == len(plain_norms) == 4
+        torch.testing.assert_close(
+            torch.stack(in_bwd_norms), torch.stack(plain_norms), rtol=1e-6, atol=0
+        )
 
 
 @scenario

@@ -98,13 +98,32 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def plain_and_in_backward(
-    name: str = "adamw", params: Callable[[nn.Module], object] = nn.Module.parameters
+    name: str = "adamw",
+    params: Callable[[nn.Module], object] = nn.Module.parameters,
+    bucket_cap_mb: float | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, OptimizerInBackward]:
     cls, kwargs = OPTIMIZERS[name]
     reference, model = make_model(), make_model()
     plain = cls(params(reference), **kwargs)
-    in_bwd = OptimizerInBackward(params(model), cls, **kwargs)
+    in_bwd = OptimizerInBackward(
+        params(model), cls, bucket_cap_mb=bucket_cap_mb, **kwargs
+    )
     return reference, plain, model, in_bwd
+
+
+def bucket_sizes(optimizer: OptimizerInBackward) -> list[int]:
+    """How many parameters each bucket holds, in parameter order."""
+    return [len(bucket.params) for bucket in optimizer._buckets()]
+
+
+# Bucket caps. make_model's parameters hold 192, 32, 256, 32, 96 and 12 bytes.
+# "two_per_bucket" (300 bytes) gives buckets [0.weight, 0.bias], [2.weight, 2.bias],
+# [4.weight, 4.bias]; in two_groups' layout the same, as the first group is layer 0.
+BUCKET_CAPS = {
+    "per_parameter": 0,
+    "two_per_bucket": 300 / 2**20,
+    "default_one_bucket": None,
+}
 
 
 def two_groups(model: nn.Module) -> list[dict]:
@@ -167,13 +186,25 @@ def test_empty_params_raise_value_error() -> None:
 # -- training equivalence with LR schedulers -----------------------------------------
 
 
+@pytest.mark.parametrize("bucket_caps", BUCKET_CAPS)
 @pytest.mark.parametrize("scheduler_name", SCHEDULERS)
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_in_backward_training_with_scheduler_matches_plain_bitwise(
-    optimizer_name: str, scheduler_name: str
+    optimizer_name: str, scheduler_name: str, bucket_caps: str
 ) -> None:
+    # A foreach step over a bucket does the per-element arithmetic of the plain
+    # foreach step over all parameters: bitwise, whatever the bucketing.
     reference, plain, model, in_bwd = plain_and_in_backward(
-        optimizer_name, params=two_groups
+        optimizer_name, params=two_groups, bucket_cap_mb=BUCKET_CAPS[bucket_caps]
+    )
+    assert (
+        bucket_sizes(in_bwd)
+        == {
+            "per_parameter": [1] * 6,
+            "two_per_bucket": [2, 2, 2],
+            # Buckets never mix param groups: their hyperparameters differ.
+            "default_one_bucket": [2, 4],
+        }[bucket_caps]
     )
     plain_scheduler = SCHEDULERS[scheduler_name](plain)
     in_bwd_scheduler = SCHEDULERS[scheduler_name](in_bwd)
@@ -531,6 +562,32 @@ def test_second_optimizer_takes_over_params_and_the_first_stops_updating() -> No
     torch.testing.assert_close(snapshot(model), before, **BITWISE)
 
 
+def test_second_optimizer_over_part_of_a_bucket_splits_it_and_removes_hooks() -> None:
+    """The first optimizer's one bucket holds every parameter; a second one takes
+    layer 0. Each parameter then has exactly one hook, the first optimizer updates
+    the rest as one bucket, the second layer 0, and training equals one plain
+    AdamW over everything (same hyperparameters, elementwise update)."""
+    cls, kwargs = ADAMW
+    reference = make_model()
+    train(reference, cls(reference.parameters(), **kwargs), range(3))
+    model = make_model()
+    first = OptimizerInBackward(model.parameters(), cls, **kwargs)
+    assert bucket_sizes(first) == [6]
+    second = OptimizerInBackward(model[0].parameters(), cls, **kwargs)
+    assert bucket_sizes(first) == [4] and bucket_sizes(second) == [2]
+    for p in model.parameters():
+        assert len(p._post_accumulate_grad_hooks) == 1
+    for p in model[0].parameters():
+        assert p not in first._hook_handles
+    for step in range(3):
+        loss_fn(model, step).backward()
+        assert all(p.grad is None for p in model.parameters())
+        first.zero_grad()
+        second.zero_grad()
+    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert len(first.state) == 4 and len(second.state) == 2
+
+
 def test_fresh_optimizer_built_to_load_a_checkpoint_resumes_bitwise() -> None:
     cls, kwargs = ADAMW
     model = make_model()
@@ -585,18 +642,123 @@ def test_grad_norm_is_zero_before_backward_and_after_zero_grad() -> None:
     assert optimizer.grad_norm.item() == 0.0
 
 
-@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
-def test_no_two_gradients_are_alive_at_once_during_backward(in_backward: bool) -> None:
-    model = make_model()
-    if in_backward:
-        OptimizerInBackward(model.parameters(), torch.optim.AdamW)
-    alive = []
+def count_alive_gradients(model: nn.Module) -> list[int]:
+    """After each parameter's gradient is ready (and any optimizer in backward used
+    it), how many parameters hold a gradient."""
+    alive: list[int] = []
     for p in model.parameters():  # registered after the optimizer's: run after it
         p.register_post_accumulate_grad_hook(
             lambda _: alive.append(sum(q.grad is not None for q in model.parameters()))
         )
     loss_fn(model, 0).backward()
+    return alive
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
+def test_no_two_gradients_are_alive_at_once_per_parameter(in_backward: bool) -> None:
+    model = make_model()
+    if in_backward:
+        OptimizerInBackward(model.parameters(), torch.optim.AdamW, bucket_cap_mb=0)
+    alive = count_alive_gradients(model)
+    assert len(alive) == 6
     assert max(alive) == (0 if in_backward else 6)
+
+
+def test_at_most_one_bucket_of_gradients_is_alive_during_backward() -> None:
+    model = make_model()
+    optimizer = OptimizerInBackward(
+        model.parameters(),
+        torch.optim.AdamW,
+        bucket_cap_mb=BUCKET_CAPS["two_per_bucket"],
+    )
+    # Gradients arrive from the last layer back: 4.bias and 4.weight in some order,
+    # then layer 2's, then layer 0's. The first of each pair waits for the second,
+    # then both are freed.
+    assert count_alive_gradients(model) == [1, 0, 1, 0, 1, 0]
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.grad_norm.item() > 0
+
+
+def test_bucket_cap_holds_consecutive_params_of_one_group_up_to_the_cap() -> None:
+    model = make_model()
+    caps_and_sizes = [
+        (0, [1] * 6),
+        (192 / 2**20, [1, 1, 1, 3]),  # 192, 32 (+256 > 192), 256, 32+96+12
+        (224 / 2**20, [2, 1, 3]),  # 192+32, 256 alone, 32+96+12
+        (300 / 2**20, [2, 2, 2]),
+        (1.0, [6]),
+        (None, [6]),  # the default, 16 MiB
+    ]
+    for cap, sizes in caps_and_sizes:
+        optimizer = OptimizerInBackward(
+            model.parameters(), torch.optim.AdamW, bucket_cap_mb=cap
+        )
+        assert bucket_sizes(optimizer) == sizes, cap
+        flat = [p for b in optimizer._buckets() for p in b.params]
+        assert all(a is b for a, b in zip(flat, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), True, "16"])
+def test_bucket_cap_must_be_a_non_negative_number(bad: object) -> None:
+    with pytest.raises((ValueError, TypeError), match="bucket_cap_mb must be"):
+        OptimizerInBackward(
+            make_model().parameters(), torch.optim.AdamW, bucket_cap_mb=bad
+        )
+
+
+@pytest.mark.parametrize("bucket_caps", BUCKET_CAPS)
+def test_bucket_whose_param_gets_no_gradient_updates_at_the_end_of_backward(
+    bucket_caps: str,
+) -> None:
+    """Layer 2 is skipped on odd steps (like layer dropout): its bucket's gradients
+    never all arrive, so the bucket is updated when backward ends; a plain optimizer
+    skips the parameters without a gradient the same way."""
+
+    def skipping_loss(model: nn.Module, step: int) -> torch.Tensor:
+        x = torch.tanh(model[0](batch(step)))
+        if step % 2 == 0:
+            x = torch.tanh(model[2](x))
+        return model[4](x).square().mean()
+
+    cls, kwargs = ADAMW
+    reference, model = make_model(), make_model()
+    plain = cls(reference.parameters(), **kwargs)
+    in_bwd = OptimizerInBackward(
+        model.parameters(), cls, bucket_cap_mb=BUCKET_CAPS[bucket_caps], **kwargs
+    )
+    for step in range(4):
+        skipping_loss(reference, step).backward()
+        expected_norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in reference.parameters() if p.grad is not None]
+        )
+        plain.step()
+        plain.zero_grad()
+        skipping_loss(model, step).backward()
+        # Every update happened inside backward, none is left for step().
+        assert all(p.grad is None for p in model.parameters())
+        torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+        torch.testing.assert_close(in_bwd.grad_norm, expected_norm, rtol=1e-6, atol=0)
+        in_bwd.step()
+        in_bwd.zero_grad()
+    assert in_bwd.state[model[2].weight]["step"] == 2
+    torch.testing.assert_close(
+        in_bwd.state_dict()["state"], plain.state_dict()["state"], **BITWISE
+    )
+
+
+def test_gradient_hook_called_outside_backward_updates_its_bucket_at_once() -> None:
+    """A hook called by hand (as FSDP does after a reduce-scatter) with no backward
+    pass to wait for must not leave the update pending."""
+    model = make_model()
+    optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=1.0)
+    weight = model[0].weight
+    before = weight.detach().clone()
+    weight.grad = torch.ones_like(weight)
+    for hook in weight._post_accumulate_grad_hooks.values():
+        hook(weight)
+    assert weight.grad is None
+    torch.testing.assert_close(weight.detach(), before - 1.0, **BITWISE)
+    assert optimizer.grad_norm.item() == pytest.approx(weight.numel() ** 0.5)
 
 
 # -- the training loop never needs to know ----------------------------------------------

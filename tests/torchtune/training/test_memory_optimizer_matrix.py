@@ -129,13 +129,17 @@ def train(
         optimizer.zero_grad(set_to_none=True)
 
 
-def build(name: str, in_backward: bool, model: nn.Module) -> torch.optim.Optimizer:
+def build(
+    name: str, in_backward: bool, model: nn.Module, bucket_cap_mb: float | None = None
+) -> torch.optim.Optimizer:
     cls, kwargs = OPTIMIZERS[name]
     with warnings.catch_warnings():
         # Paged bitsandbytes optimizers fall back to unpaged memory on the CPU.
         warnings.simplefilter("ignore")
         if in_backward:
-            return OptimizerInBackward(model.parameters(), cls, **kwargs)
+            return OptimizerInBackward(
+                model.parameters(), cls, bucket_cap_mb=bucket_cap_mb, **kwargs
+            )
         return cls(model.parameters(), **kwargs)
 
 
@@ -220,13 +224,20 @@ def plain_resumed_run(name: str, dtype_name: str) -> tuple[nn.Module, dict[str, 
     return resumed_run(name, dtype_name, save_in_backward=False, load_in_backward=False)
 
 
+# The default cap puts the model's three parameters in one bucket, stepped by one
+# optimizer call; 0 gives each its own.
+BUCKETINGS = {"one_bucket": None, "per_parameter": 0}
+
+
+@pytest.mark.parametrize("bucketing", BUCKETINGS)
 @pytest.mark.parametrize(("name", "dtype_name"), CASES)
 def test_in_backward_gives_the_plain_parameters_and_state_dict(
-    name: str, dtype_name: str
+    name: str, dtype_name: str, bucketing: str
 ) -> None:
     dtype = DTYPES[dtype_name]
     model = make_model(dtype)
-    optimizer = build(name, True, model)
+    optimizer = build(name, True, model, BUCKETINGS[bucketing])
+    assert len(optimizer._buckets()) == (1 if bucketing == "one_bucket" else 3)
     train(model, optimizer, range(STEPS), dtype)
     plain_model, plain_state = plain_run(name, dtype_name)
 

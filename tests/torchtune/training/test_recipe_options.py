@@ -132,3 +132,15 @@ def test_check_profiler_component_refuses_another_naming_it_and_the_fix():
     assert message.endswith(
         f"Set profiler._component_={TORCH_PROFILER}, or null for the same."
     )
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), True, "16"])
+def test_check_optimizer_in_bwd_options_refuses_a_bad_bucket_cap_naming_the_key(bad):
+    with pytest.raises(ValueError, match="optimizer_in_bwd_bucket_cap_mb=") as info:
+        training.check_optimizer_in_bwd_options(bucket_cap_mb=bad)
+    assert "leave it unset for the default" in str(info.value)
+
+
+@pytest.mark.parametrize("good", [None, 0, 0.5, 16, 1024])
+def test_check_optimizer_in_bwd_options_accepts_any_bucket_cap_from_zero_up(good):
+    training.check_optimizer_in_bwd_options(bucket_cap_mb=good)
