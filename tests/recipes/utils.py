@@ -24,10 +24,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tests.assets.make_assets import TinyAssets
 
@@ -610,6 +612,11 @@ def run_tune_in_process(
     run's own), the same parsing (``torchtune._cli.tune.main``) and the same recipe
     file, without a new interpreter importing torch and torchtune again (about 10 s a
     run here). Single-process recipes only. Exceptions the recipe raises propagate.
+
+    Raises:
+        ValueError: if an override sets a reserved key.
+        TuneRunError: if the run logs no metrics (as :func:`run_tune`), so that two
+            runs that logged nothing can never compare equal.
     """
     from torchtune._cli.tune import main as tune_main
 
@@ -631,15 +638,26 @@ def run_tune_in_process(
             raise
     finally:
         sys.argv = saved_argv
-    metrics = read_disk_log(log_file)
+    wall_s = time.perf_counter() - start
+    metrics = read_disk_log(log_file) if log_file.is_file() else {}
+    if not metrics:
+        raise TuneRunError(
+            f"tune run {recipe} returned but logged no metrics to {log_file}",
+            argv,
+            0,
+            "",
+        )
+    losses = [
+        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
+    ]
     return TuneRun(
-        losses=[metrics[s]["loss"] for s in sorted(metrics)],
+        losses=losses,
         metrics=dict(sorted(metrics.items())),
         output_dir=Path(output_dir),
         log_file=log_file,
         command=argv,
         output="",
-        wall_s=time.perf_counter() - start,
+        wall_s=wall_s,
     )
 
 
@@ -654,3 +672,154 @@ def snapshot_files(root: Path) -> dict[str, tuple[str, int]]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+# -- comparing runs -----------------------------------------------------------------
+#
+# A comparison of two runs proves something only if it compares the steps it means
+# to: two runs that logged nothing, or a resumed run that logged the wrong steps,
+# must fail rather than compare equal. So every helper below takes the exact steps
+# it compares, checks that each run logged them, refuses an empty list, and prints
+# the largest difference it saw (``pytest -s`` shows it) so a tolerance can be set
+# from a measurement.
+
+
+def assert_steps(run: TuneRun, expected_steps: Iterable[int]) -> list[int]:
+    """Assert that ``run`` logged exactly ``expected_steps``, in order.
+
+    Args:
+        run (TuneRun): the run.
+        expected_steps (Iterable[int]): the step numbers it must have logged, all of
+            them and no others.
+
+    Returns:
+        list[int]: the steps.
+
+    Raises:
+        ValueError: if ``expected_steps`` is empty.
+        AssertionError: if the run logged other steps.
+    """
+    expected = list(expected_steps)
+    if not expected:
+        raise ValueError(
+            "expected_steps is empty: a run that logs nothing proves nothing"
+        )
+    logged = list(run.metrics)
+    assert logged == expected, (
+        f"{run.log_file} logged steps {logged}, expected exactly {expected}"
+    )
+    return expected
+
+
+def assert_same_steps(
+    run: TuneRun, reference: TuneRun, expected_steps: Iterable[int]
+) -> list[int]:
+    """Assert that both runs logged exactly ``expected_steps`` (see
+    :func:`assert_steps`), so a comparison of the two covers every one of them.
+
+    Returns:
+        list[int]: the steps.
+    """
+    assert_steps(reference, expected_steps)
+    return assert_steps(run, expected_steps)
+
+
+def series(run: TuneRun, metric: str, steps: Iterable[int]) -> torch.Tensor:
+    """``metric`` at each of ``steps``, as a float64 tensor.
+
+    Raises:
+        ValueError: if ``steps`` is empty.
+        AssertionError: if a step, or ``metric`` at a step, was not logged.
+    """
+    steps = list(steps)
+    if not steps:
+        raise ValueError(f"refusing to compare an empty series of {metric!r}")
+    missing = [s for s in steps if metric not in run.metrics.get(s, {})]
+    assert not missing, f"{run.log_file} has no {metric!r} at steps {missing}"
+    return torch.tensor([run.metrics[s][metric] for s in steps], dtype=torch.float64)
+
+
+def _max_differences(
+    actual: torch.Tensor, expected: torch.Tensor
+) -> tuple[float, float]:
+    """The largest absolute and relative difference between two tensors, in float64."""
+    actual, expected = actual.double(), expected.double()
+    diff = (actual - expected).abs()
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    relative = diff / expected.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    relative = torch.where(diff == 0, torch.zeros_like(relative), relative)
+    return diff.max().item(), relative.max().item()
+
+
+def assert_series_close(
+    run: TuneRun,
+    reference: TuneRun,
+    metric: str,
+    steps: Iterable[int],
+    *,
+    rtol: float,
+    atol: float,
+) -> None:
+    """``metric`` of ``run`` equals that of ``reference`` at each of ``steps``, within
+    ``rtol``/``atol`` (``torch.testing.assert_close``). Prints the largest difference.
+
+    Raises:
+        ValueError: if ``steps`` is empty.
+        AssertionError: if a run did not log a step, or the values differ.
+    """
+    steps = list(steps)
+    actual, expected = series(run, metric, steps), series(reference, metric, steps)
+    abs_diff, rel_diff = _max_differences(actual, expected)
+    print(
+        f"{metric} over steps {steps[0]}..{steps[-1]} ({len(steps)}): "
+        f"max abs diff {abs_diff:.3g}, max rel diff {rel_diff:.3g}"
+    )
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def load_weights(*paths: Path | str) -> dict[str, torch.Tensor]:
+    """The tensors saved in ``paths`` (safetensors or ``torch.save`` files), merged.
+
+    Raises:
+        AssertionError: if the files hold no tensor.
+    """
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in paths:
+        path = Path(path)
+        if path.suffix == ".safetensors":
+            weights |= load_file(path)
+        else:
+            weights |= torch.load(path, weights_only=True, map_location="cpu")
+    assert weights, f"no tensors in {[str(p) for p in paths]}"
+    return weights
+
+
+def assert_weights_close(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    rtol: float,
+    atol: float,
+) -> None:
+    """The same non-empty set of names, and every tensor within ``rtol``/``atol``
+    (``torch.testing.assert_close``, dtypes included). Prints the largest difference.
+
+    Raises:
+        AssertionError: if the names differ, there are none, or a tensor differs.
+    """
+    assert expected, "refusing to compare empty sets of weights"
+    assert set(actual) == set(expected), (
+        f"names differ: only in actual {sorted(set(actual) - set(expected))}, "
+        f"only in expected {sorted(set(expected) - set(actual))}"
+    )
+    differences = [_max_differences(actual[k], expected[k]) for k in expected]
+    changed = sum(not torch.equal(actual[k], expected[k]) for k in expected)
+    print(
+        f"weights: {changed} of {len(expected)} tensors differ; max abs diff "
+        f"{max(d[0] for d in differences):.3g}, max rel diff "
+        f"{max(d[1] for d in differences):.3g}"
+    )
+    torch.testing.assert_close(dict(actual), dict(expected), rtol=rtol, atol=atol)
