@@ -1,0 +1,637 @@
+"""0.6.1 config keys keep working with ``optimizer_in_bwd: True``, as the docs claim.
+
+``docs/source/optimizer_in_backward.rst``: compile of the model and loss works the
+same in both modes. ``docs/source/recipes/full_finetune_single_device.rst``:
+``dataset.packed``, the HF, Meta and torchtune checkpointer formats, ``compile`` and
+``enable_activation_checkpointing`` keep working. ``full_finetune_distributed.rst``:
+so do ``enable_activation_checkpointing``, ``custom_sharded_layers``,
+``fsdp_reshard_after_forward`` and ``fsdp_cpu_offload``. Each test runs the tiny
+Llama2 with the key on, checks that the key took effect (graphs compiled and run,
+packs read, layers recomputed, FSDP units, gathered layers, the format written), and
+compares the run with in-backward without the key and with plain with the key, on
+the same seed and data. On CPU ``fsdp_cpu_offload`` has nothing to move: the recipe
+says so in its log and trains without it, which is what the test asserts.
+
+Every single-device run is 2 epochs of 2 steps of AdamW with the cosine schedule and
+no warmup (so every step updates the weights and the losses of steps 2 to 4 depend
+on the updates), in this process (``run_tune_in_process``). The distributed runs are
+one launch of 2 processes, forked from this one, that trains three configurations in
+turn, 4 steps each.
+
+Tolerances, from the arithmetic [measured on x86 CPU, 2 cores, torch 2.13]:
+
+- ``EXACT``: the same kernels on the same values. Activation checkpointing recomputes
+  each layer's forward with the same kernels; the Meta and torchtune checkpoints
+  hold exactly the HF checkpoint's weights (the conversions only rename and permute);
+  a resume reloads exact fp32 weights and optimizer state; dynamo's ``aot_eager``
+  backend runs the traced aten ops eagerly, the same kernels as without compile; an
+  FSDP2 gradient is the same sum of the two ranks' contributions whichever FSDP unit
+  holds it, and keeping a layer gathered changes no value. [all bitwise: losses,
+  grad_norm and lr]
+- ``ACROSS_MODES``: in-backward divides the loss by the token count before backward,
+  plain scales the gradients after it: float rounding, ~1e-7 relative per step in
+  fp32 [one process: losses bitwise, grad_norm within 8.2e-8 relative; two
+  processes: losses within 1.1e-7 relative, grad_norm bitwise]. 1e-5 relative, as in
+  the other recipe tests: a margin for other CPUs, and far below a real error
+  (scaling every in-backward gradient by 1.001 fails each of these comparisons).
+- Learning rates depend on the step count only: ``EXACT`` everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from tests.assets.make_assets import TINY_MODEL_KWARGS, TinyAssets
+from tests.recipes.utils import TuneRun, read_disk_log, run_tune_in_process, tiny_config
+from tests.torchtune.distributed_launcher import run_distributed, write_report
+
+pytestmark = pytest.mark.integration_test
+
+EPOCHS, STEPS_PER_EPOCH = 2, 2
+ALL_STEPS = range(1, EPOCHS * STEPS_PER_EPOCH + 1)
+EPOCH_1 = range(STEPS_PER_EPOCH + 1, EPOCHS * STEPS_PER_EPOCH + 1)
+NUM_LAYERS = TINY_MODEL_KWARGS["num_layers"]
+SHARD = "model-00001-of-00001"  # the weight file 0.6.1's checkpointers write
+
+EXACT = {"rtol": 0.0, "atol": 0.0}
+ACROSS_MODES = {"rtol": 1e-5, "atol": 0.0}
+TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+Metrics = dict[int, dict[str, float]]  # step -> metric -> value, as runs log them
+
+
+def _series(metrics: Metrics, name: str, steps: range = ALL_STEPS) -> torch.Tensor:
+    return torch.tensor([metrics[s][name] for s in steps], dtype=torch.float64)
+
+
+def _assert_same_training(
+    run: Metrics, reference: Metrics, tol: dict[str, float], steps: range = ALL_STEPS
+) -> None:
+    """The same steps, each with the same loss and grad_norm (within ``tol``) and lr."""
+    assert list(run) == list(steps), run
+    for metric in ("loss", "grad_norm"):
+        assert_close(
+            _series(run, metric, steps), _series(reference, metric, steps), **tol
+        )
+    assert_close(_series(run, "lr", steps), _series(reference, "lr", steps), **EXACT)
+
+
+@dataclass
+class CountedRun:
+    """A run, and what its fixture counted during it."""
+
+    run: TuneRun
+    counts: dict[str, int]
+
+
+def _mode(optimizer_in_bwd: bool) -> dict[str, Any]:
+    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What run_tune gives its subprocesses, for the runs in this process."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def train_single(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., TuneRun]:
+    """``tune run full_finetune_single_device`` of the tiny config, in this process."""
+
+    def train(name: str, output_dir: Path | None = None, **overrides: Any) -> TuneRun:
+        settings = {
+            "assets_dir": tiny_assets.root,
+            "epochs": EPOCHS,
+            "max_steps_per_epoch": STEPS_PER_EPOCH,
+            "lr_scheduler.num_warmup_steps": 0,
+        }
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the subprocess runs of the other tests
+        try:
+            return run_tune_in_process(
+                "full_finetune_single_device",
+                tiny_config("tiny_full_single_device"),
+                settings | overrides,
+                output_dir or tmp_path_factory.mktemp(name),
+            )
+        finally:
+            torch.set_num_threads(threads)
+
+    return train
+
+
+@pytest.fixture(scope="module")
+def in_bwd(train_single: Callable[..., TuneRun]) -> CountedRun:
+    """The reference: in-backward, HF checkpoint, no compile, no activation
+    checkpointing, unpacked data; counts the layers' forward calls."""
+    with pytest.MonkeyPatch.context() as mp:
+        counter = _CountLayerForwards(mp)
+        run = train_single("in_bwd", **_mode(True))
+    assert run.losses[-1] < run.losses[0] - 0.1, run.losses  # it learns
+    return CountedRun(run, {"layer_forwards": counter.calls})
+
+
+class _CountLayerForwards:
+    """Counts calls of ``TransformerSelfAttentionLayer.forward`` (recomputations
+    included) while installed."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        from torchtune.modules import TransformerSelfAttentionLayer
+
+        self.calls = 0
+        forward = TransformerSelfAttentionLayer.forward
+
+        def counted(layer, *args, **kwargs):
+            self.calls += 1
+            return forward(layer, *args, **kwargs)
+
+        mp.setattr(TransformerSelfAttentionLayer, "forward", counted)
+
+
+# -- compile ---------------------------------------------------------------------
+
+# A dynamo backend that counts the calls of the graphs it compiled and runs them with
+# aot_eager: AOT autograd traces forward and backward, then runs the aten ops eagerly.
+# That is the path compile takes with any backend (autograd through a compiled
+# graph, whose gradients reach the in-backward hooks when its backward ends),
+# without inductor's code generation, which costs minutes on this CPU.
+COUNTING_BACKEND = "test_config_keys_counting_aot_eager"
+_compiled_graph_calls = {"layer": 0, "loss": 0}
+
+
+def _counting_aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    # The loss's graph takes logits (vocabulary-sized last dimension); a layer's
+    # takes hidden states and its own weights, none of them vocabulary-sized.
+    kind = (
+        "loss"
+        if any(
+            isinstance(t, torch.Tensor)
+            and t.dim() > 0
+            and t.shape[-1] == TINY_MODEL_KWARGS["vocab_size"]
+            for t in example_inputs
+        )
+        else "layer"
+    )
+
+    def run(*args: Any) -> Any:
+        _compiled_graph_calls[kind] += 1
+        return compiled(*args)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(
+    train_single: Callable[..., TuneRun],
+) -> Iterator[dict[str, CountedRun]]:
+    """``compile=True`` in each mode; the recipes compile through torchtune's
+    ``compile_model`` / ``compile_loss``, which take the backend from
+    ``TORCH_COMPILE_BACKEND`` (default inductor)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if COUNTING_BACKEND not in _COMPILER_FNS:
+        register_backend(_counting_aot_eager, name=COUNTING_BACKEND)
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_COMPILE_BACKEND", COUNTING_BACKEND)
+        for name, optimizer_in_bwd in (("in_bwd", True), ("plain", False)):
+            before = dict(_compiled_graph_calls)
+            run = train_single(
+                f"compile_{name}", compile=True, **_mode(optimizer_in_bwd)
+            )
+            runs[name] = CountedRun(
+                run, {k: n - before[k] for k, n in _compiled_graph_calls.items()}
+            )
+    yield runs
+    # Later tests in this process start with no graph compiled by this backend.
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["in_bwd", "plain"])
+def test_compile_runs_the_compiled_model_and_loss(
+    compiled_runs: dict[str, CountedRun], mode: str
+) -> None:
+    counts = compiled_runs[mode].counts
+    # Each layer's forward is one graph (no graph break): it runs once per layer
+    # and step. The compiled cross-entropy runs once per output chunk (up to 8 per
+    # step: fewer when a batch has fewer than 8 positions to split).
+    assert counts["layer"] == NUM_LAYERS * len(ALL_STEPS), counts
+    assert counts["loss"] >= len(ALL_STEPS), counts
+
+
+def test_compile_in_backward_matches_compile_plain(
+    compiled_runs: dict[str, CountedRun],
+) -> None:
+    _assert_same_training(
+        compiled_runs["in_bwd"].run.metrics,
+        compiled_runs["plain"].run.metrics,
+        ACROSS_MODES,
+    )
+
+
+def test_compile_in_backward_matches_in_backward_without_compile(
+    compiled_runs: dict[str, CountedRun], in_bwd: CountedRun
+) -> None:
+    # aot_eager runs the same aten kernels as eager mode (module docstring).
+    _assert_same_training(
+        compiled_runs["in_bwd"].run.metrics, in_bwd.run.metrics, EXACT
+    )
+
+
+# -- packed datasets -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed_runs(
+    train_single: Callable[..., TuneRun],
+) -> dict[str, CountedRun]:
+    """``dataset.packed=True`` (packs of ``tokenizer.max_seq_len=128`` tokens, the
+    tiny config's) in each mode; counts the packs the recipe reads."""
+    from torchtune.datasets import PackedDataset
+
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        packs_read = [0]
+        getitem = PackedDataset.__getitem__
+
+        def counted(self, index):
+            packs_read[0] += 1
+            return getitem(self, index)
+
+        mp.setattr(PackedDataset, "__getitem__", counted)
+        for name, optimizer_in_bwd in (("in_bwd", True), ("plain", False)):
+            packs_read[0] = 0
+            run = train_single(
+                f"packed_{name}", **{"dataset.packed": True}, **_mode(optimizer_in_bwd)
+            )
+            runs[name] = CountedRun(run, {"packs_read": packs_read[0]})
+    return runs
+
+
+def test_packed_dataset_trains_in_backward_as_plain(
+    packed_runs: dict[str, CountedRun], in_bwd: CountedRun
+) -> None:
+    for counted in packed_runs.values():
+        # 4 steps of batch_size=8 packs (the loader may read a few ahead).
+        assert counted.counts["packs_read"] >= len(ALL_STEPS) * 8, counted.counts
+    # Packed batches are other sequences than padded ones: another first loss.
+    assert packed_runs["in_bwd"].run.losses[0] != in_bwd.run.losses[0]
+    _assert_same_training(
+        packed_runs["in_bwd"].run.metrics,
+        packed_runs["plain"].run.metrics,
+        ACROSS_MODES,
+    )
+
+
+# -- activation checkpointing, single device -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpointed_runs(train_single: Callable[..., TuneRun]) -> dict[str, CountedRun]:
+    """``enable_activation_checkpointing=True`` in each mode, counting layer forwards."""
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        counter = _CountLayerForwards(mp)
+        for name, optimizer_in_bwd in (("in_bwd", True), ("plain", False)):
+            counter.calls = 0
+            run = train_single(
+                f"ac_{name}",
+                enable_activation_checkpointing=True,
+                **_mode(optimizer_in_bwd),
+            )
+            runs[name] = CountedRun(run, {"layer_forwards": counter.calls})
+    return runs
+
+
+def test_activation_checkpointing_recomputes_every_layer_in_backward(
+    checkpointed_runs: dict[str, CountedRun], in_bwd: CountedRun
+) -> None:
+    # Without checkpointing a step runs each layer's forward once; with it, twice:
+    # once in forward and once recomputed in backward.
+    assert in_bwd.counts["layer_forwards"] == NUM_LAYERS * len(ALL_STEPS)
+    for counted in checkpointed_runs.values():
+        assert counted.counts["layer_forwards"] == 2 * NUM_LAYERS * len(ALL_STEPS)
+
+
+def test_activation_checkpointing_in_backward_matches_without_it_and_plain(
+    checkpointed_runs: dict[str, CountedRun], in_bwd: CountedRun
+) -> None:
+    _assert_same_training(
+        checkpointed_runs["in_bwd"].run.metrics, in_bwd.run.metrics, EXACT
+    )
+    _assert_same_training(
+        checkpointed_runs["in_bwd"].run.metrics,
+        checkpointed_runs["plain"].run.metrics,
+        ACROSS_MODES,
+    )
+
+
+# -- checkpointer formats ----------------------------------------------------------
+
+
+# Per format: the checkpointer, the file name to write the input checkpoint under,
+# and one key that names a weight in that format (the first layer's query projection).
+FORMATS = {
+    "meta": (
+        "torchtune.training.FullModelMetaCheckpointer",
+        "consolidated.00.pth",
+        "layers.0.attention.wq.weight",
+    ),
+    "torchtune": (
+        "torchtune.training.FullModelTorchTuneCheckpointer",
+        "model.pt",
+        "layers.0.attn.q_proj.weight",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def format_run(
+    request: pytest.FixtureRequest,
+    tiny_assets: TinyAssets,
+    train_single: Callable[..., TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """The tiny HF checkpoint converted to a format, a 2-epoch in-backward run from
+    it, and that run resumed from its epoch-0 checkpoint (in its format) in a fresh
+    output_dir."""
+    from torchtune.models.convert_weights import hf_to_tune, tune_to_meta
+
+    name = request.param
+    component, filename, key = FORMATS[name]
+    kwargs = tiny_assets.model_kwargs
+    weights = hf_to_tune(
+        load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0]),
+        num_heads=kwargs["num_heads"],
+        num_kv_heads=kwargs["num_kv_heads"],
+        dim=kwargs["embed_dim"],
+    )
+    if name == "meta":
+        weights = tune_to_meta(weights)
+    assert key in weights
+    checkpoint_dir = tmp_path_factory.mktemp(f"{name}_checkpoint")
+    torch.save(weights, checkpoint_dir / filename)
+    checkpointer = {
+        "checkpointer._component_": component,
+        "checkpointer.checkpoint_dir": checkpoint_dir,
+        "checkpointer.checkpoint_files": [filename],
+    }
+    run = train_single(f"{name}_format", **checkpointer, **_mode(True))
+    resumed_dir = tmp_path_factory.mktemp(f"{name}_format_resumed")
+    for part in ("epoch_0", "recipe_state"):
+        shutil.copytree(run.output_dir / part, resumed_dir / part)
+    resumed = train_single(
+        f"{name}_format_resumed",
+        output_dir=resumed_dir,
+        resume_from_checkpoint=True,
+        **checkpointer
+        | {
+            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}.bin"],
+            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+        },
+        **_mode(True),
+    )
+    return {"run": run, "resumed": resumed, "keys": set(weights), "key": key}
+
+
+def test_checkpointer_format_trains_and_resumes_as_the_hf_format(
+    format_run: dict[str, Any], in_bwd: CountedRun
+) -> None:
+    run, resumed = format_run["run"], format_run["resumed"]
+    # The same weights as the HF checkpoint, so the same run, bitwise.
+    _assert_same_training(run.metrics, in_bwd.run.metrics, EXACT)
+    # The epoch-0 checkpoint it wrote is in its own format (the input's key names)...
+    saved = torch.load(run.output_dir / "epoch_0" / f"{SHARD}.bin", weights_only=True)
+    assert format_run["key"] in saved
+    assert set(saved) == format_run["keys"]
+    # ...and resuming from it continues the uninterrupted run, bitwise.
+    _assert_same_training(resumed.metrics, in_bwd.run.metrics, EXACT, EPOCH_1)
+
+
+# -- full_finetune_distributed: activation checkpointing and the FSDP keys ---------
+
+DISTRIBUTED_RUNS = {
+    # The reference: in-backward with the tiny config's FSDP settings.
+    "in_bwd": {"optimizer_in_bwd": True},
+    "in_bwd_keys": {
+        "optimizer_in_bwd": True,
+        "enable_activation_checkpointing": True,
+        "custom_sharded_layers": ["tok_embeddings", "output"],
+        "fsdp_reshard_after_forward": False,
+        "fsdp_cpu_offload": True,
+    },
+    "plain_keys": {
+        "optimizer_in_bwd": False,
+        "enable_activation_checkpointing": True,
+        "custom_sharded_layers": ["tok_embeddings", "output"],
+        "fsdp_reshard_after_forward": False,
+        "fsdp_cpu_offload": True,
+    },
+}
+CPU_OFFLOAD_IGNORED = (
+    "fsdp_cpu_offload is ignored on CPU, where it has nothing to move."
+)
+
+
+def _load_distributed_recipe_class() -> type:
+    """The installed recipe file (recipes are files, never an importable package)."""
+    import torchtune
+
+    path = (
+        Path(torchtune.__file__).parent.parent
+        / "recipes"
+        / "full_finetune_distributed.py"
+    )
+    spec = importlib.util.spec_from_file_location("_full_finetune_distributed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FullFinetuneRecipeDistributed
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _distributed_runs(out_dir: Path) -> None:
+    """Each forked rank: train every config of ``DISTRIBUTED_RUNS`` in turn, from
+    ``out_dir/<name>.yaml``, and report ``"ok"`` or the traceback for each, and what
+    the run did with the keys (``"<name> facts"``, JSON)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from torchtune.modules import TransformerSelfAttentionLayer
+
+    recipe_cls = _load_distributed_recipe_class()
+    rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    report: dict[str, str] = {}
+    logger = logging.getLogger("torchtune.utils._logging")  # the recipes' logger
+    with pytest.MonkeyPatch.context() as mp:
+        counter = _CountLayerForwards(mp)
+        for i, name in enumerate(DISTRIBUTED_RUNS):
+            # Each run starts its own process group (its cleanup destroys it).
+            os.environ["MASTER_PORT"] = str(first_port + i)
+            cfg = OmegaConf.load(out_dir / f"{name}.yaml")
+            messages = _Messages()
+            logger.addHandler(messages)
+            counter.calls = 0
+            try:
+                recipe = recipe_cls(cfg)
+                recipe.setup(cfg)
+                recipe.train()
+                model = recipe._model
+                facts = {
+                    "layer_forwards": counter.calls,
+                    "sharded_on_their_own": [
+                        n
+                        for n in ("tok_embeddings", "output")
+                        if isinstance(getattr(model, n), FSDPModule)
+                    ],
+                    "cpu_offload_ignored": CPU_OFFLOAD_IGNORED in messages.messages,
+                }
+                # After a forward, FSDP2 leaves a layer's parameters as sharded
+                # DTensors if it resharded them, as the gathered tensors if not.
+                with torch.no_grad():
+                    model(torch.arange(8).view(1, 8))
+                facts["layer_params_after_forward"] = sorted(
+                    {
+                        "sharded" if isinstance(p, DTensor) else "gathered"
+                        for m in model.modules()
+                        if isinstance(m, TransformerSelfAttentionLayer)
+                        for p in m.parameters()
+                    }
+                )
+                recipe.cleanup()
+                report[f"{name} facts"] = json.dumps(facts)
+                report[name] = "ok"
+            except Exception:
+                report[name] = traceback.format_exc()
+            finally:
+                logger.removeHandler(messages)
+                if torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
+    write_report(out_dir, rank, report)
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """The configs of ``DISTRIBUTED_RUNS`` on 2 processes (batch_size 4 per rank),
+    1 epoch of 4 steps each, in one launch: per config, its metrics and each rank's
+    facts. The ranks are forked from this process: no interpreter start or import is
+    paid."""
+    out = tmp_path_factory.mktemp("full_finetune_distributed")
+    for name, overrides in DISTRIBUTED_RUNS.items():
+        cfg = OmegaConf.load(tiny_config("tiny_full_distributed"))
+        cfg.merge_with(
+            {
+                "assets_dir": str(tiny_assets.root),
+                "output_dir": str(out / name),
+                "epochs": 1,
+                "max_steps_per_epoch": len(ALL_STEPS),
+                "clip_grad_norm": None,
+                "lr_scheduler": {"num_warmup_steps": 0},
+                **overrides,
+            }
+        )
+        OmegaConf.save(cfg, out / f"{name}.yaml")
+    launch = run_distributed(__name__, "_distributed_runs", out, timeout_s=TIMEOUT_S)
+    runs = {}
+    for name in DISTRIBUTED_RUNS:
+        assert launch.outcome(name) == "ok", launch.outcome(name)
+        runs[name] = {
+            "metrics": read_disk_log(out / name / "logs" / "metrics.txt"),
+            "facts": [json.loads(r[f"{name} facts"]) for r in launch.reports],
+        }
+    return runs
+
+
+def test_distributed_custom_sharded_layers_are_sharded_on_their_own(
+    distributed_runs: dict[str, dict[str, Any]],
+) -> None:
+    # Without the key, the embedding and the output projection belong to the root's
+    # FSDP unit; with it, each is an FSDP unit of its own, on every rank.
+    assert all(
+        f["sharded_on_their_own"] == [] for f in distributed_runs["in_bwd"]["facts"]
+    )
+    for name in ("in_bwd_keys", "plain_keys"):
+        for facts in distributed_runs[name]["facts"]:
+            assert facts["sharded_on_their_own"] == ["tok_embeddings", "output"]
+
+
+def test_distributed_fsdp_reshard_after_forward_false_keeps_layers_gathered(
+    distributed_runs: dict[str, dict[str, Any]],
+) -> None:
+    for facts in distributed_runs["in_bwd"]["facts"]:
+        assert facts["layer_params_after_forward"] == ["sharded"]
+    for name in ("in_bwd_keys", "plain_keys"):
+        for facts in distributed_runs[name]["facts"]:
+            assert facts["layer_params_after_forward"] == ["gathered"]
+
+
+def test_distributed_fsdp_cpu_offload_is_ignored_on_cpu_with_a_message(
+    distributed_runs: dict[str, dict[str, Any]],
+) -> None:
+    # On CPU the parameters are in CPU memory already (and FSDP's offload pins
+    # memory, which needs an accelerator): the recipe says so and trains without it.
+    assert not any(
+        f["cpu_offload_ignored"] for f in distributed_runs["in_bwd"]["facts"]
+    )
+    for name in ("in_bwd_keys", "plain_keys"):
+        assert all(f["cpu_offload_ignored"] for f in distributed_runs[name]["facts"])
+
+
+def test_distributed_activation_checkpointing_recomputes_every_layer(
+    distributed_runs: dict[str, dict[str, Any]],
+) -> None:
+    steps = len(ALL_STEPS)
+    for facts in distributed_runs["in_bwd"]["facts"]:
+        assert facts["layer_forwards"] == NUM_LAYERS * steps
+    for name in ("in_bwd_keys", "plain_keys"):
+        for facts in distributed_runs[name]["facts"]:
+            assert facts["layer_forwards"] == 2 * NUM_LAYERS * steps
+
+
+def test_distributed_keys_train_in_backward_as_without_them_and_as_plain(
+    distributed_runs: dict[str, dict[str, Any]],
+) -> None:
+    in_bwd = distributed_runs["in_bwd"]["metrics"]
+    losses = _series(in_bwd, "loss")
+    assert losses[-1] < losses[0] - 0.1, losses  # it learns
+    keys = distributed_runs["in_bwd_keys"]["metrics"]
+    # Recomputed layers, other FSDP units, gathered layers kept: the same values
+    # through the same kernels, and each gradient the same sum of the two ranks'.
+    _assert_same_training(keys, in_bwd, EXACT)
+    _assert_same_training(keys, distributed_runs["plain_keys"]["metrics"], ACROSS_MODES)
