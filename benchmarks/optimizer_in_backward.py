@@ -1,38 +1,48 @@
 """Benchmark: optimizer in backward vs a plain optimizer step, on llama2 models.
 
-Three modes, each run in a fresh process so that peak memory is its own:
+Modes (``--modes``):
 
-- ``plain``: the optimizer stepped after ``backward()``.
-- ``in_bwd``: :class:`torchtune.training.OptimizerInBackward` over the same optimizer.
+- ``plain``: the optimizer stepped after ``backward()``, with the gradient norm taken
+  by ``nn.utils.get_total_norm`` as the recipes log it.
 - ``hooks_0_6_1``: torchtune 0.6.1's approach: one optimizer per parameter, stepped
-  and cleared by a post-accumulate-grad hook.
+  and cleared by a bare post-accumulate-grad hook (no gradient norm, no LR scheduler
+  reach, no plain-format checkpoints).
+- ``in_bwd_per_param``: :class:`torchtune.training.OptimizerInBackward` with
+  ``bucket_cap_mb=0``: one optimizer call per parameter, the lowest memory.
+- ``in_bwd_bucketed``: ``OptimizerInBackward`` with its default bucket cap
+  (:data:`torchtune.training.memory.DEFAULT_BUCKET_CAP_MB`).
+- ``in_bwd_cap<N>``: ``OptimizerInBackward`` with ``bucket_cap_mb=N``, to compare caps.
 
-Each mode runs with every optimizer of ``--optimizers``:
+Optimizers (``--optimizers``): ``adamw`` (``torch.optim.AdamW(foreach=True)``) and
+``adamw8bit`` (bitsandbytes' ``AdamW8bit``, non-paged: torchtune's Llama 3.x
+single-device full configs use ``PagedAdamW8bit``, the same optimizer with paged
+state on CUDA, which falls back to it on CPU).
 
-- ``adamw``: ``torch.optim.AdamW(foreach=True)``.
-- ``adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` (non-paged), whose two Adam states
-  take 1 byte per parameter each. torchtune's Llama 3.x single-device full configs
-  with ``optimizer_in_bwd: True`` use ``PagedAdamW8bit``, the same optimizer with paged
-  state on CUDA; on CPU it falls back to this one. Like them, ``in_bwd`` and ``hooks_0_6_1`` build one bitsandbytes
-  optimizer per parameter.
-
-For every model size and optimizer it reports the median step time (forward,
-backward, optimizer; the first step, which allocates the optimizer state, is a
-warm-up and not timed), the bytes of optimizer state, and the peak memory of the
-training steps: peak resident set size on CPU (Linux ``VmHWM``, reset after the model
-and data are built), ``torch.cuda.max_memory_allocated`` on CUDA. The memory a mode
-saves is the plain run's peak (same optimizer) minus its own, also given as a fraction
-of the gradients' bytes: an optimizer in backward can save at most about all of them.
+Step time (forward, backward, optimizer; the first steps, which allocate the
+optimizer state, are warm-up and not timed) is measured with all modes of a size in
+one process, their steps alternating in a rotating order, so that drift in machine
+load affects them alike; each step's time is compared with the plain step of the
+same round, and the report gives the median of those paired ratios and their
+spread. Sizes whose models do not fit together in memory are timed in repeated
+fresh processes instead (``--timing fresh``), compared repeat by repeat. Peak memory
+is always measured with each mode in a fresh process of its own: peak resident set
+size on CPU (Linux ``VmHWM``, reset after the model and data are built),
+``torch.cuda.max_memory_allocated`` on CUDA. The memory a mode saves is the plain
+run's peak (same optimizer) minus its own, also given as a fraction of the
+gradients' bytes; the memory a bucketed mode costs is its peak minus the
+per-parameter mode's.
 
 Writes ``optimizer_in_backward.md`` (table), ``optimizer_in_backward.png`` (plot) and
 ``optimizer_in_backward.json`` (raw numbers) to ``--out-dir``.
 
 Examples::
 
-    # the 70M model, torch AdamW only, a few steps per mode (2 minutes on 2 CPU cores)
-    python benchmarks/optimizer_in_backward.py --sizes 70m --optimizers adamw --steps 4
-    # the default sweep: both optimizers; 10m, 70m, 200m on CPU; 200m, 1b, 3b on CUDA
-    python benchmarks/optimizer_in_backward.py
+    # the 10M model, torch AdamW only (about a minute on 2 CPU cores)
+    python benchmarks/optimizer_in_backward.py --sizes 10m --optimizers adamw
+    # the default sweep; 10m, 70m, 200m on CPU; 200m, 1b, 3b on CUDA
+    python benchmarks/optimizer_in_backward.py --threads 2
+    # which bucket cap: add caps of 4 and 64 MiB to the modes
+    python benchmarks/optimizer_in_backward.py --sizes 10m,70m --extra-caps 4,64
     python benchmarks/optimizer_in_backward.py --device cuda --dtype bfloat16
 """
 
@@ -51,34 +61,59 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-MODES = ("plain", "in_bwd", "hooks_0_6_1")
+MODES = ("plain", "hooks_0_6_1", "in_bwd_per_param", "in_bwd_bucketed")
 MODE_LABELS = {
     "plain": "plain step",
-    "in_bwd": "OptimizerInBackward",
-    "hooks_0_6_1": "0.6.1 per-parameter hooks",
+    "hooks_0_6_1": "0.6.1 bare hooks",
+    "in_bwd_per_param": "OptimizerInBackward, per parameter",
+    "in_bwd_bucketed": "OptimizerInBackward, bucketed (default)",
 }
 OPTIMIZERS = ("adamw", "adamw8bit")
 OPTIMIZER_LABELS = {
     "adamw": "torch AdamW (foreach)",
     "adamw8bit": "bitsandbytes AdamW8bit",
 }
-# llama2 shapes; parameter counts with these vocabularies in the comments.
+# llama2 shapes (parameter counts with these vocabularies), and the batch each is
+# timed with by default: batch x sequence length.
 SIZES: dict[str, dict[str, int]] = {
-    # 9.2M
+    # 9.2M; 6 layers of 0.79M parameters (3.2 MB of fp32 gradients each)
     "10m": dict(vocab_size=8000, num_layers=6, embed_dim=256, num_heads=4),
-    # 68.9M: 8 layers, dim 768 (263 MiB = 276 MB of fp32 gradients)
+    # 68.9M; 8 layers of 7.1M (28 MB each); 263 MiB of fp32 gradients
     "70m": dict(vocab_size=8000, num_layers=8, embed_dim=768, num_heads=12),
-    # 196M
+    # 196M; 14 layers of 12.6M (50 MB each)
     "200m": dict(vocab_size=8000, num_layers=14, embed_dim=1024, num_heads=16),
     # 953M
     "1b": dict(vocab_size=32000, num_layers=16, embed_dim=2048, num_heads=16),
     # 3.1B
     "3b": dict(vocab_size=32000, num_layers=26, embed_dim=3072, num_heads=24),
 }
+BATCHES: dict[str, tuple[int, int]] = {
+    "10m": (2, 64),
+    "70m": (1, 32),
+    "200m": (1, 32),
+    "1b": (2, 512),
+    "3b": (2, 512),
+}
 DEFAULT_SIZES = {"cpu": "10m,70m,200m", "cuda": "200m,1b,3b"}
 MIB = 1024**2
 
-# -- one measurement, in a fresh process ---------------------------------------------
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("in_bwd_cap"):
+        return f"OptimizerInBackward, {mode[len('in_bwd_cap') :]} MiB buckets"
+    return MODE_LABELS[mode]
+
+
+def bucket_cap_mb(mode: str) -> float | None:
+    """The ``bucket_cap_mb`` an in-backward mode passes (``None``: the default)."""
+    if mode == "in_bwd_per_param":
+        return 0.0
+    if mode == "in_bwd_bucketed":
+        return None
+    return float(mode[len("in_bwd_cap") :])
+
+
+# -- measurements, in a fresh process -----------------------------------------------
 
 
 def _peak_rss_bytes() -> int:
@@ -131,53 +166,83 @@ def _state_bytes(optimizers: Iterable[Any]) -> int:
     )
 
 
+def _build_mode(mode: str, model: Any, make_optimizer: Callable[..., Any]) -> tuple:
+    """The training loop's optimizer for ``mode`` over ``model``, and the objects that
+    hold its state."""
+    from torchtune.training import OptimizerInBackward
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if mode == "plain":
+        optimizer = make_optimizer(params)
+        return optimizer, [optimizer]
+    if mode == "hooks_0_6_1":
+        # What torchtune 0.6.1's recipes build: one optimizer per parameter (for
+        # bitsandbytes as for torch), stepped and cleared by a bare hook.
+        per_param = {p: make_optimizer([p]) for p in params}
+
+        def step_and_free(param: Any) -> None:
+            per_param[param].step()
+            per_param[param].zero_grad(set_to_none=True)
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(step_and_free)
+        return _StepsInBackward(), list(per_param.values())
+    optimizer = OptimizerInBackward(
+        params, make_optimizer, bucket_cap_mb=bucket_cap_mb(mode)
+    )
+    # Its bucket optimizers work on views of this one's state.
+    return optimizer, [optimizer]
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the model and the optimizer of ``args.optimizer`` in ``args.mode``, train,
-    report time and memory."""
+    """Build one model per mode of ``args.modes`` (same seed), then train them in
+    rounds: each round runs one step of every mode, in an order that rotates from
+    round to round. Reports each mode's step times and the process's peak memory
+    (meaningful when there is one mode)."""
     import torch
     from torch import nn
 
     from torchtune.models.llama2 import llama2
-    from torchtune.training import OptimizerInBackward
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     shape = SIZES[args.size]
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = llama2(
-            num_kv_heads=shape["num_heads"], max_seq_len=args.seq_len, **shape
-        ).to(dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
+    batch_size, seq_len = BATCHES[args.size]
+    batch_size, seq_len = args.batch_size or batch_size, args.seq_len or seq_len
+    modes = args.modes.split(",")
     make_optimizer = optimizer_builder(args.optimizer)
-    if args.mode == "plain":
-        optimizer = make_optimizer(params)
-        state_holders = [optimizer]
-    elif args.mode == "in_bwd":
-        optimizer = OptimizerInBackward(params, make_optimizer)
-        # Its per-parameter optimizers work on views of this one's state.
-        state_holders = [optimizer]
-    else:
-        # What torchtune 0.6.1's recipes build: one optimizer per parameter (works
-        # for bitsandbytes as for torch), stepped and cleared by
-        # register_optim_in_bwd_hooks' hook.
-        per_param = {p: make_optimizer([p]) for p in params}
-
-        def step_and_free(param: torch.Tensor) -> None:
-            per_param[param].step()
-            per_param[param].zero_grad(set_to_none=True)
-
-        for p in params:
-            p.register_post_accumulate_grad_hook(step_and_free)
-        optimizer = _StepsInBackward()
-        state_holders = list(per_param.values())
-
+    runs: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = llama2(
+                num_kv_heads=shape["num_heads"], max_seq_len=seq_len, **shape
+            ).to(dtype)
+        optimizer, state_holders = _build_mode(mode, model, make_optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if hasattr(optimizer, "_buckets"):
+            buckets = [bucket.params for bucket in optimizer._buckets()]
+        else:
+            buckets = [[p] for p in params]
+        runs[mode] = {
+            "model": model,
+            "optimizer": optimizer,
+            "state_holders": state_holders,
+            "params": sum(p.numel() for p in params),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+            "buckets": len(buckets),
+            "max_bucket_bytes": max(
+                sum(p.numel() * p.element_size() for p in bucket) for bucket in buckets
+            ),
+            "step_times_s": [],
+            "cpu_times_s": [],
+        }
     tokens = torch.randint(
         0,
         shape["vocab_size"],
-        (args.batch_size, args.seq_len + 1),
+        (batch_size, seq_len + 1),
         generator=torch.Generator().manual_seed(0),
     ).to(device)
     loss_fn = nn.CrossEntropyLoss()
@@ -187,7 +252,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
 
-    # Peak memory of the training steps only: model and data are built by now.
+    def train_step(mode: str) -> None:
+        model, optimizer = runs[mode]["model"], runs[mode]["optimizer"]
+        logits = model(tokens[:, :-1])
+        loss = loss_fn(
+            logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        # The gradient norm every recipe logs, in the way each mode can give it.
+        if mode == "plain":
+            nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        elif mode != "hooks_0_6_1":
+            _ = optimizer.grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Peak memory of the training steps only: models and data are built by now.
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -195,37 +275,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         _reset_peak_rss()
         baseline = _peak_rss_bytes()
-
-    step_times, cpu_times = [], []
-    for step in range(args.warmup + args.steps):
-        sync()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        logits = model(tokens[:, :-1])
-        loss = loss_fn(
-            logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1)
-        )
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        if step >= args.warmup:
-            step_times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-        del logits, loss
+    for round_index in range(args.warmup + args.steps):
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            train_step(mode)
+            sync()
+            if round_index >= args.warmup:
+                runs[mode]["step_times_s"].append(time.perf_counter() - start)
+                runs[mode]["cpu_times_s"].append(time.process_time() - cpu_start)
     peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     return {
         "size": args.size,
         "optimizer": args.optimizer,
-        "mode": args.mode,
-        "params": sum(p.numel() for p in params),
-        "grad_bytes": sum(p.numel() * p.element_size() for p in params),
-        "state_bytes": _state_bytes(state_holders),
-        "step_times_s": step_times,
-        "cpu_times_s": cpu_times,
+        "modes": modes,
+        "batch": [batch_size, seq_len],
         "peak_bytes": peak,
         "baseline_bytes": baseline,
         # How busy the machine was: this process counts for about its thread count.
         "load_average_1min": os.getloadavg()[0],
+        "by_mode": {
+            mode: {
+                k: v
+                for k, v in run.items()
+                if k not in ("model", "optimizer", "state_holders")
+            }
+            | {"state_bytes": _state_bytes(run["state_holders"])}
+            for mode, run in runs.items()
+        },
     }
 
 
@@ -233,7 +311,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_fresh_process(
-    args: argparse.Namespace, size: str, optimizer: str, mode: str
+    args: argparse.Namespace,
+    size: str,
+    optimizer: str,
+    modes: list[str],
+    steps: int,
 ) -> dict[str, Any]:
     command = [
         sys.executable,
@@ -241,191 +323,278 @@ def run_fresh_process(
         "--measure",
         "--size", size,
         "--optimizer", optimizer,
-        "--mode", mode,
+        "--modes", ",".join(modes),
         "--device", args.device,
         "--dtype", args.dtype,
         "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len),
-        "--steps", str(args.steps),
+        "--steps", str(steps),
         "--warmup", str(args.warmup),
         "--threads", str(args.threads),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{size}/{optimizer}/{mode} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{size}/{optimizer}/{modes} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (size, optimizer, mode): median step time over all timed steps of
-    all repeats, median peak over repeats, and both relative to the plain step with
-    the same optimizer."""
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _paired_ratios(
+    timing: list[dict[str, Any]], mode: str, reference: str, key: str
+) -> list[float]:
+    """Step time of ``mode`` over that of ``reference``, pairing the steps of the
+    same round of one process (interleaved), or the medians of the same repeat
+    (fresh processes)."""
+    ratios = []
+    for run in timing:
+        by_mode = run["by_mode"]
+        if mode not in by_mode or reference not in by_mode:
+            continue
+        ours, theirs = by_mode[mode][key], by_mode[reference][key]
+        if len(run["modes"]) > 1:
+            ratios += [a / b for a, b in zip(ours, theirs, strict=True)]
+    if ratios:
+        return ratios
+    ours = [r["by_mode"][mode][key] for r in timing if mode in r["by_mode"]]
+    theirs = [r["by_mode"][reference][key] for r in timing if reference in r["by_mode"]]
+    return [
+        statistics.median(a) / statistics.median(b)
+        for a, b in zip(ours, theirs, strict=False)
+    ]
+
+
+def summarize(
+    timing: list[dict[str, Any]], memory: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per (size, optimizer, mode)."""
     rows = []
-    for size, optimizer in dict.fromkeys((r["size"], r["optimizer"]) for r in runs):
-        by_mode = {}
-        for mode in MODES:
-            mine = [
-                r
-                for r in runs
-                if (r["size"], r["optimizer"], r["mode"]) == (size, optimizer, mode)
+    keys = dict.fromkeys((r["size"], r["optimizer"]) for r in timing + memory)
+    for size, optimizer in keys:
+        mine_t = [r for r in timing if (r["size"], r["optimizer"]) == (size, optimizer)]
+        mine_m = [r for r in memory if (r["size"], r["optimizer"]) == (size, optimizer)]
+        modes = list(dict.fromkeys(m for r in mine_t + mine_m for m in r["modes"]))
+        peaks = {
+            mode: statistics.median(
+                r["peak_bytes"] for r in mine_m if r["modes"] == [mode]
+            )
+            for mode in modes
+            if any(r["modes"] == [mode] for r in mine_m)
+        }
+        for mode in modes:
+            info = next(
+                r["by_mode"][mode] for r in mine_t + mine_m if mode in r["by_mode"]
+            )
+            row: dict[str, Any] = {
+                "size": size,
+                "optimizer": optimizer,
+                "mode": mode,
+                "batch": (mine_t + mine_m)[0]["batch"],
+                **{
+                    k: info[k]
+                    for k in (
+                        "params",
+                        "grad_bytes",
+                        "state_bytes",
+                        "buckets",
+                        "max_bucket_bytes",
+                    )
+                },
+            }
+            times = [
+                t
+                for r in mine_t
+                if mode in r["by_mode"]
+                for t in r["by_mode"][mode]["step_times_s"]
             ]
-            if mine:
-                by_mode[mode] = {
-                    "size": size,
-                    "optimizer": optimizer,
-                    "mode": mode,
-                    "params": mine[0]["params"],
-                    "grad_bytes": mine[0]["grad_bytes"],
-                    "state_bytes": mine[0]["state_bytes"],
-                    "step_s": statistics.median(
-                        t for r in mine for t in r["step_times_s"]
-                    ),
-                    "cpu_step_s": statistics.median(
-                        t for r in mine for t in r["cpu_times_s"]
-                    ),
-                    "peak_bytes": statistics.median(r["peak_bytes"] for r in mine),
-                }
-        plain = by_mode.get("plain")
-        for row in by_mode.values():
-            if plain is not None:
-                row["time_vs_plain"] = row["step_s"] / plain["step_s"]
-                row["cpu_time_vs_plain"] = row["cpu_step_s"] / plain["cpu_step_s"]
-                row["saved_bytes"] = plain["peak_bytes"] - row["peak_bytes"]
-                row["saved_of_grads"] = row["saved_bytes"] / row["grad_bytes"]
+            cpu = [
+                t
+                for r in mine_t
+                if mode in r["by_mode"]
+                for t in r["by_mode"][mode]["cpu_times_s"]
+            ]
+            if times:
+                row["step_s"] = _spread(times)
+                row["cpu_step_s"] = _spread(cpu)
+                for reference in ("plain", "hooks_0_6_1"):
+                    for key, name in (("step_times_s", "wall"), ("cpu_times_s", "cpu")):
+                        ratios = _paired_ratios(mine_t, mode, reference, key)
+                        if ratios:
+                            row[f"{name}_vs_{reference}"] = _spread(ratios)
+            if mode in peaks:
+                row["peak_bytes"] = peaks[mode]
+                if "plain" in peaks:
+                    row["saved_bytes"] = peaks["plain"] - peaks[mode]
+                    row["saved_of_grads"] = row["saved_bytes"] / row["grad_bytes"]
+                if "in_bwd_per_param" in peaks and mode.startswith("in_bwd"):
+                    row["extra_vs_per_param_bytes"] = (
+                        peaks[mode] - peaks["in_bwd_per_param"]
+                    )
             rows.append(row)
     return rows
 
 
+def _ratio(row: dict[str, Any], key: str) -> str:
+    spread = row.get(key)
+    if spread is None:
+        return ""
+    return f"{spread['median']:.2f}x [{spread['min']:.2f}-{spread['max']:.2f}]"
+
+
 def markdown(
     rows: list[dict[str, Any]],
-    runs: list[dict[str, Any]],
+    timing: list[dict[str, Any]],
     args: argparse.Namespace,
     env: str,
 ) -> str:
     cpu = args.device == "cpu"
     memory = "peak RSS" if cpu else "max allocated"
-    optimizers = ", ".join(OPTIMIZER_LABELS[o] for o in args.optimizers.split(","))
+    clock = "CPU time" if cpu else "wall"
+    key = "cpu" if cpu else "wall"
     lines = [
         "# Optimizer in backward: step time and peak memory",
         "",
         env,
         "",
-        f"llama2, {args.dtype}, batch {args.batch_size} x {args.seq_len} tokens, "
-        f"optimizers: {optimizers}; median of {args.steps} timed steps per run after "
-        f"{args.warmup} warm-up step(s), {args.repeats} fresh process(es) per mode. "
-        f"Peak memory: {memory} during the training steps. Each mode is compared with "
-        "the plain step of the same optimizer. Targets for OptimizerInBackward: peak "
-        "memory below plain by >= 90% of the gradient bytes; step time <= 1.05x plain.",
+        f"llama2, {args.dtype}; {args.steps} timed steps per mode after {args.warmup} "
+        f"warm-up step(s). Step time: {clock} per step, median, with every mode of a "
+        "size in one process taking steps in turn (rotating order); the ratios are "
+        "medians of per-round paired ratios, [min-max] over the rounds. Sizes timed "
+        "in fresh processes instead are marked. Peak memory: "
+        f"{memory}, each mode in a fresh process; `saved` is the plain step's peak "
+        "minus the mode's, `extra` the mode's peak minus the per-parameter mode's.",
     ]
     if cpu:
+        loads = [r["load_average_1min"] for r in timing]
         lines += [
             "",
-            "Step time is given as wall-clock time and as the process's CPU time "
-            "(`time.process_time`). On a machine whose cores other work shares, CPU "
-            "time is the steadier measure of the work a mode does.",
-        ]
-        loads = [r["load_average_1min"] for r in runs]
-        lines += [
-            "",
-            f"1-minute load average at the end of each run: {min(loads):.1f} to "
-            f"{max(loads):.1f} (the benchmark's own process counts for about its "
-            "thread count).",
+            "On CPU the process's CPU time is the steadier measure when other work "
+            "shares the cores; wall-clock ratios are in the JSON. 1-minute load "
+            f"average at the end of each timing run: {min(loads):.1f} to "
+            f"{max(loads):.1f} (the benchmark counts for about its thread count).",
         ]
     if args.note:
         lines += ["", f"Note: {args.note}"]
-    header = (
-        "| model | params | gradients (MiB) | optimizer | optimizer state (MiB) "
-        "| mode | step (s) | vs plain |"
-    )
-    rule = "|---|---:|---:|---|---:|---|---:|---:|"
-    if cpu:
-        header += " CPU time / step (s) | vs plain |"
-        rule += "---:|---:|"
-    header += f" {memory} (MiB) | saved (MiB) | saved / gradients |"
-    rule += "---:|---:|---:|"
-    lines += ["", header, rule]
-    nan = float("nan")
+    lines += [
+        "",
+        f"| model | batch | optimizer | mode | buckets (largest) | {clock} / step (ms) "
+        f"| vs plain | vs 0.6.1 hooks | {memory} (MiB) | saved (MiB) | saved / "
+        "gradients | extra vs per parameter (MiB) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    fresh = {(r["size"], r["optimizer"]) for r in timing if len(r["modes"]) == 1}
     for r in rows:
-        line = (
-            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['grad_bytes'] / MIB:.0f} | "
-            f"{OPTIMIZER_LABELS[r['optimizer']]} | {r['state_bytes'] / MIB:.0f} | "
-            f"{MODE_LABELS[r['mode']]} | {r['step_s']:.3f} | "
-            f"{r.get('time_vs_plain', nan):.3f}x |"
+        step = r.get("cpu_step_s" if cpu else "step_s")
+        size = f"{r['size']} ({r['params'] / 1e6:.1f}M)"
+        if (r["size"], r["optimizer"]) in fresh:
+            size += ", fresh processes"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    size,
+                    f"{r['batch'][0]}x{r['batch'][1]}",
+                    OPTIMIZER_LABELS[r["optimizer"]],
+                    mode_label(r["mode"]),
+                    f"{r['buckets']} ({r['max_bucket_bytes'] / MIB:.1f} MiB)"
+                    if r["mode"] != "plain"
+                    else "",
+                    f"{1000 * step['median']:.0f}" if step else "",
+                    _ratio(r, f"{key}_vs_plain"),
+                    _ratio(r, f"{key}_vs_hooks_0_6_1"),
+                    f"{r['peak_bytes'] / MIB:.0f}" if "peak_bytes" in r else "",
+                    f"{r['saved_bytes'] / MIB:.0f}" if "saved_bytes" in r else "",
+                    f"{r['saved_of_grads']:.0%}" if "saved_of_grads" in r else "",
+                    f"{r['extra_vs_per_param_bytes'] / MIB:+.0f}"
+                    if "extra_vs_per_param_bytes" in r
+                    else "",
+                ]
+            )
+            + " |"
         )
-        if cpu:
-            line += f" {r['cpu_step_s']:.3f} | {r.get('cpu_time_vs_plain', nan):.3f}x |"
-        line += (
-            f" {r['peak_bytes'] / MIB:.0f} | {r.get('saved_bytes', 0) / MIB:.0f} | "
-            f"{r.get('saved_of_grads', 0):.0%} |"
-        )
-        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path, cpu: bool) -> None:
-    """One row of panels per optimizer: peak memory, memory saved, step time."""
+    """One row of panels per optimizer: step time vs plain, vs the 0.6.1 hooks, and
+    memory saved."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    key = "cpu" if cpu else "wall"
     optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     fig, axes = plt.subplots(
-        len(optimizers),
-        3,
-        figsize=(15, 4.2 * len(optimizers)),
-        sharey="col",
-        squeeze=False,
+        len(optimizers), 3, figsize=(16, 4.4 * len(optimizers)), squeeze=False
     )
-    memory = "peak RSS" if cpu else "max allocated"
-    for optimizer, (ax_mem, ax_saved, ax_time) in zip(optimizers, axes, strict=True):
-        for index, mode in enumerate(MODES):
+    for optimizer, panels in zip(optimizers, axes, strict=True):
+        for index, mode in enumerate(modes):
             mine = [r for r in rows if (r["optimizer"], r["mode"]) == (optimizer, mode)]
-            if not mine:
-                continue
-            color = f"C{index}"
             x = [r["params"] / 1e6 for r in mine]
-            label = MODE_LABELS[mode]
-            ax_mem.plot(
-                x, [r["peak_bytes"] / MIB for r in mine], "o-", c=color, label=label
-            )
-            if mode == "plain" or not all("saved_of_grads" in r for r in mine):
-                continue
-            ax_saved.plot(
-                x, [100 * r["saved_of_grads"] for r in mine], "o-", c=color, label=label
-            )
-            ax_time.plot(
-                x,
-                [r["time_vs_plain"] for r in mine],
-                "o-",
-                c=color,
-                label=f"{label}, wall",
-            )
-            if cpu:
-                ax_time.plot(
-                    x,
-                    [r["cpu_time_vs_plain"] for r in mine],
-                    "s--",
-                    c=color,
-                    label=f"{label}, CPU time",
+            for ax, field in (
+                (panels[0], f"{key}_vs_plain"),
+                (panels[1], f"{key}_vs_hooks_0_6_1"),
+            ):
+                points = [
+                    (xi, r[field]) for xi, r in zip(x, mine, strict=False) if field in r
+                ]
+                if (
+                    not points
+                    or mode in ("plain", "hooks_0_6_1")
+                    and field.endswith(mode)
+                ):
+                    continue
+                xs, spreads = zip(*points, strict=False)
+                medians = [s["median"] for s in spreads]
+                ax.errorbar(
+                    xs,
+                    medians,
+                    yerr=[
+                        [m - s["min"] for m, s in zip(medians, spreads, strict=False)],
+                        [s["max"] - m for m, s in zip(medians, spreads, strict=False)],
+                    ],
+                    fmt="o-",
+                    capsize=3,
+                    color=f"C{index}",
+                    label=mode_label(mode),
                 )
-        ax_saved.axhline(90, color="gray", ls=":", lw=1, label="target >= 90%")
-        ax_time.axhline(1.05, color="gray", ls=":", lw=1, label="target <= 1.05x")
-        ax_time.axhline(1.0, color="black", lw=0.5)
+            saved = [
+                (xi, 100 * r["saved_of_grads"])
+                for xi, r in zip(x, mine, strict=False)
+                if "saved_of_grads" in r
+            ]
+            if saved and mode != "plain":
+                panels[2].plot(
+                    *zip(*saved, strict=False),
+                    "o-",
+                    color=f"C{index}",
+                    label=mode_label(mode),
+                )
         name = OPTIMIZER_LABELS[optimizer]
+        clock = "CPU time" if cpu else "wall time"
         for ax, title, ylabel in (
-            (ax_mem, "Peak memory", f"{memory} (MiB)"),
-            (ax_saved, "Memory saved vs plain", "% of gradient bytes"),
-            (ax_time, "Step time vs plain", "x plain"),
+            (panels[0], f"Step {clock} vs plain: {name}", "x plain (median, min-max)"),
+            (panels[1], f"Step {clock} vs 0.6.1 hooks: {name}", "x 0.6.1 hooks"),
+            (panels[2], f"Memory saved vs plain: {name}", "% of gradient bytes"),
         ):
+            if ax is not panels[2]:
+                ax.axhline(1.0, color="black", lw=0.6)
             ax.set_xscale("log")
             ax.set_xlabel("parameters (M)")
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{title}: {name}")
+            ax.set_title(title, fontsize=10)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -442,9 +611,12 @@ def environment(args: argparse.Namespace) -> str:
         import bitsandbytes
 
         versions += f", bitsandbytes {bitsandbytes.__version__}"
+    from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
+
     return (
-        f"Device: {args.device} ({where}); {versions}; "
-        f"{threads} intra-op thread(s); {time.strftime('%Y-%m-%d %H:%M')}."
+        f"Device: {args.device} ({where}); {versions}; {threads} intra-op thread(s); "
+        f"default bucket cap {DEFAULT_BUCKET_CAP_MB:g} MiB; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}."
     )
 
 
@@ -458,15 +630,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--optimizers",
-        default=",".join(OPTIMIZERS),
-        help=f"comma-separated, from {','.join(OPTIMIZERS)} (default: all)",
+        default="adamw",
+        help=f"comma-separated, from {','.join(OPTIMIZERS)} (default: adamw)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
-    parser.add_argument("--repeats", type=int, default=1, help="fresh runs per mode")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--extra-caps",
+        default="",
+        help="comma-separated bucket caps in MiB, each added as a mode in_bwd_cap<N>",
+    )
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
+    parser.add_argument(
+        "--memory-steps", type=int, default=3, help="timed steps of a memory run"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="fresh processes per mode (timing)"
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("auto", "interleaved", "fresh"),
+        default="auto",
+        help="auto: interleaved when all modes' models fit in --interleave-gib",
+    )
+    parser.add_argument("--interleave-gib", type=float, default=8.0)
+    parser.add_argument("--batch-size", type=int, default=0, help="0: per size")
+    parser.add_argument("--seq-len", type=int, default=0, help="0: per size")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument(
@@ -475,12 +664,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(__file__).resolve().parent / "results",
     )
     parser.add_argument("--note", default="", help="added to the markdown report")
-    # Internal: measure one (size, optimizer, mode) in this process, print it as JSON.
+    # Internal: measure one (size, optimizer, modes) in this process, print JSON.
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def _model_bytes(size: str, n_modes: int) -> float:
+    """Rough bytes of ``n_modes`` fp32 models with AdamW state and gradients."""
+    shape = SIZES[size]
+    per_layer = 4 * shape["embed_dim"] ** 2 + 3 * shape["embed_dim"] * int(
+        8 / 3 * shape["embed_dim"]
+    )
+    params = (
+        shape["num_layers"] * per_layer + 2 * shape["vocab_size"] * shape["embed_dim"]
+    )
+    return n_modes * params * 4 * 4
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -491,39 +691,59 @@ def main(argv: list[str] | None = None) -> None:
     sizes = (args.sizes or DEFAULT_SIZES[args.device]).split(",")
     optimizers = args.optimizers.split(",")
     modes = args.modes.split(",")
+    modes += [
+        f"in_bwd_cap{c:g}" for c in map(float, filter(None, args.extra_caps.split(",")))
+    ]
     for kind, asked, known in (
         ("sizes", sizes, SIZES),
         ("optimizers", optimizers, OPTIMIZERS),
-        ("modes", modes, MODES),
+        ("modes", [m for m in modes if not m.startswith("in_bwd_cap")], MODES),
     ):
         unknown = [name for name in asked if name not in known]
         if unknown:
             raise ValueError(f"unknown {kind} {unknown}; choose from {list(known)}")
-    runs = []
+    timing, memory = [], []
     for size in sizes:
-        for repeat in range(args.repeats):
-            for optimizer in optimizers:
-                # Modes alternate, so slow drift in machine load affects them alike.
+        interleave = args.timing == "interleaved" or (
+            args.timing == "auto"
+            and _model_bytes(size, len(modes)) < args.interleave_gib * 1024**3
+        )
+        for optimizer in optimizers:
+            if interleave:
+                run = run_fresh_process(args, size, optimizer, modes, args.steps)
+                timing.append(run)
                 for mode in modes:
-                    run = run_fresh_process(args, size, optimizer, mode)
-                    runs.append(run)
                     print(
-                        f"{size} {optimizer} {mode} (run {repeat + 1}): median step "
-                        f"{statistics.median(run['step_times_s']):.3f} s (CPU time "
-                        f"{statistics.median(run['cpu_times_s']):.3f} s), peak "
-                        f"{run['peak_bytes'] / MIB:.0f} MiB",
+                        f"{size} {optimizer} {mode} (interleaved): median CPU time "
+                        f"{statistics.median(run['by_mode'][mode]['cpu_times_s']):.3f} s",
                         flush=True,
                     )
-    rows = summarize(runs)
+            # Memory, and for fresh-process timing the time too: each mode alone,
+            # modes alternating within each repeat.
+            for repeat in range(1 if interleave else args.repeats):
+                for mode in modes:
+                    steps = args.memory_steps if interleave else args.steps
+                    run = run_fresh_process(args, size, optimizer, [mode], steps)
+                    memory.append(run)
+                    if not interleave:
+                        timing.append(run)
+                    print(
+                        f"{size} {optimizer} {mode} (fresh, run {repeat + 1}): peak "
+                        f"{run['peak_bytes'] / MIB:.0f} MiB, median CPU time "
+                        f"{statistics.median(run['by_mode'][mode]['cpu_times_s']):.3f} s",
+                        flush=True,
+                    )
+    rows = summarize(timing, memory)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = markdown(rows, runs, args, environment(args))
+    report = markdown(rows, timing, args, environment(args))
     stem = args.out_dir / "optimizer_in_backward"
     stem.with_suffix(".md").write_text(report)
     stem.with_suffix(".json").write_text(
         json.dumps(
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
-                "runs": runs,
+                "timing": timing,
+                "memory": memory,
                 "rows": rows,
             },
             indent=1,

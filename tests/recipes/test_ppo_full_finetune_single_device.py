@@ -23,8 +23,8 @@ Tolerances:
   single-tensor kernel. So the losses must be bitwise equal too; measured: equal.
   ``MODE_TOLERANCE`` still allows ``rtol=2e-6``, float rounding, so the test states
   what the arithmetic promises rather than what this CPU happens to give.
-- ``grad_norm``: plain takes one norm over all gradients, in-backward sums squared
-  per-parameter norms as gradients arrive: measured within 1e-7 relative, checked at
+- ``grad_norm``: plain takes the norm of the per-parameter norms in parameter order,
+  in-backward in the order gradients arrive: measured within 1e-7 relative, checked at
   ``rtol=1e-5``.
 - Plain with 2 backward passes per minibatch against in-backward with 1: each pass
   backpropagates half its mean loss; while every response runs to full length (the

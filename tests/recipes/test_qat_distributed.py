@@ -37,7 +37,7 @@ Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 - ``EXACT`` for losses and lr between the modes and for every resume: the same
   values through the same kernels, as above [0].
 - ``NORM_KERNELS`` for ``grad_norm`` across modes: plain takes one norm over all
-  gradients, in-backward sums per-parameter squared norms as gradients arrive; a few
+  gradients, in-backward combines per-parameter norms in the order gradients arrive; a few
   ulps [within 9e-8 relative].
 - ``ACROSS_LAYOUTS`` for 2 processes vs 1: per-rank partial sums and a
   reduce-scatter add the same terms in another order, a few ulps per op. Compared on

@@ -569,10 +569,10 @@ class OptimizerInBackward(Optimizer):
         self._flush_queued = False
         # Parameter -> the param group that holds it.
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
-        # Sum of squared gradient norms since zero_grad(), keyed by how to reduce it
-        # across ranks (None for plain tensors, (mesh, mesh dims) for DTensors) and
-        # by device.
-        self._grad_sq_sums: dict[Any, torch.Tensor] = {}
+        # The norm of every gradient used since zero_grad() (of its local shard for a
+        # DTensor), keyed by how to reduce them across ranks (None for plain
+        # tensors, (mesh, mesh dims) for DTensors) and by device.
+        self._grad_norms: dict[Any, list[torch.Tensor]] = {}
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._patch_step_function()
@@ -780,11 +780,10 @@ class OptimizerInBackward(Optimizer):
                 grad = grad.to_local()
             by_key.setdefault((key, grad.device), []).append(grad)
         for key, local in by_key.items():
-            # One pass over the bucket's gradients, in float32 whatever their dtype.
+            # One kernel over the bucket's gradients, in float32 whatever their
+            # dtype; the norms are combined only when grad_norm is read.
             norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
-            squared = torch.stack(norms).square().sum()
-            total = self._grad_sq_sums.get(key)
-            self._grad_sq_sums[key] = squared if total is None else total + squared
+            self._grad_norms.setdefault(key, []).extend(norms)
 
     # -- torch.optim.Optimizer API -------------------------------------------------
 
@@ -864,7 +863,7 @@ class OptimizerInBackward(Optimizer):
                 Default: ``True``
         """
         super().zero_grad(set_to_none=set_to_none)
-        self._grad_sq_sums = {}
+        self._grad_norms = {}
 
     @property
     def grad_norm(self) -> torch.Tensor:
@@ -877,10 +876,14 @@ class OptimizerInBackward(Optimizer):
         on every rank, like any collective.
         """
         total: torch.Tensor | None = None
-        for (key, _), squared in self._grad_sq_sums.items():
+        for (key, _), norms in self._grad_norms.items():
+            # As torch.nn.utils.get_total_norm: the norm of the stacked norms.
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+            if key is None and len(self._grad_norms) == 1:
+                return norm
+            squared = norm.square()
             if key is not None:
                 mesh, shard_dims = key
-                squared = squared.clone()
                 for mesh_dim in shard_dims:
                     dist.all_reduce(squared, group=mesh.get_group(mesh_dim))
             total = squared if total is None else total + squared.to(total.device)

@@ -9,9 +9,9 @@ tests.torchtune.training.optimizer_in_backward_scenarios OUT_DIR`` from the repo
 
 Tolerances: the in-backward and plain runs call the same kernels on the same values,
 in the same order per parameter, with the same reduce-scatter: parameters must agree
-bitwise (``rtol=0, atol=0``). Only ``grad_norm`` is compared with ``rtol=1e-6``: it sums
-squared per-parameter norms where torch takes the norm of the stacked norms, which
-rounds differently by a few float32 ulps.
+bitwise (``rtol=0, atol=0``). Only ``grad_norm`` is compared with ``rtol=1e-6``: it
+adds up the squared norms of each rank's shards in the order the gradients arrive,
+which rounds differently from torch's order by a few float32 ulps.
 """
 
 from __future__ import annotations

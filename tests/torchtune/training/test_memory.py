@@ -3,9 +3,10 @@
 Tolerances. An in-backward run and a plain run apply the same optimizer kernels to
 the same values, parameter by parameter, so they must agree bitwise (``rtol=0,
 atol=0``); this holds for SGD and AdamW with and without foreach on CPU. The one
-exception is ``grad_norm``, compared with ``rtol=1e-6``: it adds up squared
-per-parameter norms where ``clip_grad_norm_`` takes the norm of the stacked norms, which
-rounds differently by a few float32 ulps (float32 eps is 1.2e-7).
+exception is ``grad_norm``, compared with ``rtol=1e-6``: like ``clip_grad_norm_`` it
+takes the norm of the stacked per-parameter norms, but stacks them in the order the
+gradients arrive (and per device or mesh), so the sum can round differently by a few
+float32 ulps (float32 eps is 1.2e-7).
 """
 
 from __future__ import annotations
