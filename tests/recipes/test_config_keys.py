@@ -66,6 +66,7 @@ EPOCHS, STEPS_PER_EPOCH = 2, 2
 ALL_STEPS = range(1, EPOCHS * STEPS_PER_EPOCH + 1)
 EPOCH_1 = range(STEPS_PER_EPOCH + 1, EPOCHS * STEPS_PER_EPOCH + 1)
 NUM_LAYERS = TINY_MODEL_KWARGS["num_layers"]
+SINGLE_DEVICE_CONFIG = tiny_config("tiny_full_single_device")
 SHARD = "model-00001-of-00001"  # the weight file 0.6.1's checkpointers write
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -123,7 +124,12 @@ def train_single(
 ) -> Callable[..., TuneRun]:
     """``tune run full_finetune_single_device`` of the tiny config, in this process."""
 
-    def train(name: str, output_dir: Path | None = None, **overrides: Any) -> TuneRun:
+    def train(
+        name: str,
+        output_dir: Path | None = None,
+        config: Path = SINGLE_DEVICE_CONFIG,
+        **overrides: Any,
+    ) -> TuneRun:
         settings = {
             "assets_dir": tiny_assets.root,
             "epochs": EPOCHS,
@@ -135,7 +141,7 @@ def train_single(
         try:
             return run_tune_in_process(
                 "full_finetune_single_device",
-                tiny_config("tiny_full_single_device"),
+                config,
                 settings | overrides,
                 output_dir or tmp_path_factory.mktemp(name),
             )
@@ -309,6 +315,61 @@ def test_packed_dataset_trains_in_backward_as_plain(
     )
 
 
+# -- a list of datasets -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dataset_list_runs(
+    tiny_assets: TinyAssets,
+    train_single: Callable[..., TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, CountedRun]:
+    """``dataset`` as a list of two (the tiny training and held-out data), in each
+    mode; counts the examples read through the concatenation."""
+    from torchtune.datasets import ConcatDataset
+
+    cfg = OmegaConf.load(SINGLE_DEVICE_CONFIG)
+    cfg.dataset = [
+        {**OmegaConf.to_container(cfg.dataset), "data_files": str(path)}
+        for path in (tiny_assets.train_data, tiny_assets.test_data)
+    ]
+    # A list cannot be given on the command line: a config file that has it.
+    config = tmp_path_factory.mktemp("dataset_list_config") / "tiny_datasets.yaml"
+    OmegaConf.save(cfg, config)
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        read = [0]
+        getitem = ConcatDataset.__getitem__
+
+        def counted(self, index):
+            read[0] += 1
+            return getitem(self, index)
+
+        mp.setattr(ConcatDataset, "__getitem__", counted)
+        for name, optimizer_in_bwd in (("in_bwd", True), ("plain", False)):
+            read[0] = 0
+            run = train_single(
+                f"datasets_{name}", config=config, **_mode(optimizer_in_bwd)
+            )
+            runs[name] = CountedRun(run, {"examples_read": read[0]})
+    return runs
+
+
+def test_dataset_list_trains_in_backward_as_plain(
+    dataset_list_runs: dict[str, CountedRun], in_bwd: CountedRun
+) -> None:
+    for counted in dataset_list_runs.values():
+        # 4 steps of batch_size=8 examples (the loader may read a few ahead).
+        assert counted.counts["examples_read"] >= len(ALL_STEPS) * 8, counted.counts
+    # The concatenation is longer, so the shuffled order, and the first batch, differ.
+    assert dataset_list_runs["in_bwd"].run.losses[0] != in_bwd.run.losses[0]
+    _assert_same_training(
+        dataset_list_runs["in_bwd"].run.metrics,
+        dataset_list_runs["plain"].run.metrics,
+        ACROSS_MODES,
+    )
+
+
 # -- activation checkpointing, single device -------------------------------------
 
 
@@ -452,6 +513,12 @@ DISTRIBUTED_RUNS = {
         "custom_sharded_layers": ["tok_embeddings", "output"],
         "fsdp_reshard_after_forward": False,
         "fsdp_cpu_offload": True,
+    },
+    # Selective activation checkpointing of every 2nd layer: the second of two.
+    "in_bwd_selective_ac": {
+        "optimizer_in_bwd": True,
+        "ac_mode": "selective",
+        "ac_option": 2,
     },
 }
 CPU_OFFLOAD_IGNORED = (
@@ -622,6 +689,9 @@ def test_distributed_activation_checkpointing_recomputes_every_layer(
     for name in ("in_bwd_keys", "plain_keys"):
         for facts in distributed_runs[name]["facts"]:
             assert facts["layer_forwards"] == 2 * NUM_LAYERS * steps
+    # ac_mode=selective, ac_option=2: one layer of the two is recomputed.
+    for facts in distributed_runs["in_bwd_selective_ac"]["facts"]:
+        assert facts["layer_forwards"] == (NUM_LAYERS + 1) * steps
 
 
 def test_distributed_keys_train_in_backward_as_without_them_and_as_plain(
@@ -634,4 +704,6 @@ def test_distributed_keys_train_in_backward_as_without_them_and_as_plain(
     # Recomputed layers, other FSDP units, gathered layers kept: the same values
     # through the same kernels, and each gradient the same sum of the two ranks'.
     _assert_same_training(keys, in_bwd, EXACT)
+    selective = distributed_runs["in_bwd_selective_ac"]["metrics"]
+    _assert_same_training(selective, in_bwd, EXACT)
     _assert_same_training(keys, distributed_runs["plain_keys"]["metrics"], ACROSS_MODES)

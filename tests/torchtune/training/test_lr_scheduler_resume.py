@@ -1,5 +1,6 @@
 """LR schedulers over ``OptimizerInBackward``: a run that stops, saves and resumes
-equals the uninterrupted run, in either mode and across modes.
+equals the uninterrupted run, in either mode and across modes; in-backward (with its
+default buckets, and with one bucket per parameter) equals plain at every step.
 
 Every run takes ``STEPS`` optimizer steps on the same tiny model, seed and batches.
 An interrupted run takes ``RESUME_AT`` steps, saves the model's, the optimizer's and
@@ -20,6 +21,7 @@ every comparison here is bitwise equal).
 
 from __future__ import annotations
 
+import inspect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,12 +68,23 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], LRScheduler]] = {
     # step 0.3 * 8 = 2.4, so the resume at step 3 is on the way down.
     "onecycle": lambda o: OneCycleLR(o, max_lr=0.1, total_steps=STEPS),
 }
+# How each run steps: a plain optimizer, OptimizerInBackward as built by default
+# (buckets of parameters: for this tiny model one bucket, updated when its last
+# gradient arrives), and one bucket per parameter (each updated as soon as its own
+# gradient is ready, so each parameter's update reads the param group on its own).
+PER_PARAMETER = {"bucket_cap_mb": 0}
+MODES = ("plain", "in_bwd", "in_bwd_per_param")
 DIRECTIONS = {
-    "plain_to_plain": (False, False),
-    "plain_to_in_bwd": (False, True),
-    "in_bwd_to_plain": (True, False),
-    "in_bwd_to_in_bwd": (True, True),
+    "plain_to_plain": ("plain", "plain"),
+    "plain_to_in_bwd": ("plain", "in_bwd"),
+    "in_bwd_to_plain": ("in_bwd", "plain"),
+    "in_bwd_to_in_bwd": ("in_bwd", "in_bwd"),
+    "plain_to_in_bwd_per_param": ("plain", "in_bwd_per_param"),
+    "in_bwd_per_param_to_plain": ("in_bwd_per_param", "plain"),
+    "in_bwd_to_in_bwd_per_param": ("in_bwd", "in_bwd_per_param"),
+    "in_bwd_per_param_to_in_bwd": ("in_bwd_per_param", "in_bwd"),
 }
+_HAS_BUCKETS = "bucket_cap_mb" in inspect.signature(OptimizerInBackward).parameters
 
 
 def make_model(seed: int) -> nn.Sequential:
@@ -123,15 +136,18 @@ def train(
 
 
 def build(
-    in_backward: bool, optimizer_name: str, scheduler_name: str, seed: int
+    mode: str, optimizer_name: str, scheduler_name: str, seed: int
 ) -> tuple[nn.Module, torch.optim.Optimizer, LRScheduler]:
     model = make_model(seed)
     cls, kwargs = OPTIMIZERS[optimizer_name]
-    optimizer = (
-        OptimizerInBackward(model.parameters(), cls, **kwargs)
-        if in_backward
-        else cls(model.parameters(), **kwargs)
-    )
+    if mode == "plain":
+        optimizer = cls(model.parameters(), **kwargs)
+    else:
+        if mode == "in_bwd_per_param":
+            if not _HAS_BUCKETS:
+                pytest.skip("OptimizerInBackward has no bucket_cap_mb")
+            kwargs = kwargs | PER_PARAMETER
+        optimizer = OptimizerInBackward(model.parameters(), cls, **kwargs)
     return model, optimizer, SCHEDULERS[scheduler_name](optimizer)
 
 
@@ -148,24 +164,22 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def uninterrupted(
-    in_backward: bool, optimizer_name: str, scheduler_name: str
+    mode: str, optimizer_name: str, scheduler_name: str
 ) -> tuple[Trajectory, dict[str, torch.Tensor]]:
-    model, optimizer, scheduler = build(
-        in_backward, optimizer_name, scheduler_name, seed=0
-    )
+    model, optimizer, scheduler = build(mode, optimizer_name, scheduler_name, seed=0)
     record = Trajectory()
     train(model, optimizer, scheduler.step, range(STEPS), record)
     return record, snapshot(model)
 
 
 def interrupted_and_resumed(
-    first_in_backward: bool,
-    then_in_backward: bool,
+    first_mode: str,
+    then_mode: str,
     optimizer_name: str,
     scheduler_name: str,
 ) -> tuple[Trajectory, dict[str, torch.Tensor]]:
     model, optimizer, scheduler = build(
-        first_in_backward, optimizer_name, scheduler_name, seed=0
+        first_mode, optimizer_name, scheduler_name, seed=0
     )
     record = Trajectory()
     train(model, optimizer, scheduler.step, range(RESUME_AT), record)
@@ -179,7 +193,7 @@ def interrupted_and_resumed(
     # Built as a fresh process builds them (its scheduler has taken its own first
     # step), then everything is loaded, as torch's checkpointing recipe does it.
     model, optimizer, scheduler = build(
-        then_in_backward, optimizer_name, scheduler_name, seed=1
+        then_mode, optimizer_name, scheduler_name, seed=1
     )
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
@@ -200,16 +214,17 @@ def assert_same_trajectory(
     assert_close(weights, expected_weights, **BITWISE)
 
 
+@pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("scheduler_name", SCHEDULERS)
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_uninterrupted_in_backward_run_matches_plain_bitwise(
-    optimizer_name: str, scheduler_name: str
+    optimizer_name: str, scheduler_name: str, mode: str
 ) -> None:
-    reference = uninterrupted(False, optimizer_name, scheduler_name)
+    reference = uninterrupted("plain", optimizer_name, scheduler_name)
     # The schedule moves: a scheduler that did not drive the updates would show.
     assert len(set(reference[0].lrs)) >= 4
     assert_same_trajectory(
-        uninterrupted(True, optimizer_name, scheduler_name), reference
+        uninterrupted(mode, optimizer_name, scheduler_name), reference
     )
 
 
@@ -219,27 +234,28 @@ def test_uninterrupted_in_backward_run_matches_plain_bitwise(
 def test_resumed_run_matches_the_uninterrupted_plain_run_bitwise(
     optimizer_name: str, scheduler_name: str, direction: str
 ) -> None:
-    first_in_backward, then_in_backward = DIRECTIONS[direction]
+    first_mode, then_mode = DIRECTIONS[direction]
     resumed = interrupted_and_resumed(
-        first_in_backward, then_in_backward, optimizer_name, scheduler_name
+        first_mode, then_mode, optimizer_name, scheduler_name
     )
     assert_same_trajectory(
-        resumed, uninterrupted(False, optimizer_name, scheduler_name)
+        resumed, uninterrupted("plain", optimizer_name, scheduler_name)
     )
 
 
+@pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_one_cycle_momentum_reaches_every_in_backward_update(
-    optimizer_name: str,
+    optimizer_name: str, mode: str
 ) -> None:
-    reference = uninterrupted(False, optimizer_name, "onecycle")
+    reference = uninterrupted("plain", optimizer_name, "onecycle")
     momenta = reference[0].momenta
     # cycle_momentum moves the momentum opposite to the lr, from 0.95 at the start
     # down to 0.85 at the lr's peak and back: 0.95 at step 0, lower in the middle.
     assert momenta[0] == pytest.approx(0.95)
     assert min(momenta) < 0.9
     assert len(set(momenta)) >= 4
-    in_bwd = uninterrupted(True, optimizer_name, "onecycle")
+    in_bwd = uninterrupted(mode, optimizer_name, "onecycle")
     # The same momentum in the param groups at every step, and the same weights:
     # an update that kept the momentum it was built with would end elsewhere.
     assert_same_trajectory(in_bwd, reference)
