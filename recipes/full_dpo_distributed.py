@@ -77,6 +77,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           policy's gradients never exist all at once. The LR scheduler, logging and
           checkpoints treat it as the plain optimizer it imitates; checkpoints of
           either mode resume in the other.
+          ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
+          update in backward takes (default 16; 0: each parameter on its own).
         - Activation checkpointing (``enable_activation_checkpointing``) and
           activation offloading (``enable_activation_offloading``, CUDA only), for
           the policy; the reference runs without autograd and keeps no activations.
