@@ -445,7 +445,8 @@ class OptimizerInBackward(Optimizer):
         cannot be combined with it (the global norm is only known once backward is
         over, after the updates), and neither can gradient accumulation over several
         backward passes (every backward pass updates the parameters). Scale the loss
-        before ``backward()`` instead of scaling gradients after it.
+        before ``backward()`` instead of scaling gradients after it. If backward
+        raises, the buckets it updated before the error stay updated.
 
     .. note::
         :meth:`step` and :meth:`zero_grad` can be called in the training loop exactly
@@ -565,8 +566,9 @@ class OptimizerInBackward(Optimizer):
         self._inner: dict[torch.Tensor, Optimizer] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
         self._hooks_enabled = True
-        # Whether an end-of-backward update of unfinished buckets is queued.
-        self._flush_queued = False
+        # The backward pass (autograd graph task) whose end will update the buckets
+        # it left unfinished, if one was queued.
+        self._flush_task: int | None = None
         # Parameter -> the param group that holds it.
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         # The norm of every gradient used since zero_grad() (of its local shard for a
@@ -722,19 +724,21 @@ class OptimizerInBackward(Optimizer):
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
             self._update(bucket)
-        elif not self._flush_queued:
+            return
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # Not called from autograd (e.g. by hand): there is nothing to wait for.
+            self._update(bucket)
+        elif task != self._flush_task:
             # Some parameters of the bucket may get no gradient in this backward
             # pass (unused, or frozen since): update the bucket when it ends.
-            if torch._C._current_graph_task_id() == -1:
-                self._update(bucket)  # not called from autograd: nothing to wait for
-            else:
-                Variable._execution_engine.queue_callback(self._flush)
-                self._flush_queued = True
+            Variable._execution_engine.queue_callback(self._flush)
+            self._flush_task = task
 
     def _flush(self) -> None:
         """At the end of backward: update the buckets whose gradients did not all
         arrive."""
-        self._flush_queued = False
+        self._flush_task = None
         for bucket in self._buckets():
             if bucket.ready:
                 self._update(bucket)
@@ -864,6 +868,9 @@ class OptimizerInBackward(Optimizer):
         """
         super().zero_grad(set_to_none=set_to_none)
         self._grad_norms = {}
+        # A backward pass that raised may have left buckets half counted.
+        for bucket in self._buckets():
+            bucket.ready.clear()
 
     @property
     def grad_norm(self) -> torch.Tensor:

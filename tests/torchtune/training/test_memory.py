@@ -747,6 +747,59 @@ def test_bucket_whose_param_gets_no_gradient_updates_at_the_end_of_backward(
     )
 
 
+def failing_loss(model: nn.Module) -> torch.Tensor:
+    """A loss whose backward raises after layers 4 and 2 have their gradients,
+    before layer 0's."""
+    hidden = model[0](batch(99))
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("failed in backward")
+
+    hidden.register_hook(fail)
+    return model[4](torch.tanh(model[2](torch.tanh(hidden)))).square().mean()
+
+
+def test_a_backward_pass_that_raises_keeps_the_updates_already_made() -> None:
+    model = make_model()
+    optimizer = OptimizerInBackward(
+        model.parameters(),
+        torch.optim.AdamW,
+        bucket_cap_mb=BUCKET_CAPS["two_per_bucket"],
+    )
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="failed in backward"):
+        failing_loss(model).backward()
+    after = snapshot(model)
+    for name in before:
+        changed = not torch.equal(after[name], before[name])
+        assert changed == (not name.startswith("0.")), name
+    assert len(optimizer.state) == 4
+
+
+def test_after_a_backward_pass_that_raised_zero_grad_starts_clean() -> None:
+    """With one bucket nothing was updated when backward raised, but the bucket had
+    counted four gradients. After zero_grad() no bucket counts anything, and
+    training goes on exactly like a plain optimizer's, every update inside
+    backward."""
+    reference, plain, model, in_bwd = plain_and_in_backward()
+    for net, optimizer in ((reference, plain), (model, in_bwd)):
+        with pytest.raises(RuntimeError, match="failed in backward"):
+            failing_loss(net).backward()
+        optimizer.zero_grad(set_to_none=True)
+    assert [len(b.ready) for b in in_bwd._buckets()] == [0]
+    for step in range(3):
+        loss_fn(reference, step).backward()
+        plain.step()
+        plain.zero_grad()
+        loss_fn(model, step).backward()
+        assert all(p.grad is None for p in model.parameters()), step
+        in_bwd.zero_grad()
+    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    torch.testing.assert_close(
+        in_bwd.state_dict()["state"], plain.state_dict()["state"], **BITWISE
+    )
+
+
 def test_gradient_hook_called_outside_backward_updates_its_bucket_at_once() -> None:
     """A hook called by hand (as FSDP does after a reduce-scatter) with no backward
     pass to wait for must not leave the update pending."""
