@@ -52,10 +52,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     Features:
         - FSDP2. Parameters, gradients and optimizer states are sharded over the data
-          parallel ranks. ``fsdp_cpu_offload`` offloads them to CPU;
-          ``fsdp_reshard_after_forward: False`` keeps parameters gathered between
-          forward and backward (SHARD_GRAD_OP); ``custom_sharded_layers`` names extra
-          modules to shard on their own (e.g. ``['tok_embeddings', 'output']``).
+          parallel ranks. ``fsdp_cpu_offload`` offloads them to CPU (on accelerators;
+          a CPU run ignores it, saying so); ``fsdp_reshard_after_forward: False`` keeps
+          parameters gathered between forward and backward (SHARD_GRAD_OP);
+          ``custom_sharded_layers`` names extra modules to shard on their own (e.g.
+          ``['tok_embeddings', 'output']``).
         - Tensor parallelism. ``tensor_parallel_dim`` > 1 splits each model over that
           many ranks with ``tensor_parallel_plan``; FSDP shards over the rest.
         - Optimizer in backward. ``optimizer_in_bwd: True`` builds the optimizer as a
