@@ -14,12 +14,37 @@ from torchtune.training import (
 
 
 def lrs_over(optimizer: torch.optim.Optimizer, scheduler, steps: int) -> list[float]:
+    """The learning rate of each of ``steps`` training steps, with a real backward
+    pass in each (which is where an optimizer in backward updates)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     values = []
     for _ in range(steps):
         values.append(get_lr(optimizer))
+        sum(p.sum() for p in params).backward()
         optimizer.step()
+        optimizer.zero_grad()
         scheduler.step()
     return values
+
+
+def sgd_deltas_over(
+    optimizer: torch.optim.Optimizer, scheduler, steps: int
+) -> tuple[list[float], list[torch.Tensor]]:
+    """Per step: the learning rate, and how much one weight moved. With plain SGD
+    and a loss whose gradient is 1 for every weight, a step moves each weight by
+    exactly its learning rate, so the two lists are equal when the schedule reaches
+    the update."""
+    weight = optimizer.param_groups[0]["params"][0]
+    lrs, deltas = [], []
+    for _ in range(steps):
+        lrs.append(get_lr(optimizer))
+        before = weight.detach().clone()
+        sum(p.sum() for g in optimizer.param_groups for p in g["params"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        deltas.append(before - weight.detach())
+        scheduler.step()
+    return lrs, deltas
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "in_bwd"])
@@ -57,12 +82,27 @@ def test_cosine_schedule_resumes_from_last_epoch() -> None:
     assert get_lr(resumed_optimizer) == expected
 
 
-def test_get_lr_of_in_backward_optimizer_follows_its_scheduler() -> None:
+@pytest.mark.parametrize("bucket_cap_mb", [0, None], ids=["per_param", "bucketed"])
+def test_get_lr_of_in_backward_optimizer_is_the_lr_its_updates_use(
+    bucket_cap_mb: float | None,
+) -> None:
+    torch.manual_seed(0)
     optimizer = OptimizerInBackward(
-        nn.Linear(2, 2).parameters(), torch.optim.AdamW, lr=0.1
+        nn.Linear(2, 2).parameters(),
+        torch.optim.SGD,
+        bucket_cap_mb=bucket_cap_mb,
+        lr=0.5,
     )
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
-    assert lrs_over(optimizer, scheduler, 3) == pytest.approx([0.1, 0.01, 0.001])
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    lrs, deltas = sgd_deltas_over(optimizer, scheduler, 3)
+    assert lrs == [0.5, 0.25, 0.125]
+    assert len(deltas) == 3
+    for lr, delta in zip(lrs, deltas, strict=True):
+        # The update w - lr rounds by at most half a float32 ulp of the result
+        # (|w| < 2 here: ulp <= 2.4e-7); atol is a whole ulp.
+        torch.testing.assert_close(
+            delta, torch.full_like(delta, lr), rtol=0, atol=2.4e-7
+        )
 
 
 def test_get_lr_raises_when_groups_disagree() -> None:

@@ -501,7 +501,19 @@ def test_frozen_params_get_no_update_no_state_and_stay_in_param_groups() -> None
     torch.testing.assert_close(model[0].weight, make_model()[0].weight, **BITWISE)
     assert model[0].weight not in optimizer.state
     assert optimizer.state_dict()["state"].keys() == {2, 3, 4, 5}
-    plain.load_state_dict(optimizer.state_dict())  # same format as the plain one's
+    # The same format as the plain one's: a fresh plain optimizer loads it and
+    # trains on exactly like the uninterrupted one.
+    fresh_reference = make_model()
+    fresh_reference.load_state_dict(model.state_dict())
+    freeze_first_layer(fresh_reference)
+    fresh = cls(fresh_reference.parameters(), **kwargs)
+    fresh.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    torch.testing.assert_close(fresh.state_dict(), plain.state_dict(), **BITWISE)
+    train(reference, plain, range(3, 5))
+    train(fresh_reference, fresh, range(3, 5))
+    torch.testing.assert_close(
+        snapshot(fresh_reference), snapshot(reference), **BITWISE
+    )
 
 
 def test_param_unfrozen_later_is_updated_like_with_the_plain_optimizer() -> None:
