@@ -823,3 +823,48 @@ def assert_weights_close(
         f"{max(d[1] for d in differences):.3g}"
     )
     torch.testing.assert_close(dict(actual), dict(expected), rtol=rtol, atol=atol)
+
+
+def assert_same_update(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    rtol: float,
+    initial: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Two runs moved their weights from ``initial`` by the same update, within
+    ``rtol`` of the update's size, in norm over all tensors together (float64):
+    ``||actual - expected|| <= rtol * ||expected - initial||``. Prints the ratio.
+
+    For low-precision runs, where rounding moves single entries by a whole update
+    (in bf16, an AdamW update of a gradient entry near zero takes its sign from
+    rounding), so an elementwise tolerance would have to be as large as the update
+    itself, while the updates as a whole still agree closely.
+
+    Args:
+        actual (Mapping[str, torch.Tensor]): one run's final weights.
+        expected (Mapping[str, torch.Tensor]): the other run's.
+        rtol (float): the largest allowed ratio.
+        initial (Mapping[str, torch.Tensor] | None): the weights both started from
+            (cast to each tensor's dtype); None compares with ``expected``'s own
+            norm. Default: None.
+
+    Raises:
+        AssertionError: if the names differ, there are none, or the ratio is larger.
+    """
+    assert expected, "refusing to compare empty sets of weights"
+    assert set(actual) == set(expected), (
+        f"names differ: {sorted(set(actual) ^ set(expected))}"
+    )
+    difference = update = 0.0
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        start = 0.0 if initial is None else initial[name].to(tensor.dtype).double()
+        difference += (actual[name].double() - tensor.double()).square().sum().item()
+        update += (tensor.double() - start).square().sum().item()
+    assert update > 0, "the weights did not move"
+    ratio = (difference / update) ** 0.5
+    print(f"weights: ||actual - expected|| / ||update|| = {ratio:.3g}")
+    assert ratio <= rtol, (
+        f"the updates differ by {ratio:.3g} of their size, more than {rtol}"
+    )
