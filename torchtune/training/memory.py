@@ -236,19 +236,27 @@ _STATE_DICT_HOOKS = (
 DEFAULT_BUCKET_CAP_MB = 16.0
 
 
-def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
+def is_valid_bucket_cap(bucket_cap_mb: object) -> bool:
+    """Whether ``bucket_cap_mb`` is a valid bucket cap: a number ``>= 0`` (not a bool,
+    not NaN) or ``None`` for the default."""
     if bucket_cap_mb is None:
-        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-    if (
-        not isinstance(bucket_cap_mb, int | float)
-        or isinstance(bucket_cap_mb, bool)
-        or not bucket_cap_mb >= 0
-    ):
+        return True
+    return (
+        isinstance(bucket_cap_mb, int | float)
+        and not isinstance(bucket_cap_mb, bool)
+        and bucket_cap_mb >= 0
+    )
+
+
+def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
+    if not is_valid_bucket_cap(bucket_cap_mb):
         raise ValueError(
             f"bucket_cap_mb must be a number >= 0, got {bucket_cap_mb!r}: 0 updates "
             "each parameter on its own, larger values update up to that many MiB of "
             "gradients in one optimizer call"
         )
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     return int(bucket_cap_mb * 1024**2)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchtune.config._utils import _get_component_from_path
+from torchtune.training.memory import is_valid_bucket_cap
 
 # What ``compile`` can turn on, each on its own.
 COMPILE_TARGETS = ("model", "loss", "optimizer_step")
@@ -107,11 +108,7 @@ def check_optimizer_in_bwd_options(
             "hooks, where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False."
         )
-    if bucket_cap_mb is not None and (
-        not isinstance(bucket_cap_mb, int | float)
-        or isinstance(bucket_cap_mb, bool)
-        or not bucket_cap_mb >= 0
-    ):
+    if not is_valid_bucket_cap(bucket_cap_mb):
         raise ValueError(
             f"optimizer_in_bwd_bucket_cap_mb={bucket_cap_mb!r} is not a number >= 0. "
             "It is the most MiB of gradients one in-backward optimizer call updates: "
