@@ -1,0 +1,406 @@
+"""Helpers for scripts/mutation_test.sh (mutation testing with cosmic-ray).
+
+Subcommands:
+
+``serve SOCKET PRELOAD_TEST_FILE...``
+    A fork server for pytest runs. It imports every third-party module that the given
+    test files import (torch, torchao, bitsandbytes, ...; ~10 s here) but nothing of
+    ``torchtune`` or ``tests``, then forks one child per request: the child imports
+    torchtune from disk, so it sees the mutant that cosmic-ray just wrote, and runs
+    pytest. Each mutant then skips those imports.
+``pytest SOCKET TIMEOUT -- PYTEST_ARGS...``
+    The test command cosmic-ray runs for each mutant: runs pytest through the server
+    (or, if none is listening, in a fresh ``python -m pytest``) and exits with its
+    exit code. A run past TIMEOUT seconds is killed and prints ``MUTANT TIMEOUT``.
+``filter SESSION MODULE TARGET... [--sample FRACTION]``
+    Marks as skipped the mutants of a cosmic-ray session that are out of scope: those
+    outside the top-level definitions named TARGET (functions, classes, assigned
+    names), those that only change a type annotation (never evaluated: the modules
+    use ``from __future__ import annotations``), those whose code does not parse
+    (e.g. the ``*`` of a keyword-only marker read as a multiplication), and all but
+    a representative few replacements per operator (see ``_KEEP``). With
+    ``--sample``, also all but that fraction of the rest, chosen by a hash of each
+    mutant's operator, line and text, so the same mutants are chosen every time.
+``report SESSION [TEST_FILE...]``
+    Counts (total, killed, survived, timeouts), which test file killed each mutant
+    first, and the diff of every survivor. With TEST_FILEs, a mutant killed first
+    in one of them is also counted as "killed only by" them, which with ``pytest -x``
+    and those files run last means no other test file killed it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Replacements run for each binary and comparison operator; cosmic-ray generates every
+# pairing (11 per arithmetic operator, up to 7 per comparison), most of which are
+# killed by the same check as these. Binary: one natural swap per operator.
+# Comparisons: negation and the two boundary shifts, the "sufficient" relational
+# replacements of the selective-mutation literature; ``is``/``is not`` swap.
+_KEEP = {
+    "ReplaceBinaryOperator": {
+        "Add_Sub",
+        "Sub_Add",
+        "Mul_Div",
+        "Div_Mul",
+        "FloorDiv_Div",
+        "Mod_FloorDiv",
+        "Pow_Mul",
+        "BitOr_BitAnd",
+        "BitAnd_BitOr",
+        "BitXor_BitOr",
+        "LShift_RShift",
+        "RShift_LShift",
+    },
+    "ReplaceComparisonOperator": {
+        "Eq_NotEq",
+        "NotEq_Eq",
+        "Lt_LtE",
+        "Lt_GtE",
+        "LtE_Lt",
+        "LtE_Gt",
+        "Gt_GtE",
+        "Gt_LtE",
+        "GtE_Gt",
+        "GtE_Lt",
+        "Is_IsNot",
+        "IsNot_Is",
+    },
+}
+
+
+# -- fork server ----------------------------------------------------------------------
+
+
+def _third_party_modules(test_files: list[str]) -> list[str]:
+    """Modules the test files import, other than this repo's, in import order."""
+    code = (
+        "import sys, importlib.util\n"
+        "sys.path.insert(0, '.')\n"
+        "for path in sys.argv[1:]:\n"
+        "    name = path[:-3].replace('/', '.')\n"
+        "    importlib.import_module(name)\n"
+        "print('\\n'.join(sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *test_files],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    ours = ("torchtune", "tests", "__main__", "__mp_main__")
+    return [m for m in out.split() if m.split(".")[0] not in ours]
+
+
+def _preload(test_files: list[str]) -> None:
+    for name in _third_party_modules(test_files):
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module the child imports itself
+            pass
+    import pytest  # noqa: F401
+
+    leaked = [m for m in sys.modules if m.split(".")[0] in ("torchtune", "tests")]
+    if leaked:
+        raise RuntimeError(f"preloading imported this repo's modules: {leaked[:5]}")
+
+
+def _run_child(argv: list[str], cwd: str, timeout: float) -> tuple[int, str]:
+    with tempfile.TemporaryFile() as log:
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                os.setpgid(0, 0)
+                os.chdir(cwd)
+                sys.path.insert(0, cwd)
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(int(timeout))
+                import pytest
+
+                rc = int(pytest.main(argv))
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                rc = 3
+            os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # anything the tests left running
+        except OSError:
+            pass
+        log.seek(0)
+        output = log.read().decode("utf-8", "replace")
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        note = "MUTANT TIMEOUT" if sig == signal.SIGALRM else f"killed by signal {sig}"
+        return 128 + sig, output + f"\n{note}\n"
+    return os.WEXITSTATUS(status), output
+
+
+def serve(sock_path: str, test_files: list[str]) -> None:
+    _preload(test_files)
+    if os.path.exists(sock_path):
+        os.unlink(sock_path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen(1)
+    print(f"mutation fork server ready on {sock_path}", flush=True)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            request = json.loads(_recv_all(conn))
+            rc, output = _run_child(request["argv"], request["cwd"], request["timeout"])
+            conn.sendall(json.dumps({"rc": rc, "output": output}).encode())
+
+
+def _recv_all(conn: socket.socket) -> bytes:
+    chunks = []
+    while True:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def run_pytest(sock_path: str, timeout: float, argv: list[str]) -> int:
+    request = {"argv": argv, "cwd": os.getcwd(), "timeout": timeout}
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sock_path)
+    except OSError:
+        print("(no fork server: running pytest in a new process)", flush=True)
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "pytest", *argv], timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            print("MUTANT TIMEOUT", flush=True)
+            return 124
+    with conn:
+        conn.sendall(json.dumps(request).encode())
+        conn.shutdown(socket.SHUT_WR)
+        reply = json.loads(_recv_all(conn))
+    sys.stdout.write(reply["output"])
+    sys.stdout.flush()
+    return reply["rc"]
+
+
+# -- session filter -------------------------------------------------------------------
+
+
+def _target_lines(tree: ast.Module, targets: set[str]) -> list[tuple[int, int]]:
+    spans = []
+    for node in tree.body:
+        names: set[str] = set()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = {node.name}
+        elif isinstance(node, ast.Assign):
+            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = {node.target.id}
+        if names & targets:
+            start = min(
+                [node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]
+            )
+            spans.append((start, node.end_lineno))
+    missing = targets - {
+        n
+        for node in tree.body
+        for n in (
+            [getattr(node, "name", None)]
+            + [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            + [getattr(getattr(node, "target", None), "id", None)]
+        )
+        if n
+    }
+    if missing:
+        raise SystemExit(f"no top-level definition named {sorted(missing)}")
+    return spans
+
+
+class _StripAnnotations(ast.NodeTransformer):
+    def visit_arg(self, node: ast.arg) -> ast.arg:
+        node.annotation = None
+        return node
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.FunctionDef:
+        node.returns = None
+        self.generic_visit(node)
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AnnAssign:
+        node.annotation = ast.Constant(None)
+        self.generic_visit(node)
+        return node
+
+
+def _stripped(source: str) -> str:
+    return ast.dump(_StripAnnotations().visit(ast.parse(source)))
+
+
+def _kept(operator_name: str) -> bool:
+    op = operator_name.split("/")[-1]
+    for family, keep in _KEEP.items():
+        if op.startswith(family + "_"):
+            return op[len(family) + 1 :] in keep
+    return True
+
+
+def _sampled(mutation, mutated: str, fraction: float) -> bool:
+    line = mutated.splitlines()[mutation.start_pos[0] - 1].strip()
+    key = f"{mutation.operator_name}|{mutation.start_pos[0]}|{line}"
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def filter_session(
+    session: str, module: str, targets: list[str], sample: float = 1.0
+) -> None:
+    import cosmic_ray.plugins
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    source = Path(module).read_text()
+    spans = _target_lines(ast.parse(source), set(targets))
+    original = _stripped(source)
+    reasons: dict[str, list[str]] = {}
+    kept = 0
+    with use_db(session, WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            (mutation,) = item.mutations
+            line = mutation.start_pos[0]
+            reason = None
+            if not any(a <= line <= b for a, b in spans):
+                reason = "outside the target definitions"
+            elif not _kept(mutation.operator_name):
+                reason = "operator replacement not sampled"
+            else:
+                operator = cosmic_ray.plugins.get_operator(mutation.operator_name)(
+                    **mutation.operator_args
+                )
+                mutated = mutate_code(source, operator, mutation.occurrence)
+                try:
+                    if mutated is None:
+                        reason = "no mutation"
+                    elif _stripped(mutated) == original:
+                        reason = "changes only a type annotation"
+                    elif not _sampled(mutation, mutated, sample):
+                        reason = f"not in the {sample:.0%} sample"
+                except SyntaxError:
+                    reason = "mutant does not parse"
+            if reason is None:
+                kept += 1
+                continue
+            reasons.setdefault(reason, []).append(item.job_id)
+        for reason, job_ids in reasons.items():
+            db.set_multiple_results(
+                job_ids,
+                WorkResult(
+                    output=f"skipped: {reason}",
+                    worker_outcome=WorkerOutcome.SKIPPED,
+                ),
+            )
+    for reason, job_ids in sorted(reasons.items()):
+        print(f"skipped {len(job_ids):4d}: {reason}")
+    print(f"to run  {kept:4d}")
+
+
+# -- report ---------------------------------------------------------------------------
+
+
+def _first_failure(output: str) -> str:
+    match = re.search(r"^(?:FAILED|ERROR) (\S+?\.py)", output or "", re.M)
+    return match.group(1) if match else "(no failing test named)"
+
+
+def report(session: str, late_files: list[str] = ()) -> None:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "pending": 0, "other": 0}
+    survivors = []
+    killed_by: dict[str, int] = {}
+    with use_db(session, WorkDB.Mode.open) as db:
+        results = dict(db.results)
+        for item in db.work_items:
+            result = results.get(item.job_id)
+            if result is None:
+                counts["pending"] += 1
+            elif result.worker_outcome == WorkerOutcome.SKIPPED:
+                continue
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                survivors.append((item, result))
+            elif result.test_outcome == TestOutcome.KILLED:
+                timed_out = result.output == "timeout" or "MUTANT TIMEOUT" in (
+                    result.output or ""
+                )
+                counts["timeout" if timed_out else "killed"] += 1
+                first = "(timeout)" if timed_out else _first_failure(result.output)
+                killed_by[first] = killed_by.get(first, 0) + 1
+            else:
+                counts["other"] += 1
+    ran = counts["killed"] + counts["timeout"] + counts["survived"]
+    for item, result in sorted(survivors, key=lambda s: s[0].mutations[0].start_pos):
+        (mutation,) = item.mutations
+        print(
+            f"SURVIVED {item.job_id} {mutation.operator_name} "
+            f"line {mutation.start_pos[0]} ({mutation.definition_name})"
+        )
+        diff = result.diff or ""
+        print("\n".join(line for line in diff.split("\n") if re.match(r"[-+@]", line)))
+    for first, n in sorted(killed_by.items()):
+        print(f"killed first by {first}: {n}")
+    only_late = sum(n for f, n in killed_by.items() if f in late_files)
+    print(json.dumps({"ran": ran, **counts, "killed_only_by_late_files": only_late}))
+    if ran:
+        print(f"killed (timeouts included): {(ran - counts['survived']) / ran:.1%}")
+        if late_files:
+            early = ran - counts["survived"] - only_late
+            print(f"killed without {' '.join(late_files)}: {early / ran:.1%}")
+
+
+def main() -> None:
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "serve":
+        serve(args[0], args[1:])
+    elif command == "pytest":
+        sock, timeout, sep, *argv = args
+        if sep != "--":
+            raise SystemExit("usage: pytest SOCKET TIMEOUT -- PYTEST_ARGS...")
+        sys.exit(run_pytest(sock, float(timeout), argv))
+    elif command == "filter":
+        sample = 1.0
+        if "--sample" in args:
+            i = args.index("--sample")
+            sample = float(args[i + 1])
+            args = args[:i] + args[i + 2 :]
+        filter_session(args[0], args[1], args[2:], sample)
+    elif command == "report":
+        report(args[0], args[1:])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

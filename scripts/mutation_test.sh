@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
+# (torchtune/training/memory.py) and the checkpoint client
+# (torchtune/training/checkpointing/_checkpoint_client.py), against the unit tests
+# (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
+# See "Mutation testing" in CONTRIBUTING.md.
+#
+#   bash scripts/mutation_test.sh [memory] [checkpoint_client]   (default: both)
+#
+# cosmic-ray rewrites the mutated file in place, so this never runs in the checkout it
+# is started from: it clones the committed HEAD into $MUT_DIR (default
+# /tmp/torchtune-mutation; pulled if it exists), builds a venv there with
+# scripts/setup_env.sh plus cosmic-ray, and runs there. A session is resumed where it
+# stopped unless FRESH=1. Reports are written to $MUT_DIR/.mutation/*.report.txt.
+#
+# SAMPLE=0.5 runs a fixed half of the mutants (default 1: all). The tests run with
+# pytest -x, the older test files first and the contract tests (written to kill what
+# the others missed) last, so the report also tells which mutants only those kill.
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+MUT_DIR="${MUT_DIR:-/tmp/torchtune-mutation}"
+COSMIC_RAY_VERSION=8.7.0
+MEMORY=torchtune/training/memory.py
+CLIENT=torchtune/training/checkpointing/_checkpoint_client.py
+
+if [ "$REPO" != "$(realpath -m "$MUT_DIR")" ]; then
+  if [ -d "$MUT_DIR/.git" ]; then
+    # A run that was killed mid-mutant leaves that mutant on disk.
+    git -C "$MUT_DIR" checkout -q -- "$MEMORY" "$CLIENT"
+    git -C "$MUT_DIR" pull -q --ff-only
+  else
+    git clone -q "$REPO" "$MUT_DIR"
+  fi
+  exec bash "$MUT_DIR/scripts/mutation_test.sh" "$@"
+fi
+
+cd "$REPO"
+if ! git diff --quiet -- "$MEMORY" "$CLIENT"; then
+  echo "$MEMORY or $CLIENT differs from HEAD (an interrupted run's mutant?):" >&2
+  echo "  git -C $REPO checkout -- $MEMORY $CLIENT" >&2
+  exit 1
+fi
+bash scripts/setup_env.sh
+PY=.venv/bin/python
+if ! "$PY" -c "import cosmic_ray" 2>/dev/null; then
+  # cosmic-ray does not depend on torch, so this leaves the CPU torch build alone.
+  "$PY" -m pip install --disable-pip-version-check --quiet "cosmic-ray==$COSMIC_RAY_VERSION"
+fi
+"$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')"
+
+export OMP_NUM_THREADS=1 TORCHINDUCTOR_AUTOGRAD_CACHE=0 PYTHONDONTWRITEBYTECODE=1
+WORK="$REPO/.mutation"
+mkdir -p "$WORK"
+SOCK="$WORK/pytest.sock"
+# Seconds one mutant's test run may take (a clean run takes ~30 s here); longer counts
+# as killed, reported as a timeout.
+TEST_TIMEOUT=240
+
+TT=tests/torchtune/training
+MEMORY_TESTS=(
+  "$TT/test_memory.py"
+  "$TT/test_optim_in_bwd_deprecated.py"
+  "$TT/test_memory_optimizer_matrix.py"
+  "$TT/test_optimizer_in_backward_contract.py"
+)
+MEMORY_CONTRACT="$TT/test_optimizer_in_backward_contract.py"
+MEMORY_TARGETS=(
+  _OWNERS _HOOKED_INNER _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB _bucket_cap_bytes
+  _owner_of _BucketState _Bucket _local_bytes _single_param _optimizer_params
+  _reclaim_inner_state _describe _wrapped_attribute OptimizerInBackward
+)
+CLIENT_TESTS=(
+  "$TT/checkpointing/test_checkpoint_client.py"
+  "$TT/checkpointing/test_checkpoint_client_contract.py"
+)
+CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_client_contract.py"
+CLIENT_TARGETS=(TrainingProgress CheckpointClient)
+# Multi-process (gloo) scenarios take minutes each; the import-order check runs
+# fresh interpreters and cannot see a mutant that the other tests miss.
+DESELECT="not two_gloo and not without_a_cycle"
+
+existing() {
+  for f in "$@"; do if [ -f "$f" ]; then printf '%s ' "$f"; fi; done
+}
+
+# Imports torch, torchao, bitsandbytes, ... once; each mutant's pytest run is a fork
+# of it that imports torchtune (with the mutant) from disk.
+# shellcheck disable=SC2046
+"$PY" scripts/mutation_test.py serve "$SOCK" $(existing "${MEMORY_TESTS[@]}" "${CLIENT_TESTS[@]}") \
+  >"$WORK/server.log" 2>&1 &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true' EXIT
+until grep -q ready "$WORK/server.log" 2>/dev/null; do
+  kill -0 "$SERVER" 2>/dev/null || { cat "$WORK/server.log" >&2; exit 1; }
+  sleep 1
+done
+
+run_session() {
+  local name=$1 module=$2 tests=$3 targets=$4 contract=$5
+  local cfg="$WORK/$name.toml" session="$WORK/$name.sqlite"
+  local pytest_args="-x -q -p no:randomly -p no:cacheprovider $tests -k \"$DESELECT\""
+  cat >"$cfg" <<EOF
+[cosmic-ray]
+module-path = "$module"
+timeout = $((TEST_TIMEOUT + 60))
+excluded-modules = []
+test-command = '$PY scripts/mutation_test.py pytest $SOCK $TEST_TIMEOUT -- $pytest_args'
+
+[cosmic-ray.distributor]
+name = "local"
+EOF
+  echo "== $name: $module against $tests"
+  if [ ! -f "$session" ] || [ "${FRESH:-0}" = 1 ]; then
+    .venv/bin/cosmic-ray init "$cfg" "$session" --force
+    # shellcheck disable=SC2086
+    "$PY" scripts/mutation_test.py filter "$session" "$module" $targets \
+      --sample "${SAMPLE:-1}"
+  fi
+  # The tests must pass on the unmutated code, or every mutant counts as killed.
+  eval "$PY scripts/mutation_test.py pytest $SOCK $TEST_TIMEOUT -- $pytest_args" | tail -n 1
+  local start=$SECONDS
+  .venv/bin/cosmic-ray exec "$cfg" "$session"
+  echo "$name: $((SECONDS - start)) s"
+  "$PY" scripts/mutation_test.py report "$session" "$contract" |
+    tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED'
+}
+
+for what in "${@:-memory checkpoint_client}"; do
+  for name in $what; do
+    case "$name" in
+      memory)
+        run_session memory "$MEMORY" "$(existing "${MEMORY_TESTS[@]}")" \
+          "${MEMORY_TARGETS[*]}" "$MEMORY_CONTRACT"
+        ;;
+      checkpoint_client)
+        run_session checkpoint_client "$CLIENT" "$(existing "${CLIENT_TESTS[@]}")" \
+          "${CLIENT_TARGETS[*]}" "$CLIENT_CONTRACT"
+        ;;
+      *)
+        echo "unknown target $name (memory, checkpoint_client)" >&2
+        exit 2
+        ;;
+    esac
+  done
+done
