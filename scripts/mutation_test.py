@@ -21,9 +21,12 @@ Subcommands:
     a representative few replacements per operator (see ``_KEEP``). With
     ``--sample``, also all but that fraction of the rest, chosen by a hash of each
     mutant's operator, line and text, so the same mutants are chosen every time.
+``rerun-survivors SESSION``
+    Makes the session's surviving mutants pending again (after adding tests).
 ``report SESSION [TEST_FILE...]``
     Counts (total, killed, survived, timeouts), which test file killed each mutant
-    first, and the diff of every survivor. With TEST_FILEs, a mutant killed first
+    first, and the diff of every survivor; survivors listed in ``EQUIVALENT`` are
+    marked so, with the reason, and left out of the score. With TEST_FILEs, a mutant killed first
     in one of them is also counted as "killed only by" them, which with ``pytest -x``
     and those files run last means no other test file killed it.
 """
@@ -78,6 +81,11 @@ _KEEP = {
         "IsNot_Is",
     },
 }
+
+
+# Surviving mutants that no test can kill, with the reason: (module, operator, the
+# mutated line as the diff shows it, stripped) -> reason. Each was checked by hand.
+EQUIVALENT: dict[tuple[str, str, str], str] = {}
 
 
 # -- fork server ----------------------------------------------------------------------
@@ -325,6 +333,30 @@ def filter_session(
     print(f"to run  {kept:4d}")
 
 
+def rerun_survivors(session: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(session) as db:
+        n = db.execute(
+            "DELETE FROM work_results WHERE test_outcome = 'SURVIVED'"
+        ).rowcount
+    print(f"{n} surviving mutants pending again")
+
+
+def _equivalent_reason(mutation, diff: str) -> str | None:
+    added = [
+        line[1:].strip()
+        for line in diff.split("\n")
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    module = Path(mutation.module_path).as_posix()
+    for line in added or [""]:
+        reason = EQUIVALENT.get((module, mutation.operator_name, line))
+        if reason:
+            return reason
+    return None
+
+
 # -- report ---------------------------------------------------------------------------
 
 
@@ -361,23 +393,36 @@ def report(session: str, late_files: list[str] = ()) -> None:
             else:
                 counts["other"] += 1
     ran = counts["killed"] + counts["timeout"] + counts["survived"]
+    equivalent = 0
     for item, result in sorted(survivors, key=lambda s: s[0].mutations[0].start_pos):
         (mutation,) = item.mutations
-        print(
-            f"SURVIVED {item.job_id} {mutation.operator_name} "
-            f"line {mutation.start_pos[0]} ({mutation.definition_name})"
-        )
         diff = result.diff or ""
+        reason = _equivalent_reason(mutation, diff)
+        equivalent += reason is not None
+        print(
+            f"{'EQUIVALENT' if reason else 'SURVIVED'} {item.job_id} "
+            f"{mutation.operator_name} line {mutation.start_pos[0]} "
+            f"({mutation.definition_name}){': ' + reason if reason else ''}"
+        )
         print("\n".join(line for line in diff.split("\n") if re.match(r"[-+@]", line)))
+    counts["equivalent"] = equivalent
     for first, n in sorted(killed_by.items()):
         print(f"killed first by {first}: {n}")
     only_late = sum(n for f, n in killed_by.items() if f in late_files)
     print(json.dumps({"ran": ran, **counts, "killed_only_by_late_files": only_late}))
-    if ran:
-        print(f"killed (timeouts included): {(ran - counts['survived']) / ran:.1%}")
+    scored = ran - equivalent
+    if scored:
+        killed = ran - counts["survived"]
+        print(
+            f"score (killed / non-equivalent, timeouts count as killed): "
+            f"{killed}/{scored} = {killed / scored:.1%}"
+        )
         if late_files:
-            early = ran - counts["survived"] - only_late
-            print(f"killed without {' '.join(late_files)}: {early / ran:.1%}")
+            early = killed - only_late
+            print(
+                f"without {' '.join(late_files)}: {early}/{scored} = "
+                f"{early / scored:.1%}"
+            )
 
 
 def main() -> None:
@@ -396,6 +441,8 @@ def main() -> None:
             sample = float(args[i + 1])
             args = args[:i] + args[i + 2 :]
         filter_session(args[0], args[1], args[2:], sample)
+    elif command == "rerun-survivors":
+        rerun_survivors(args[0])
     elif command == "report":
         report(args[0], args[1:])
     else:

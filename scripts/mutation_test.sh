@@ -13,6 +13,7 @@
 # scripts/setup_env.sh plus cosmic-ray, and runs there. A session is resumed where it
 # stopped unless FRESH=1. Reports are written to $MUT_DIR/.mutation/*.report.txt.
 #
+# RERUN_SURVIVORS=1 runs the session's survivors again (after adding tests).
 # SAMPLE=0.5 runs a fixed half of the mutants (default 1: all). The tests run with
 # pytest -x, the older test files first and the contract tests (written to kill what
 # the others missed) last, so the report also tells which mutants only those kill.
@@ -116,13 +117,16 @@ EOF
     "$PY" scripts/mutation_test.py filter "$session" "$module" $targets \
       --sample "${SAMPLE:-1}"
   fi
+  if [ "${RERUN_SURVIVORS:-0}" = 1 ]; then
+    "$PY" scripts/mutation_test.py rerun-survivors "$session"
+  fi
   # The tests must pass on the unmutated code, or every mutant counts as killed.
   eval "$PY scripts/mutation_test.py pytest $SOCK $TEST_TIMEOUT -- $pytest_args" | tail -n 1
   local start=$SECONDS
   .venv/bin/cosmic-ray exec "$cfg" "$session"
   echo "$name: $((SECONDS - start)) s"
   "$PY" scripts/mutation_test.py report "$session" "$contract" |
-    tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED'
+    tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT'
 }
 
 for what in "${@:-memory checkpoint_client}"; do

@@ -140,6 +140,16 @@ def test_progress_from_checkpoint_warns_only_about_values_that_differ(caplog) ->
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def test_progress_from_checkpoint_takes_the_config_values_by_keyword_only() -> None:
+    saved = PROGRESS.state_dict()
+    progress = TrainingProgress.from_checkpoint(
+        ckpt_dict=saved, seed=7, total_epochs=3, max_steps_per_epoch=3
+    )
+    assert progress == PROGRESS
+    with pytest.raises(TypeError):
+        TrainingProgress.from_checkpoint(saved, 7, 3, 3)
+
+
 @pytest.mark.parametrize(
     "key", ["EPOCHS_KEY", "SEED_KEY", "MAX_STEPS_KEY", "TOTAL_EPOCHS_KEY"]
 )
@@ -199,6 +209,36 @@ def test_synchronous_resume_loads_weights_optimizer_state_and_progress(
         client = CheckpointClient(client_config(tmp_path, **options))
         loaded = client.load_base_checkpoint(resume_from_epoch=resume_from_epoch)
         assert set(loaded) == {training.MODEL_KEY}, options
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_second_to_last_epoch_is_intermediate_and_the_last_is_final(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    model, optimizer = trained()
+    client = CheckpointClient(
+        client_config(tmp_path, enable_async_checkpointing=asynchronous)
+    )
+    client.save_checkpoint(model, optimizer, PROGRESS, epoch=1)  # of 0, 1, 2
+    if asynchronous:
+        # Written by DCP in the background: the save returned with it in flight.
+        assert client._dcp_checkpointer._checkpoint_future is not None
+        client.wait_for_async_save()
+        assert (tmp_path / "out" / "dist_epoch_1" / ".metadata").is_file()
+        assert saved_files(tmp_path) == {}
+    else:
+        files = saved_files(tmp_path)
+        assert sorted(files) == [
+            "epoch_1/model-00001-of-00001.bin",
+            "recipe_state/recipe_state.pt",
+        ]
+        recipe_state = files["recipe_state/recipe_state.pt"]
+        assert recipe_state[training.EPOCHS_KEY] == 1
+        assert training.OPT_KEY in recipe_state
+    client.save_checkpoint(model, optimizer, PROGRESS, epoch=2)
+    assert "epoch_2/model-00001-of-00001.bin" in saved_files(tmp_path)
+    assert not (tmp_path / "out" / "dist_epoch_2").exists()
 
 
 def test_wait_for_async_save_waits_for_and_reraises_the_last_save(
@@ -292,7 +332,8 @@ def test_distributed_async_save_gets_its_own_gloo_group_and_resumes(
     loaded = CheckpointClient(config).load_distributed_checkpoint(
         resumed, new_optimizer
     )
-    assert loaded[training.EPOCHS_KEY] == 1
+    progress = {k: v for k, v in PROGRESS.state_dict().items() if v is not None}
+    assert {k: loaded[k] for k in progress} == progress
     torch.testing.assert_close(resumed.state_dict(), model.state_dict(), **BITWISE)
     torch.testing.assert_close(
         new_optimizer.state_dict()["state"], optimizer.state_dict()["state"], **BITWISE
