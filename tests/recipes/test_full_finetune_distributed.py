@@ -49,15 +49,15 @@ measured on this project's x86 CPU (``assert_series_close`` and
   steps is the one to take.
 - torchao's 8-bit AdamW: as across modes for loss and grad norm; in the weights, a
   last-ulp difference in a moment that moves it across an 8-bit code changes that
-  one element's update (measured: 3 of 139584 entries off by up to 1.4e-4), so the
-  final weights are compared in norm: the two updates differ by 1.2e-4 of the
-  update's size, checked at 1.2e-3.
+  one element's update (measured: 15 of 139584 entries off by more than 1e-6, the
+  largest by 1.4e-4), so the final weights are compared in norm: the two updates
+  differ by 1.2e-4 of the update's size, checked at 1.2e-3.
 - bf16: the same arithmetic rounded to 8 significant bits, so a gradient entry
   differs by a bf16 ulp between the modes, not an fp32 one [4.8e-5, 3.3e-3]; a
   gradient entry near zero can take its sign from rounding, and AdamW then moves
-  that weight a whole update the other way (up to 3.6e-3, twice the peak lr), so
-  the weights are compared in norm: the updates differ by 1.4% of their size,
-  checked at 10%.
+  that weight a whole update the other way (up to 3.6e-3, about twice the peak
+  lr), so the weights are compared in norm: the updates differ by 1.4% of their
+  size, checked at 10%.
 
 All of these stay far below what a real error gives. AdamW's update hardly depends
 on the gradients' scale, so a wrong token normalization (or a missed world_size for
