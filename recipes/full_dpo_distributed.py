@@ -78,7 +78,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           checkpoints treat it as the plain optimizer it imitates; checkpoints of
           either mode resume in the other.
           ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-          update in backward takes (default 16; 0: each parameter on its own).
+          update in backward takes (default 4; 0: each parameter on its own).
         - Activation checkpointing (``enable_activation_checkpointing``) and
           activation offloading (``enable_activation_offloading``, CUDA only), for
           the policy; the reference runs without autograd and keeps no activations.

@@ -44,7 +44,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
       ``step``/``zero_grad`` and checkpoints are the same in both modes, and a
       checkpoint written in one mode resumes in the other.
       ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-      update in backward takes (default 16; 0: each parameter on its own).
+      update in backward takes (default 4; 0: each parameter on its own).
     - Loss normalization: a step's update is the gradient of the mean loss over every
       target token of the step. Plain runs backpropagate the token sum of each batch
       and divide the accumulated gradients by the step's token count; in-backward runs

@@ -67,7 +67,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
       ``step``/``zero_grad`` and checkpoints are the same in both modes, and a
       checkpoint written in one mode resumes in the other.
       ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-      update in backward takes (default 16; 0: each parameter on its own).
+      update in backward takes (default 4; 0: each parameter on its own).
     - Loss normalization: a step's update is the gradient of the mean loss over every
       target token the step sees on all processes. Each process backpropagates its
       token sum; plain runs divide the accumulated gradients by the all-reduced token

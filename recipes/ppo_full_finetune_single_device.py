@@ -67,7 +67,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
       to everything else: ``step``/``zero_grad``, ``get_lr`` and checkpoints are the
       same in both modes, and a checkpoint written in one mode resumes in the other.
       ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-      update in backward takes (default 16; 0: each parameter on its own).
+      update in backward takes (default 4; 0: each parameter on its own).
     - Batch sizes: ``batch_size`` prompts per step, generated ``forward_batch_size`` at
       a time (no gradients, so this can be larger); one optimizer step per
       ``ppo_batch_size`` trajectories, ``ppo_epochs`` times over the step's batch;

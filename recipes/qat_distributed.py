@@ -72,7 +72,7 @@ class QATRecipeDistributed(FTRecipeInterface):
           treats it as the plain optimizer it imitates; checkpoints of either mode
           (and torchtune 0.6.1's in-backward checkpoints) resume in either.
           ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-          update in backward takes (default 16; 0: each parameter on its own).
+          update in backward takes (default 4; 0: each parameter on its own).
         - Activation checkpointing (``enable_activation_checkpointing``, or selective
           with ``ac_mode``/``ac_option``) and activation offloading
           (``enable_activation_offloading``, CUDA only).

@@ -92,7 +92,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
           treats it as the plain optimizer it imitates; checkpoints of either mode
           resume in the other.
           ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
-          update in backward takes (default 16; 0: each parameter on its own).
+          update in backward takes (default 4; 0: each parameter on its own).
         - Activation checkpointing (``enable_activation_checkpointing``, or selective
           with ``ac_mode``/``ac_option``) and activation offloading
           (``enable_activation_offloading``, CUDA only).

@@ -233,7 +233,7 @@ _STATE_DICT_HOOKS = (
 
 #: Default most gradient bytes, in MiB, that :class:`OptimizerInBackward` updates in
 #: one optimizer call.
-DEFAULT_BUCKET_CAP_MB = 16.0
+DEFAULT_BUCKET_CAP_MB = 4.0
 
 
 def is_valid_bucket_cap(bucket_cap_mb: object) -> bool:

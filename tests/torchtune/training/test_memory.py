@@ -700,7 +700,7 @@ def test_bucket_cap_holds_consecutive_params_of_one_group_up_to_the_cap() -> Non
         (224 / 2**20, [2, 1, 3]),  # 192+32, 256 alone, 32+96+12
         (300 / 2**20, [2, 2, 2]),
         (1.0, [6]),
-        (None, [6]),  # the default, 16 MiB
+        (None, [6]),  # the default, 4 MiB
     ]
     for cap, sizes in caps_and_sizes:
         optimizer = OptimizerInBackward(
