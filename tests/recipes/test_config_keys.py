@@ -108,16 +108,6 @@ def _mode(optimizer_in_bwd: bool) -> dict[str, Any]:
     return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """What run_tune gives its subprocesses, for the runs in this process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def train_single(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory

@@ -103,20 +103,6 @@ BF16_UPDATE_ACROSS_MODES = 0.1  # 0.014 of the update's norm
 SHARD = "model-00001-of-00001.safetensors"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
-    """What run_tune gives its subprocesses, for the runs in this process.
-
-    Hugging Face libraries read these when first imported, which for this process is
-    normally the first in-process run below.
-    """
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 def _mode_overrides(optimizer_in_bwd: bool) -> dict[str, object]:
     # clip_grad_norm=null is given on the command line on purpose: it must mean
     # "no clipping", which in-backward runs accept.

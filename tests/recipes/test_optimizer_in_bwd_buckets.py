@@ -28,15 +28,6 @@ BITWISE = {"rtol": 0.0, "atol": 0.0}
 CAPS = {"per_parameter": 0, "small": 0.07, "default": None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def runs(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory

@@ -102,16 +102,6 @@ ACCUMULATION_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 GRAD_NORM_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
-    """What run_tune gives its subprocesses, for the runs in this process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def ppo_assets(tiny_assets: TinyAssets) -> PPOAssets:
     return ensure_ppo_assets(tiny_assets)

@@ -146,16 +146,6 @@ def resume_subset(configs: list[ShippedConfig]) -> list[ShippedConfig]:
 RESUME_SUBSET = resume_subset(SHIPPED)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
-    """What run_tune gives its subprocesses, for the runs in this process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 def _run(config: ShippedConfig, overrides: list[str], output_dir: Path) -> TuneRun:
     """``tune run`` the config's recipe: in this process when it is single-device."""
     if "distributed" in config.recipe:

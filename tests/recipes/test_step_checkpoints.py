@@ -72,16 +72,6 @@ MODE_SWITCH_WEIGHTS = {"rtol": 0.0, "atol": 6e-7}
 SHARD = "model-00001-of-00001.safetensors"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_hf(tmp_path_factory: pytest.TempPathFactory):
-    """What run_tune gives its subprocesses, for the runs in this process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
-        yield
-
-
 def overrides(assets: TinyAssets, in_bwd: bool, **more: Any) -> dict[str, Any]:
     return {
         "assets_dir": assets.root,
