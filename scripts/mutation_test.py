@@ -83,9 +83,10 @@ _KEEP = {
 }
 
 
-# Surviving mutants that no test can kill, with the reason: (module, operator, the
-# mutated line as the diff shows it, stripped) -> reason. Each was checked by hand.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+# Surviving mutants that no test can kill, with the reason: (module, enclosing
+# definition, operator, the mutated line as the diff shows it, stripped) -> reason.
+# Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {}
 
 
 # -- fork server ----------------------------------------------------------------------
@@ -351,7 +352,8 @@ def _equivalent_reason(mutation, diff: str) -> str | None:
     ]
     module = Path(mutation.module_path).as_posix()
     for line in added or [""]:
-        reason = EQUIVALENT.get((module, mutation.operator_name, line))
+        key = (module, mutation.definition_name, mutation.operator_name, line)
+        reason = EQUIVALENT.get(key)
         if reason:
             return reason
     return None
