@@ -583,6 +583,12 @@ class OptimizerInBackward(Optimizer):
         # DTensor), keyed by how to reduce them across ranks (None for plain
         # tensors, (mesh, mesh dims) for DTensors) and by device.
         self._grad_norms: dict[Any, list[torch.Tensor]] = {}
+        #: Whether updates record their gradients' norms for :attr:`grad_norm`. A
+        #: training loop that logs only every few steps can turn it off before the
+        #: backward passes of the others, to skip one read of every gradient.
+        self.record_grad_norm = True
+        # Whether a gradient went unrecorded since zero_grad().
+        self._grad_norm_missing = False
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._patch_step_function()
@@ -759,7 +765,10 @@ class OptimizerInBackward(Optimizer):
         params = [p for p in bucket.params if p.grad is not None]
         if not params:
             return
-        self._accumulate_grad_norm([p.grad for p in params])
+        if self.record_grad_norm:
+            self._accumulate_grad_norm([p.grad for p in params])
+        else:
+            self._grad_norm_missing = True
         inner = bucket.optimizer
         _reclaim_inner_state(inner)
         # The outer group is the one schedulers and load_state_dict write to; all of
@@ -876,6 +885,7 @@ class OptimizerInBackward(Optimizer):
         """
         super().zero_grad(set_to_none=set_to_none)
         self._grad_norms = {}
+        self._grad_norm_missing = False
         # A backward pass that raised may have left buckets half counted.
         for bucket in self._buckets():
             bucket.ready.clear()
@@ -889,7 +899,17 @@ class OptimizerInBackward(Optimizer):
         For DTensor parameters (FSDP2, tensor parallel) each rank adds up the squares of
         its local shards and reading this property all-reduces them, so it must be read
         on every rank, like any collective.
+
+        Raises:
+            RuntimeError: if some of those gradients were used while
+                :attr:`record_grad_norm` was ``False``: the norm would be wrong.
         """
+        if self._grad_norm_missing:
+            raise RuntimeError(
+                "grad_norm is unknown: gradients were used since the last zero_grad() "
+                "while record_grad_norm was False. Set optimizer.record_grad_norm = "
+                "True before the backward passes of a step whose grad_norm you read."
+            )
         total: torch.Tensor | None = None
         for (key, _), norms in self._grad_norms.items():
             # As torch.nn.utils.get_total_norm: the norm of the stacked norms.

@@ -644,6 +644,27 @@ def test_grad_norm_equals_clip_grad_norm_total_norm_of_a_plain_run() -> None:
         in_bwd.zero_grad()
 
 
+def test_grad_norm_not_recorded_is_refused_never_wrong() -> None:
+    """With record_grad_norm off the updates are the same and grad_norm raises
+    until the next zero_grad(); turned back on, it is the plain run's again."""
+    reference, plain, model, in_bwd = plain_and_in_backward()
+    in_bwd.record_grad_norm = False
+    train(reference, plain, range(2))
+    for step in range(2):
+        loss_fn(model, step).backward()
+        with pytest.raises(RuntimeError, match="record_grad_norm was False"):
+            _ = in_bwd.grad_norm
+        in_bwd.step()
+        in_bwd.zero_grad()
+    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    in_bwd.record_grad_norm = True
+    loss_fn(reference, 2).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    loss_fn(model, 2).backward()
+    # rtol: norms stacked in arrival order (see the module docstring).
+    torch.testing.assert_close(in_bwd.grad_norm, expected, rtol=1e-6, atol=0)
+
+
 def test_grad_norm_is_zero_before_backward_and_after_zero_grad() -> None:
     model = make_model()
     optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
