@@ -166,7 +166,12 @@ def _state_bytes(optimizers: Iterable[Any]) -> int:
     )
 
 
-def _build_mode(mode: str, model: Any, make_optimizer: Callable[..., Any]) -> tuple:
+def _build_mode(
+    mode: str,
+    model: Any,
+    make_optimizer: Callable[..., Any],
+    record_grad_norm: bool = True,
+) -> tuple:
     """The training loop's optimizer for ``mode`` over ``model``, and the objects that
     hold its state."""
     from torchtune.training import OptimizerInBackward
@@ -190,6 +195,7 @@ def _build_mode(mode: str, model: Any, make_optimizer: Callable[..., Any]) -> tu
     optimizer = OptimizerInBackward(
         params, make_optimizer, bucket_cap_mb=bucket_cap_mb(mode)
     )
+    optimizer.record_grad_norm = record_grad_norm
     # Its bucket optimizers work on views of this one's state.
     return optimizer, [optimizer]
 
@@ -220,7 +226,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             model = llama2(
                 num_kv_heads=shape["num_heads"], max_seq_len=seq_len, **shape
             ).to(dtype)
-        optimizer, state_holders = _build_mode(mode, model, make_optimizer)
+        optimizer, state_holders = _build_mode(
+            mode, model, make_optimizer, record_grad_norm=args.grad_norm
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         if hasattr(optimizer, "_buckets"):
             buckets = [bucket.params for bucket in optimizer._buckets()]
@@ -259,10 +267,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1)
         )
         loss.backward()
-        # The gradient norm every recipe logs, in the way each mode can give it.
-        if mode == "plain":
+        # The gradient norm the recipes log, in the way each mode can give it (the
+        # 0.6.1 hooks cannot), unless --no-grad-norm.
+        if args.grad_norm and mode == "plain":
             nn.utils.get_total_norm([p.grad for p in model.parameters()])
-        elif mode != "hooks_0_6_1":
+        elif args.grad_norm and mode != "hooks_0_6_1":
             _ = optimizer.grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -331,6 +340,7 @@ def run_fresh_process(
         "--steps", str(steps),
         "--warmup", str(args.warmup),
         "--threads", str(args.threads),
+        *([] if args.grad_norm else ["--no-grad-norm"]),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -468,7 +478,15 @@ def markdown(
         "medians of per-round paired ratios, [min-max] over the rounds. Sizes timed "
         "in fresh processes instead are marked. Peak memory: "
         f"{memory}, each mode in a fresh process; `saved` is the plain step's peak "
-        "minus the mode's, `extra` the mode's peak minus the per-parameter mode's.",
+        "minus the mode's, `extra` the mode's peak minus the per-parameter mode's. "
+        + (
+            "Every step takes the gradient norm the recipes log (plain: "
+            "`get_total_norm`; in backward: `grad_norm`); the 0.6.1 hooks cannot give "
+            "one and skip it."
+            if args.grad_norm
+            else "No mode takes a gradient norm (`--no-grad-norm`: in backward, "
+            "`record_grad_norm=False`)."
+        ),
     ]
     if cpu:
         loads = [r["load_average_1min"] for r in timing]
@@ -662,6 +680,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out-dir",
         type=Path,
         default=Path(__file__).resolve().parent / "results",
+    )
+    parser.add_argument(
+        "--no-grad-norm",
+        dest="grad_norm",
+        action="store_false",
+        help="skip the gradient norm (record_grad_norm=False in backward)",
     )
     parser.add_argument("--note", default="", help="added to the markdown report")
     # Internal: measure one (size, optimizer, modes) in this process, print JSON.
