@@ -20,7 +20,8 @@ Subcommands:
     (e.g. the ``*`` of a keyword-only marker read as a multiplication), and all but
     a representative few replacements per operator (see ``_KEEP``). With
     ``--sample``, also all but that fraction of the rest, chosen by a hash of each
-    mutant's operator, line and text, so the same mutants are chosen every time.
+    mutant's operator, enclosing definition and mutated line, so the same mutants
+    are chosen every time, even after edits elsewhere in the file.
 ``rerun-survivors SESSION``
     Makes the session's surviving mutants pending again (after adding tests).
 ``report SESSION [TEST_FILE...]``
@@ -86,7 +87,129 @@ _KEEP = {
 # Surviving mutants that no test can kill, with the reason: (module, enclosing
 # definition, operator, the mutated line as the diff shows it, stripped) -> reason.
 # Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
-EQUIVALENT: dict[tuple[str, str, str, str], str] = {}
+_MEMORY = "torchtune/training/memory.py"
+_CLIENT = "torchtune/training/checkpointing/_checkpoint_client.py"
+_ONE_GROUP = (
+    "a bucket's parameters are of one param group and have one owner, so its last "
+    "parameter gives the same answer as its first"
+)
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+    (
+        _MEMORY,
+        "_reclaim_inner_state",
+        "core/NumberReplacer",
+        "owner = _owner_of(params[ -1])",
+    ): (_ONE_GROUP + "; a stale optimizer is in no owner's _inner either way"),
+    (
+        _MEMORY,
+        "_update",
+        "core/NumberReplacer",
+        "inner.param_groups[0].update(hyperparameters(self._group_of[params[ -1]]))",
+    ): _ONE_GROUP,
+    (_MEMORY, "_init_in_backward", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
+        "private method: every caller passes the first three arguments by position "
+        "and the rest by keyword, which both signatures accept"
+    ),
+    (
+        _MEMORY,
+        "_init_in_backward",
+        "core/NumberReplacer",
+        "bucket_cap_bytes: int = 1,",
+    ): (
+        "only the deprecated wrapper omits bucket_cap_bytes, and it adopts one "
+        "optimizer per parameter: the cap is never used there"
+    ),
+    (
+        _MEMORY,
+        "_init_in_backward",
+        "core/NumberReplacer",
+        "bucket_cap_bytes: int = -1,",
+    ): (
+        "only the deprecated wrapper omits bucket_cap_bytes, and it adopts one "
+        "optimizer per parameter: the cap is never used there"
+    ),
+    (
+        _MEMORY,
+        "_attach",
+        "core/ReplaceAndWithOr",
+        "if param in inner.state or inner.state[param]:",
+    ): (
+        "differs only in creating or copying an empty state entry ({}), which every "
+        "optimizer treats like a missing one (its step creates the entry anyway)"
+    ),
+    (
+        _MEMORY,
+        "_param_names",
+        "core/ReplaceTrueWithFalse",
+        'names.update(zip(group["params"], group["param_names"], strict=False))',
+    ): "torch keeps a group's param_names as long as its params",
+    (
+        _MEMORY,
+        "_from_legacy",
+        "core/ReplaceTrueWithFalse",
+        'for pid, param in zip(ids, group["params"], strict=False):',
+    ): "ids is built with the group's length two lines above",
+    (_MEMORY, "_from_legacy", "core/NumberReplacer", "index = 1"): (
+        "the converted state dict is internal: its ids only need to agree between "
+        "state and param_groups, which they do from any start"
+    ),
+    (
+        _MEMORY,
+        "_from_legacy",
+        "core/NumberReplacer",
+        'unnamed = sum( 2 for g in self.param_groups for p in g["params"] if p not in names',
+    ): (
+        "unnamed is 0 whenever names are known: torch requires all param groups "
+        "named or none, and the deprecated wrapper names every parameter it holds"
+    ),
+    (
+        _MEMORY,
+        "_from_legacy",
+        "core/NumberReplacer",
+        'unnamed = sum( 0 for g in self.param_groups for p in g["params"] if p not in names',
+    ): (
+        "unnamed is 0 whenever names are known: torch requires all param groups "
+        "named or none, and the deprecated wrapper names every parameter it holds"
+    ),
+    (
+        _MEMORY,
+        "_on_grad_ready",
+        "core/ReplaceOrWithAnd",
+        "if param.grad is None and bucket is None:",
+    ): (
+        "a gradient another hook already consumed then counts as arrived: its bucket "
+        "is updated a little earlier in the same backward pass, with the same "
+        "parameters and values (and no hooked parameter is ever without a bucket)"
+    ),
+    (
+        _MEMORY,
+        "OptimizerInBackward",
+        "core/RemoveDecorator",
+        "after: def step(self, closure: None = None) -> None:  # type: ignore[override]",
+    ): "step() updates through _update, which has its own torch.no_grad()",
+    (
+        _CLIENT,
+        "_save_checkpoint_sync",
+        "core/ReplaceTrueWithFalse",
+        "options=StateDictOptions(full_state_dict=False, cpu_offload=True),",
+    ): (
+        "the single-process branch: no DTensor parameters without a process group, "
+        "so full and sharded state dicts are the same"
+    ),
+    (
+        _CLIENT,
+        "_save_checkpoint_sync",
+        "core/ReplaceTrueWithFalse",
+        "options=StateDictOptions(full_state_dict=True, cpu_offload=False),",
+    ): "on a CPU-only machine the state is on the CPU already (not so with a GPU)",
+    **{
+        (_CLIENT, "load_distributed_checkpoint", "core/NumberReplacer", line): (
+            "a placeholder that the DCP load replaces with the saved value"
+        )
+        for key in ("SEED_KEY", "EPOCHS_KEY", "TOTAL_EPOCHS_KEY", "MAX_STEPS_KEY")
+        for line in (f"training.{key}: 1,", f"training.{key}: -1,")
+    },
+}
 
 
 # -- fork server ----------------------------------------------------------------------
@@ -276,7 +399,7 @@ def _kept(operator_name: str) -> bool:
 
 def _sampled(mutation, mutated: str, fraction: float) -> bool:
     line = mutated.splitlines()[mutation.start_pos[0] - 1].strip()
-    key = f"{mutation.operator_name}|{mutation.start_pos[0]}|{line}"
+    key = f"{mutation.operator_name}|{mutation.definition_name}|{line}"
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
@@ -344,14 +467,27 @@ def rerun_survivors(session: str) -> None:
     print(f"{n} surviving mutants pending again")
 
 
-def _equivalent_reason(mutation, diff: str) -> str | None:
+def _changed_lines(diff: str) -> list[str]:
+    """The mutated lines, stripped; for a mutant that only removes a line (a
+    decorator), ``after: `` and the line that follows it."""
+    lines = diff.split("\n")
     added = [
         line[1:].strip()
-        for line in diff.split("\n")
+        for line in lines
         if line.startswith("+") and not line.startswith("+++")
     ]
+    if added:
+        return added
+    for i, line in enumerate(lines):
+        if line.startswith("-") and not line.startswith("---"):
+            following = [x for x in lines[i + 1 :] if x.startswith(" ")]
+            return [f"after: {following[0].strip()}"] if following else []
+    return []
+
+
+def _equivalent_reason(mutation, diff: str) -> str | None:
     module = Path(mutation.module_path).as_posix()
-    for line in added or [""]:
+    for line in _changed_lines(diff):
         key = (module, mutation.definition_name, mutation.operator_name, line)
         reason = EQUIVALENT.get(key)
         if reason:

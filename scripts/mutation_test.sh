@@ -66,7 +66,8 @@ MEMORY_TESTS=(
 )
 MEMORY_CONTRACT="$TT/test_optimizer_in_backward_contract.py"
 MEMORY_TARGETS=(
-  _OWNERS _HOOKED_INNER _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB _bucket_cap_bytes
+  _OWNERS _HOOKED_INNER _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB is_valid_bucket_cap
+  _bucket_cap_bytes
   _owner_of _BucketState _Bucket _local_bytes _single_param _optimizer_params
   _reclaim_inner_state _describe _wrapped_attribute OptimizerInBackward
 )

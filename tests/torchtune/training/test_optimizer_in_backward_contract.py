@@ -324,6 +324,25 @@ def test_zero_grad_sets_grads_to_none_unless_told_otherwise() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
+    """0.6.1's create_optim_in_bwd_wrapper over per-parameter optimizers that have
+    already stepped: their state is the wrapper's."""
+    from torchtune.training.memory import create_optim_in_bwd_wrapper
+
+    model = make_model()
+    optim_dict = {p: torch.optim.AdamW([p]) for p in model.parameters()}
+    loss_fn(model, 0).backward()
+    for per_param in optim_dict.values():
+        per_param.step()
+    model.zero_grad()
+    expected = {p: copy.deepcopy(o.state[p]) for p, o in optim_dict.items()}
+    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
+        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
+    assert len(wrapper.state) == len(expected)
+    for p, entry in expected.items():
+        torch.testing.assert_close(wrapper.state[p], entry, **BITWISE)
+
+
 def test_after_remove_hooks_no_parameter_gets_a_hook_again() -> None:
     """Neither a parameter unfrozen later (attached by step()) nor one added with
     add_param_group is updated in backward once the hooks are removed."""
