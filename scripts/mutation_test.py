@@ -106,6 +106,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/NumberReplacer",
         "inner.param_groups[0].update(hyperparameters(self._group_of[params[ -1]]))",
     ): _ONE_GROUP,
+    (_MEMORY, "_single_param", "core/NumberReplacer", "return params[ -1]"): (
+        "the list has exactly one element, checked just above"
+    ),
     (_MEMORY, "_init_in_backward", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
         "private method: every caller passes the first three arguments by position "
         "and the rest by keyword, which both signatures accept"

@@ -17,6 +17,7 @@ import gc
 import pickle
 import re
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import pytest
@@ -322,6 +323,40 @@ def test_zero_grad_sets_grads_to_none_unless_told_otherwise() -> None:
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
     optimizer.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+class _LoadsWithoutTorchHooks(torch.optim.SGD):
+    """Like bitsandbytes' optimizers: load_state_dict runs no torch hooks."""
+
+    def load_state_dict(self, state_dict) -> None:
+        hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = hooks
+
+
+def test_a_bucket_load_without_torch_hooks_is_what_the_next_save_holds() -> None:
+    model = make_model()
+    optimizer = OptimizerInBackward(
+        model.parameters(),
+        _LoadsWithoutTorchHooks,
+        lr=0.1,
+        momentum=0.9,
+        bucket_cap_mb=0,
+    )
+    loss_fn(model, 0).backward()
+    bucket = optimizer._buckets()[0]
+    (param,) = bucket.params
+    saved = copy.deepcopy(bucket.optimizer.state_dict())
+    loss_fn(model, 1).backward()
+    bucket.optimizer.load_state_dict(saved)
+    assert not isinstance(bucket.optimizer.state, _BucketState)  # no hook ran
+    pid = list(model.parameters()).index(param)
+    torch.testing.assert_close(
+        optimizer.state_dict()["state"][pid], saved["state"][0], **BITWISE
+    )
 
 
 def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
