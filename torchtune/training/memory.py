@@ -1060,6 +1060,7 @@ class OptimizerInBackward(Optimizer):
             ids = list(range(index, index + len(group["params"])))
             index += len(ids)
             group_hyperparameters = hyperparameters(group)
+            saved_group_hyperparameters = None
             for pid, param in zip(ids, group["params"], strict=True):
                 entry = entries.get(names[param])
                 if entry is None:
@@ -1067,8 +1068,11 @@ class OptimizerInBackward(Optimizer):
                 param_state, saved_hyperparameters = entry
                 if param_state is not None:
                     state[pid] = param_state
-                if pid == ids[0]:
-                    group_hyperparameters.update(saved_hyperparameters)
+                # The group's hyperparameters are those of its first parameter that
+                # was saved (a frozen one may not have been).
+                if saved_group_hyperparameters is None:
+                    saved_group_hyperparameters = saved_hyperparameters
+            group_hyperparameters.update(saved_group_hyperparameters or {})
             converted = {**group_hyperparameters, "params": ids}
             if "param_names" in group:
                 converted["param_names"] = list(group["param_names"])

@@ -575,12 +575,6 @@ def test_legacy_state_dict_loads_every_param_after_a_frozen_one() -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_from_legacy takes a group's saved hyperparameters from the entry of "
-    "the group's first parameter only; when that parameter is frozen and has no "
-    "entry, the group keeps the lr it was built with instead of the saved one",
-)
 def test_legacy_hyperparameters_load_when_the_groups_first_param_is_frozen() -> None:
     _, optimizer, legacy = frozen_first_and_legacy_momenta()
     optimizer.load_state_dict(legacy)

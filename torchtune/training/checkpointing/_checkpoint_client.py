@@ -7,6 +7,7 @@ so neither path needs to know which."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtune import config, training, utils
+from torchtune.config._utils import _get_component_from_path
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
 from torchtune.training.checkpointing._step_checkpointer import StepCheckpointer
 
@@ -209,12 +211,18 @@ class CheckpointClient:
             # checkpoint, not from the configured checkpointer's files; from a step
             # checkpoint, it comes from there. keep_last_n_checkpoints is the step
             # checkpoints' option, which 0.6.1's checkpointers do not take.
-            self._checkpointer = config.instantiate(
-                StepCheckpointer.checkpointer_config(self._cfg.checkpointer),
-                should_load_recipe_state=(
-                    self._resume_from_epoch and not self._enable_async_checkpointing
-                ),
+            cfg_checkpointer = StepCheckpointer.checkpointer_config(
+                self._cfg.checkpointer
             )
+            # DistributedCheckpointer reads no recipe state file, so takes no such
+            # option: pass it only to checkpointers that do.
+            component = _get_component_from_path(cfg_checkpointer._component_)
+            extra = {}
+            if "should_load_recipe_state" in inspect.signature(component).parameters:
+                extra["should_load_recipe_state"] = (
+                    self._resume_from_epoch and not self._enable_async_checkpointing
+                )
+            self._checkpointer = config.instantiate(cfg_checkpointer, **extra)
         return self._checkpointer
 
     def _get_dcp_checkpointer(self) -> DistributedCheckpointer:

@@ -369,14 +369,6 @@ def test_a_sharded_checkpointer_writes_every_ranks_shards_itself(
     assert loaded[training.EPOCHS_KEY] == 1 and loaded[training.SEED_KEY] == 7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="CheckpointClient._get_checkpointer passes should_load_recipe_state to "
-    "the configured checkpointer, which DistributedCheckpointer.__init__ does not "
-    "take: the sharded synchronous save that _save_checkpoint_sync documents "
-    "cannot be configured",
-)
 def test_a_distributed_checkpointer_can_be_the_configured_checkpointer(
     tmp_path: Path,
 ) -> None:
