@@ -152,10 +152,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/ReplaceTrueWithFalse",
         'for pid, param in zip(ids, group["params"], strict=False):',
     ): "ids is built with the group's length two lines above",
-    (_MEMORY, "_from_legacy", "core/NumberReplacer", "index = 1"): (
-        "the converted state dict is internal: its ids only need to agree between "
-        "state and param_groups, which they do from any start"
-    ),
+    **{
+        (_MEMORY, "_from_legacy", "core/NumberReplacer", line): (
+            "the converted state dict is internal: its ids only need to agree "
+            "between state and param_groups, which they do from any start"
+        )
+        for line in ("index = 1", "index = -1")
+    },
     (
         _MEMORY,
         "_from_legacy",
