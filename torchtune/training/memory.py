@@ -367,7 +367,8 @@ def _reclaim_inner_state(inner: Optimizer) -> None:
     if not params:
         return
     owner = _owner_of(params[0])
-    if owner is None or owner._inner.get(params[0]) is not inner:
+    bucket = None if owner is None else owner._bucket_of.get(params[0])
+    if bucket is None or bucket.optimizer is not inner:
         return
     loaded = inner.state
     inner.state = _BucketState(owner, params)
@@ -569,9 +570,8 @@ class OptimizerInBackward(Optimizer):
         self._optimizer_kwargs = optimizer_kwargs
         self._bucket_cap_bytes = bucket_cap_bytes
         self._extra_names = dict(names or {})
-        # The bucket of every parameter this instance updates, and its optimizer.
+        # The bucket of every parameter this instance updates.
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
-        self._inner: dict[torch.Tensor, Optimizer] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
         self._hooks_enabled = True
         # The backward pass (autograd graph task) whose end will update the buckets
@@ -673,7 +673,6 @@ class OptimizerInBackward(Optimizer):
         bucket = _Bucket(params, inner)
         for param in params:
             self._bucket_of[param] = bucket
-            self._inner[param] = inner
             if (
                 self._hooks_enabled
                 and param.requires_grad
@@ -688,7 +687,6 @@ class OptimizerInBackward(Optimizer):
         """Take ``param`` out of its bucket, if it has one; the rest of the bucket
         gets an optimizer of its own."""
         bucket = self._bucket_of.pop(param, None)
-        self._inner.pop(param, None)
         if bucket is None:
             return
         rest = [p for p in bucket.params if p is not param]
@@ -699,7 +697,6 @@ class OptimizerInBackward(Optimizer):
             remaining.ready = bucket.ready - {id(param)}
             for p in rest:
                 self._bucket_of[p] = remaining
-                self._inner[p] = inner
 
     def _release(self, param: torch.Tensor) -> None:
         """Stop updating ``param``: another instance took it over."""
@@ -719,6 +716,11 @@ class OptimizerInBackward(Optimizer):
             if "param_names" in group:
                 names.update(zip(group["params"], group["param_names"], strict=True))
         return names
+
+    @property
+    def _inner(self) -> dict[torch.Tensor, Optimizer]:
+        """The optimizer that updates each parameter: its bucket's."""
+        return {p: bucket.optimizer for p, bucket in self._bucket_of.items()}
 
     def _buckets(self) -> list[_Bucket]:
         return list({id(b): b for b in self._bucket_of.values()}.values())
