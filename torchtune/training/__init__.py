@@ -55,10 +55,23 @@ from torchtune.training.checkpointing import (
     ModelType,
     update_state_dict_for_classifier,
 )
+from torchtune.training.checkpointing._checkpoint_client import (
+    CheckpointClient,
+    ResumedState,
+    TrainingProgress,
+)
 from torchtune.training.checkpointing._step_checkpointer import (
     CheckpointError,
     StepCheckpointer,
     restore_rng_state,
+)
+from torchtune.training.loop import (
+    clip_grads_with_norm_,
+    epoch_batches,
+    grad_norm,
+    setup_lr_scheduler,
+    setup_profiler,
+    steps_per_epoch,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
@@ -85,12 +98,14 @@ from torchtune.training.precision import (
 from torchtune.training.quantization import get_quantizer_mode
 from torchtune.training.recipe_options import (
     TORCH_PROFILER,
+    RecipeOptions,
     check_fsdp_optimizer,
     check_optimizer_in_bwd_options,
     check_profiler_component,
     parse_compile_config,
 )
 from torchtune.training.seed import set_seed
+from torchtune.training.sharded_model import build_sharded_model
 
 __all__ = [
     # activation offloading and checkpointing
@@ -114,6 +129,7 @@ __all__ = [
     "load_from_full_optimizer_state_dict",
     "prepare_mha_for_tp",
     "set_torch_num_threads",
+    "build_sharded_model",
     "shard_model",
     "validate_no_params_on_meta_device",
     # gradients and models
@@ -147,15 +163,26 @@ __all__ = [
     "STEPS_KEY",
     "TOTAL_EPOCHS_KEY",
     "update_state_dict_for_classifier",
-    # step checkpoints
+    # saving and resuming
+    "CheckpointClient",
+    "ResumedState",
+    "TrainingProgress",
     "CheckpointError",
     "StepCheckpointer",
     "restore_rng_state",
+    # training loop
+    "clip_grads_with_norm_",
+    "epoch_batches",
+    "grad_norm",
+    "setup_lr_scheduler",
+    "setup_profiler",
+    "steps_per_epoch",
     # learning rate
     "get_cosine_schedule_with_warmup",
     "get_lr",
     # memory and optimizer in backward
     "OptimizerInBackward",
+    "RecipeOptions",
     "check_fsdp_optimizer",
     "check_optimizer_in_bwd_options",
     "check_profiler_component",

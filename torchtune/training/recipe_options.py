@@ -1,13 +1,23 @@
-"""Recipe config options that several recipes share: how ``compile`` is parsed,
-which options ``optimizer_in_bwd=True`` refuses, which optimizers FSDP2 refuses, and
-which profiler a recipe can build."""
+"""The config options every recipe shares, read and checked once: :class:`RecipeOptions`,
+and the checks it is made of (how ``compile`` is parsed, which options
+``optimizer_in_bwd=True`` refuses, which optimizers FSDP2 refuses, which profiler a
+recipe can build)."""
 
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
+from torchtune import utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.memory import is_valid_bucket_cap
+from torchtune.training.precision import get_dtype
+
+log = utils.get_logger("DEBUG")
 
 # What ``compile`` can turn on, each on its own.
 COMPILE_TARGETS = ("model", "loss", "optimizer_step")
@@ -227,4 +237,235 @@ def check_profiler_component(cfg_profiler: DictConfig | dict[str, Any] | None) -
             f"the profiler's settings back from what {TORCH_PROFILER} returns, so "
             f"only it can build the profiler. Set profiler._component_={TORCH_PROFILER}"
             ", or null for the same."
+        )
+
+
+def _check_bool(key: str, value: object) -> None:
+    # YAML's true/false arrive as bool; 'False' (a string) or 2 would turn an option
+    # on while the messages call it True.
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{key}={value!r} is not a bool: set {key}=True or {key}=False."
+        )
+
+
+def _check_positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r} is not a positive integer.")
+
+
+def _check_clip_grad_norm(value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+        raise ValueError(
+            f"clip_grad_norm={value!r} is not a positive number: it is the largest "
+            "global gradient norm a step may use. Set it to a number > 0, or null "
+            "for no clipping."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeOptions:
+    """The training options the recipes share, checked together, with one wording
+    per refusal.
+
+    A recipe reads them once, first thing in ``__init__``, with :meth:`from_config`,
+    so that a refused run fails before anything is built or written. Options a
+    recipe's config leaves out take the defaults below, which are torchtune 0.6.1's.
+
+    Args:
+        device (torch.device): where training runs (``device``).
+        dtype (torch.dtype): the training dtype (``dtype``); fp16 is refused, as no
+            recipe does loss scaling.
+        optimizer_in_bwd (bool): update parameters inside backward
+            (``optimizer_in_bwd``). Default: ``False``
+        bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer call
+            (``optimizer_in_bwd_bucket_cap_mb``); ``None``: the default.
+            Default: ``None``
+        gradient_accumulation_steps (int): batches per optimizer step. Default: ``1``
+        clip_grad_norm (float | None): the largest global gradient norm; ``None``: no
+            clipping. Default: ``None``
+        compile (dict[str, bool]): what ``torch.compile`` compiles, as returned by
+            :func:`parse_compile_config`. Default: nothing.
+        enable_activation_checkpointing (bool): Default: ``False``
+        enable_activation_offloading (bool): needs CUDA and activation checkpointing.
+            Default: ``False``
+        fsdp_cpu_offload (bool): offload FSDP2's shards to CPU (distributed recipes;
+            turned off, with a message, on a CPU device). Default: ``False``
+        enable_async_checkpointing (bool): write intermediate epoch checkpoints
+            asynchronously (distributed recipes). Default: ``False``
+        log_every_n_steps (int): Default: ``1``
+        log_peak_memory_stats (bool): turned off, with a message, on a CPU device.
+            Default: ``False``
+
+    Raises:
+        ValueError: if a flag is not a bool, a count not a positive integer,
+            ``clip_grad_norm`` not a positive number, ``dtype`` fp16, ``compile`` set
+            on an NPU device, or ``optimizer_in_bwd=True`` comes with an option it
+            cannot work with (see :func:`check_optimizer_in_bwd_options`).
+        RuntimeError: if ``enable_activation_offloading=True`` without CUDA or without
+            activation checkpointing.
+
+    Example:
+        >>> options = RecipeOptions(
+        ...     device=torch.device("cpu"), dtype=torch.float32, optimizer_in_bwd=True
+        ... )
+        >>> options.gradient_accumulation_steps
+        1
+        >>> RecipeOptions(device=torch.device("cpu"), dtype=torch.float32,
+        ...               optimizer_in_bwd="False")
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer_in_bwd='False' is not a bool: ...
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    optimizer_in_bwd: bool = False
+    bucket_cap_mb: float | None = None
+    gradient_accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
+    compile: dict[str, bool] = field(
+        default_factory=lambda: parse_compile_config(False)
+    )
+    enable_activation_checkpointing: bool = False
+    enable_activation_offloading: bool = False
+    fsdp_cpu_offload: bool = False
+    enable_async_checkpointing: bool = False
+    log_every_n_steps: int = 1
+    log_peak_memory_stats: bool = False
+
+    def __post_init__(self) -> None:
+        for key in (
+            "optimizer_in_bwd",
+            "enable_activation_checkpointing",
+            "enable_activation_offloading",
+            "fsdp_cpu_offload",
+            "enable_async_checkpointing",
+            "log_peak_memory_stats",
+        ):
+            _check_bool(key, getattr(self, key))
+        _check_positive_int(
+            "gradient_accumulation_steps", self.gradient_accumulation_steps
+        )
+        _check_positive_int("log_every_n_steps", self.log_every_n_steps)
+        _check_clip_grad_norm(self.clip_grad_norm)
+        if self.optimizer_in_bwd:
+            check_optimizer_in_bwd_options(
+                clip_grad_norm=self.clip_grad_norm,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+                compile_optimizer_step=self.compile["optimizer_step"],
+                bucket_cap_mb=self.bucket_cap_mb,
+            )
+        elif self.bucket_cap_mb is not None:
+            log.warning(
+                f"optimizer_in_bwd_bucket_cap_mb={self.bucket_cap_mb} is ignored: "
+                "it only applies with optimizer_in_bwd=True."
+            )
+        if self.dtype == torch.float16:
+            raise ValueError(
+                "dtype=fp16 is not supported: the recipes do no loss scaling, which "
+                "fp16 training needs. Set dtype=bf16 or dtype=fp32."
+            )
+        if self.device.type == "npu" and any(self.compile.values()):
+            raise ValueError(
+                "compile is not supported on NPU devices. Set compile=False."
+            )
+        if self.enable_activation_offloading and self.device.type != "cuda":
+            raise RuntimeError(
+                "enable_activation_offloading=True needs a CUDA device, got "
+                f"device={self.device.type}. Set enable_activation_offloading=False."
+            )
+        if (
+            self.enable_activation_offloading
+            and not self.enable_activation_checkpointing
+        ):
+            raise RuntimeError(
+                "enable_activation_offloading=True needs "
+                "enable_activation_checkpointing=True. Set both, or "
+                "enable_activation_offloading=False."
+            )
+
+    @classmethod
+    def from_config(
+        cls, cfg: DictConfig, *, distributed: bool = False
+    ) -> RecipeOptions:
+        """Read and check the shared options of a recipe config.
+
+        Besides the options above, it refuses a ``profiler._component_`` other than
+        ``setup_torch_profiler`` and an inference-only ``collate_fn``
+        (``left_pad_sequence``), and, for a ``distributed`` recipe, an optimizer that
+        FSDP2 cannot train or checkpoint (:func:`check_fsdp_optimizer`). Options that
+        mean nothing on a CPU device (``fsdp_cpu_offload``,
+        ``log_peak_memory_stats``) are turned off there, saying so.
+
+        Args:
+            cfg (DictConfig): the recipe config.
+            distributed (bool): whether the recipe shards the model with FSDP2.
+                Default: ``False``
+
+        Returns:
+            RecipeOptions: the checked options.
+
+        Raises:
+            ValueError: as the class does, or for the options named above.
+            RuntimeError: as the class does.
+        """
+        device = utils.get_device(device=cfg.device)
+        check_profiler_component(cfg.get("profiler"))
+        collate_fn = cfg.get("collate_fn", None)
+        if collate_fn is not None and "left_pad_sequence" in collate_fn:
+            raise RuntimeError(
+                f"collate_fn={collate_fn} is for inference only. Use "
+                "torchtune.data.padded_collate_sft."
+            )
+        if distributed:
+            check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+        fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
+        log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
+        if device.type == "cpu":
+            for key, value in (
+                ("fsdp_cpu_offload", fsdp_cpu_offload),
+                ("log_peak_memory_stats", log_peak_memory_stats),
+            ):
+                if value is True:
+                    utils.log_rank_zero(
+                        log, f"{key}=True is ignored on CPU, where it means nothing."
+                    )
+            # Left as they are when not bools, for the class to refuse.
+            if fsdp_cpu_offload is True:
+                fsdp_cpu_offload = False
+            if log_peak_memory_stats is True:
+                log_peak_memory_stats = False
+        return cls(
+            device=device,
+            dtype=get_dtype(cfg.dtype, device=device),
+            optimizer_in_bwd=cfg.get("optimizer_in_bwd", False),
+            bucket_cap_mb=cfg.get("optimizer_in_bwd_bucket_cap_mb", None),
+            gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            clip_grad_norm=cfg.get("clip_grad_norm", None),
+            compile=parse_compile_config(cfg.get("compile", False)),
+            enable_activation_checkpointing=cfg.get(
+                "enable_activation_checkpointing", False
+            ),
+            enable_activation_offloading=cfg.get("enable_activation_offloading", False),
+            fsdp_cpu_offload=fsdp_cpu_offload,
+            enable_async_checkpointing=cfg.get("enable_async_checkpointing", False),
+            log_every_n_steps=cfg.get("log_every_n_steps", 1),
+            log_peak_memory_stats=log_peak_memory_stats,
+        )
+
+    @property
+    def process_group_backend(self) -> str:
+        """The ``torch.distributed`` backend for this device: gloo on CPU; on an
+        accelerator its own (NCCL on CUDA), plus gloo for the CPU-side collectives of
+        FSDP's CPU offload and of asynchronous checkpoint saves."""
+        if self.device.type == "cpu":
+            return "gloo"
+        from torchtune.training._distributed import get_distributed_backend
+
+        return get_distributed_backend(
+            self.device.type,
+            offload_ops_to_cpu=self.fsdp_cpu_offload or self.enable_async_checkpointing,
         )

@@ -1,31 +1,50 @@
-"""Saving and resuming recipe checkpoints: the configured checkpointer for synchronous
-saves, torch distributed checkpointing (DCP) for asynchronous ones.
+"""The one object a recipe saves and resumes through: :class:`CheckpointClient`.
+
+It owns every checkpoint a run writes: epoch checkpoints through the configured
+checkpointer (or asynchronously through torch distributed checkpointing), and step
+checkpoints (``save_every_n_steps``, see
+:mod:`~torchtune.training.checkpointing._step_checkpointer`). It picks the point a
+resumed run continues from, reads torchtune 0.6.1's in-backward optimizer format,
+and carries the dataloader and RNG state of a mid-epoch resume. The loop only tells
+it that a step or an epoch ended; whether a save is due is the client's business.
 
 The optimizer is just a ``torch.optim.Optimizer``: a plain one or
 :class:`torchtune.training.OptimizerInBackward`, whose state dict has the same format,
-so neither path needs to know which."""
+so no path needs to know which."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _init_optim_state,
-    get_optimizer_state_dict,
+    get_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
-from torchtune.training.checkpointing._step_checkpointer import StepCheckpointer
+from torchtune.training.checkpointing._step_checkpointer import (
+    CheckpointError,
+    StepCheckpointer,
+)
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    convert_legacy_optim_in_bwd_state_dict,
+    is_legacy_in_bwd_state_dict,
+)
 
 log = utils.get_logger("DEBUG")
 
@@ -141,25 +160,105 @@ class TrainingProgress:
         }
 
 
-class CheckpointClient:
-    """Saves and loads a recipe's checkpoints.
-
-    Synchronous saves go through the checkpointer configured under ``cfg.checkpointer``
-    (full, unsharded weights and optimizer state gathered on rank 0). With
-    ``enable_async_checkpointing: True``, intermediate checkpoints are instead written
-    asynchronously by torch distributed checkpointing (sharded, one folder per epoch
-    under the checkpointer's output directory) and resumed with
-    :meth:`load_distributed_checkpoint`; the last checkpoint of a run is always
-    synchronous.
-
-    Works in one process and in a ``torch.distributed`` run (NCCL or gloo; on CPU with
-    gloo too). The optimizer can be any ``torch.optim.Optimizer``, including
-    :class:`torchtune.training.OptimizerInBackward`.
+@dataclass
+class ResumedState:
+    """What a resumed run continues from, as :meth:`CheckpointClient.resume` read it.
 
     Args:
-        cfg (DictConfig): the recipe config. Reads ``checkpointer``, ``device``,
-            ``resume_from_checkpoint`` (default ``False``) and
-            ``enable_async_checkpointing`` (default ``False``).
+        recipe_state (dict[str, Any]): the recipe state the run saved (for most
+            recipes :meth:`TrainingProgress.state_dict`'s entries).
+        global_step (int | None): the optimizer steps taken, when the checkpoint
+            knows it (a step checkpoint); ``None`` at an epoch checkpoint, which is
+            at an epoch's end.
+        dataloader_state (dict[str, Any] | None): the loader's state, to continue
+            mid-epoch; ``None`` at an epoch's end.
+        rng_state (dict[str, Any] | None): this rank's RNG state, for
+            :func:`~torchtune.training.restore_rng_state` when training continues.
+    """
+
+    recipe_state: dict[str, Any]
+    global_step: int | None = None
+    dataloader_state: dict[str, Any] | None = None
+    rng_state: dict[str, Any] | None = None
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _trainable_state_dict(model: nn.Module | Mapping[str, nn.Module]) -> Any:
+    """The trainable parameters and the buffers of ``model`` (of each model of a
+    mapping): frozen parameters are those of the base checkpoint."""
+    if isinstance(model, Mapping):
+        return {name: _trainable_state_dict(m) for name, m in model.items()}
+    return get_model_state_dict(
+        model, options=StateDictOptions(ignore_frozen_params=True)
+    )
+
+
+def _load_model_state(
+    model: nn.Module | Mapping[str, nn.Module], state_dict: Any, path: Path
+) -> None:
+    """Load a step checkpoint's model state, which may leave frozen parameters out."""
+    if isinstance(model, Mapping):
+        for name, m in model.items():
+            _load_model_state(m, state_dict[name], path)
+        return
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    trainable = set(_trainable_state_dict(model))
+    missing = sorted(set(missing) & trainable)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"step checkpoint {path} does not match this model: missing trainable "
+            f"entries {missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. "
+            "Resume with the model of the run that saved it."
+        )
+
+
+class CheckpointClient:
+    """Saves and resumes a recipe's checkpoints: the one object a recipe asks.
+
+    A recipe builds it in ``__init__`` (bad checkpoint options are refused then,
+    before anything is built), reads the weights to start from with
+    :meth:`load_base_checkpoint`, builds its model and optimizer, restores the rest of
+    a resumed run's state with :meth:`resume`, hands over what it saves with
+    :meth:`track`, and from then on only says :meth:`step_done` after every optimizer
+    step and :meth:`epoch_done` after every epoch.
+
+    What it writes:
+
+    - at every epoch's end, through the checkpointer configured under
+      ``cfg.checkpointer`` (full, unsharded weights; gathered on rank 0 in a
+      distributed run): the model weights and, for every epoch but the last, the
+      optimizer state and the training progress. With
+      ``enable_async_checkpointing: True`` those intermediate checkpoints are
+      instead written asynchronously by torch distributed checkpointing (sharded,
+      ``dist_epoch_{N}`` under the checkpointer's output directory);
+    - with ``save_every_n_steps: N``, a step checkpoint every N optimizer steps and
+      at every epoch's end (:class:`StepCheckpointer`: written whole or not at all,
+      verified before use), keeping the newest ``checkpointer.keep_last_n_checkpoints``.
+
+    What a resumed run (``resume_from_checkpoint: True``) continues from: the step
+    checkpoint named by ``checkpointer.recipe_checkpoint``, or else whichever whole
+    checkpoint is furthest along (:meth:`StepCheckpointer.resume_point`); the latest
+    asynchronous one with ``enable_async_checkpointing``.
+
+    Works in one process and in a ``torch.distributed`` run (NCCL, or gloo on CPU).
+    The optimizer can be any ``torch.optim.Optimizer``, including
+    :class:`torchtune.training.OptimizerInBackward`; an optimizer state in torchtune
+    0.6.1's in-backward format is converted when it is loaded.
+
+    Args:
+        cfg (DictConfig): the recipe config. Reads ``checkpointer`` (and its
+            ``keep_last_n_checkpoints`` and ``recipe_checkpoint``), ``device``,
+            ``output_dir`` (default: the checkpointer's), ``resume_from_checkpoint``,
+            ``enable_async_checkpointing`` and ``save_every_n_steps`` (each default
+            ``False`` or ``None``).
+
+    Raises:
+        ValueError: if ``save_every_n_steps`` or
+            ``checkpointer.keep_last_n_checkpoints`` is not a positive integer or
+            null.
 
     Example:
         >>> from omegaconf import OmegaConf
@@ -199,10 +298,27 @@ class CheckpointClient:
         self._device = utils.get_device(device=cfg.device)
         _, self._rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self._rank == 0
+        self._step_checkpointer = StepCheckpointer(
+            cfg.get("output_dir", None) or cfg.checkpointer.output_dir,
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last_n=cfg.checkpointer.get("keep_last_n_checkpoints", None),
+        )
+        # The step checkpoint a resumed run continues from, once chosen.
+        self._step_checkpoint: Path | None = None
+        # What the run saves, from track().
+        self._model: nn.Module | Mapping[str, nn.Module] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._dataloader: Any = None
+        self._adapter_only = False
+        self._epoch_model_state: Callable[[dict[str, Any]], dict[str, Any]] | None = (
+            None
+        )
+        self._save_epoch: Callable[[int], None] | None = None
 
-    @staticmethod
-    def _is_distributed() -> bool:
-        return dist.is_available() and dist.is_initialized()
+    @property
+    def resuming(self) -> bool:
+        """Whether this run resumes from a checkpoint (``resume_from_checkpoint``)."""
+        return bool(self._resume_from_checkpoint)
 
     def _get_checkpointer(self):
         """The checkpointer configured under ``cfg.checkpointer``."""
@@ -236,7 +352,7 @@ class CheckpointClient:
         if self._dcp_checkpointer is None:
             checkpointer = self._get_checkpointer()
             process_group = (
-                dist.new_group(backend="gloo") if self._is_distributed() else None
+                dist.new_group(backend="gloo") if _is_distributed() else None
             )
             self._dcp_checkpointer = DistributedCheckpointer(
                 checkpoint_dir=checkpointer._checkpoint_dir,
@@ -297,24 +413,26 @@ class CheckpointClient:
         Unless the configured checkpointer is itself a :class:`DistributedCheckpointer`
         (which writes shards from every rank), weights and optimizer state are
         gathered in full on CPU on rank 0, which writes them. The optimizer state is
-        keyed by parameter name, the format of
+        keyed by parameter name in a distributed run (the format of
         ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` with
-        ``full_state_dict=True``: load it with
-        ``training.load_from_full_optimizer_state_dict`` (distributed) or
-        ``set_optimizer_state_dict`` (one process).
+        ``full_state_dict=True``) and by index in one process (``optimizer.state_dict()``);
+        :meth:`resume` loads either.
         """
         start = time.perf_counter()
         intermediate = epoch + 1 < training_progress.total_epochs
         checkpointer = self._get_checkpointer()
         sharded = isinstance(checkpointer, DistributedCheckpointer)
-        distributed = self._is_distributed()
+        distributed = _is_distributed()
         utils.log_rank_zero(log, "Saving checkpoint. Gathering the model state dict...")
 
         if sharded:
             model_state = model.state_dict()
         elif distributed:
             model_state = training.gather_cpu_state_dict(
-                model, self._is_rank_zero, device=self._device
+                model,
+                self._is_rank_zero,
+                device=self._device,
+                adapter_weights_only=self._adapter_only,
             )
         else:
             model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -329,13 +447,15 @@ class CheckpointClient:
                     model, optimizer, self._is_rank_zero, device=self._device
                 )
             else:
-                optimizer_state = get_optimizer_state_dict(
-                    model,
-                    optimizer,
-                    options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-                )
+                # The torch.optim format, keyed by parameter index, as single-device
+                # runs (0.6.1's included) have always saved it.
+                optimizer_state = optimizer.state_dict()
 
-        checkpoint: dict[str, Any] = {training.MODEL_KEY: model_state}
+        checkpoint: dict[str, Any] = (
+            {training.MODEL_KEY: model_state}
+            if self._epoch_model_state is None or not self._is_rank_zero
+            else self._epoch_model_state(model_state)
+        )
         if intermediate:
             checkpoint[training.OPT_KEY] = optimizer_state
             checkpoint.update(training_progress.state_dict())
@@ -343,8 +463,9 @@ class CheckpointClient:
             # Every rank writes its own shards.
             checkpointer.save_checkpoint(checkpoint, epoch=epoch)
         elif self._is_rank_zero:
+            extra = {"adapter_only": True} if self._adapter_only else {}
             checkpointer.save_checkpoint(
-                checkpoint, epoch=epoch, intermediate_checkpoint=intermediate
+                checkpoint, epoch=epoch, intermediate_checkpoint=intermediate, **extra
             )
         if distributed and not sharded:
             # Other ranks wait for rank 0's write before training goes on.
@@ -381,22 +502,176 @@ class CheckpointClient:
         else:
             self._save_checkpoint_sync(model, optimizer, training_progress, epoch)
 
-    def load_base_checkpoint(self, resume_from_epoch: bool = True) -> dict[str, Any]:
+    def load_base_checkpoint(
+        self, resume_from_epoch: bool | None = None
+    ) -> dict[str, Any]:
         """Load the checkpoint the configured checkpointer points at.
 
+        When resuming, this first chooses what the run resumes from. From an epoch
+        checkpoint written synchronously, the result also holds its optimizer state
+        and training progress; from a step checkpoint or an asynchronous one, the
+        base weights are read as for a new run, and :meth:`resume` loads the rest
+        into the built model and optimizer.
+
         Args:
-            resume_from_epoch (bool): when resuming, whether the recipe state comes
-                from an epoch checkpoint (``False``: from a step checkpoint, which the
-                recipe loads itself; the base weights are then read as for a new
-                run). Must be decided before the first call. Default: ``True``
+            resume_from_epoch (bool | None): when resuming, whether the recipe state
+                comes from an epoch checkpoint; ``None`` (the default) chooses, as
+                the class docstring says.
 
         Returns:
             dict[str, Any]: the checkpointer's output: model weights under
-            ``training.MODEL_KEY`` and, when resuming synchronously saved runs,
-            optimizer state and training progress.
+            ``training.MODEL_KEY`` (and ``training.ADAPTER_KEY`` where the
+            checkpointer reads an adapter) and, when resuming from a synchronous
+            epoch checkpoint, optimizer state and training progress.
+
+        Raises:
+            CheckpointError: if the step checkpoint named by
+                ``checkpointer.recipe_checkpoint`` is incomplete or damaged.
         """
+        if resume_from_epoch is None:
+            if self._resume_from_checkpoint:
+                self._step_checkpoint = self._step_checkpointer.resume_point(
+                    self._cfg.checkpointer.get("recipe_checkpoint", None)
+                )
+            resume_from_epoch = self._step_checkpoint is None
         self._resume_from_epoch = self._resume_from_checkpoint and resume_from_epoch
         return self._get_checkpointer().load_checkpoint()
+
+    def resume(
+        self,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: torch.optim.Optimizer,
+        checkpoint_dict: dict[str, Any],
+        *,
+        legacy_named_params: Iterable[tuple[str | None, torch.Tensor]] | None = None,
+    ) -> ResumedState | None:
+        """Restore a resumed run's state into ``model`` and ``optimizer``; call it on
+        every rank once both are built (``model`` with the weights
+        :meth:`load_base_checkpoint` returned).
+
+        From a synchronous epoch checkpoint it loads the optimizer state
+        ``checkpoint_dict`` holds; from a step checkpoint the trained weights and the
+        optimizer state (sharded in a distributed run); from an asynchronous one,
+        both through DCP. An optimizer state in torchtune 0.6.1's in-backward format
+        (a per-parameter optimizer state dict per parameter name) is converted first.
+
+        Args:
+            model (nn.Module | Mapping[str, nn.Module]): the model; one process may
+                train several (PPO's policy and value model), given by name.
+            optimizer (torch.optim.Optimizer): its optimizer, plain or in-backward,
+                built over every parameter of ``model`` (frozen ones too) in order.
+            checkpoint_dict (dict[str, Any]): what :meth:`load_base_checkpoint`
+                returned.
+            legacy_named_params (Iterable[tuple[str | None, torch.Tensor]] | None):
+                for a 0.6.1 in-backward optimizer state in one process, the
+                optimizer's parameters with the names 0.6.1 saved them under (None
+                for those it did not save); default: ``model.named_parameters()``.
+
+        Returns:
+            ResumedState | None: where the run stands, or ``None`` for a new run.
+
+        Raises:
+            CheckpointError: if a step checkpoint is damaged, was written by another
+                number of processes, or does not match the model.
+            ValueError: if a 0.6.1 optimizer state does not match the parameters.
+        """
+        if not self._resume_from_checkpoint:
+            return None
+        if self._step_checkpoint is not None:
+            path = self._step_checkpoint
+            if utils.get_world_size_and_rank()[0] > 1:
+                recipe_state, rank_state = self._step_checkpointer.load(
+                    path, model, optimizer
+                )
+            else:
+                recipe_state, rank_state, state = self._step_checkpointer.read(path)
+                _load_model_state(model, state["model"], path)
+                self._load_optimizer_state(
+                    model, optimizer, state["optimizer"], legacy_named_params
+                )
+            utils.log_rank_zero(log, f"Resumed from step checkpoint {path}.")
+            return ResumedState(
+                recipe_state,
+                global_step=recipe_state["global_step"],
+                dataloader_state=rank_state[training.DATALOADER_KEY],
+                rng_state=rank_state["rng"],
+            )
+        if self._enable_async_checkpointing:
+            return ResumedState(self.load_distributed_checkpoint(model, optimizer))
+        self._load_optimizer_state(
+            model, optimizer, checkpoint_dict[training.OPT_KEY], legacy_named_params
+        )
+        return ResumedState(checkpoint_dict)
+
+    def resume_progress(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        checkpoint_dict: dict[str, Any],
+        progress: TrainingProgress,
+    ) -> tuple[TrainingProgress, ResumedState | None]:
+        """:meth:`resume`, with the resumed progress reconciled with the config's
+        (see :meth:`TrainingProgress.from_checkpoint`).
+
+        Args:
+            model (nn.Module): as for :meth:`resume`.
+            optimizer (torch.optim.Optimizer): as for :meth:`resume`.
+            checkpoint_dict (dict[str, Any]): as for :meth:`resume`.
+            progress (TrainingProgress): the config's progress (a new run's).
+
+        Returns:
+            tuple: the progress to continue from (``progress`` itself for a new run)
+            and the :class:`ResumedState` (``None`` for a new run).
+        """
+        resumed = self.resume(model, optimizer, checkpoint_dict)
+        if resumed is None:
+            return progress, None
+        return (
+            TrainingProgress.from_checkpoint(
+                resumed.recipe_state,
+                seed=progress.seed,
+                total_epochs=progress.total_epochs,
+                max_steps_per_epoch=progress.max_steps_per_epoch,
+            ),
+            resumed,
+        )
+
+    def _load_optimizer_state(
+        self,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: torch.optim.Optimizer,
+        state_dict: dict[str, Any],
+        legacy_named_params: Iterable[tuple[str | None, torch.Tensor]] | None,
+    ) -> None:
+        """Load a full optimizer state: keyed by index (``optimizer.state_dict()``),
+        by parameter name (a distributed run's), or torchtune 0.6.1's in-backward
+        format."""
+        distributed = _is_distributed()
+        if is_legacy_in_bwd_state_dict(state_dict):
+            if distributed:
+                state_dict = convert_legacy_optim_in_bwd_state_dict(state_dict)
+            else:
+                state_dict = convert_legacy_optim_in_bwd_state_dict(
+                    state_dict,
+                    legacy_named_params
+                    if legacy_named_params is not None
+                    else model.named_parameters(),
+                )
+        if distributed:
+            training.load_from_full_optimizer_state_dict(
+                model, optimizer, state_dict, self._device
+            )
+        elif any(isinstance(k, str) for k in state_dict["state"]) or any(
+            isinstance(p, str) for g in state_dict["param_groups"] for p in g["params"]
+        ):
+            set_optimizer_state_dict(
+                model,
+                optimizer,
+                state_dict,
+                options=StateDictOptions(full_state_dict=True),
+            )
+        else:
+            optimizer.load_state_dict(state_dict)
 
     def load_distributed_checkpoint(
         self,
@@ -448,5 +723,123 @@ class CheckpointClient:
         )
         return checkpoint
 
+    # -- saving from the training loop -----------------------------------------------
 
-__all__ = ["CheckpointClient", "TrainingProgress"]
+    def track(
+        self,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: torch.optim.Optimizer,
+        dataloader: Any,
+        *,
+        adapter_only: bool = False,
+        epoch_model_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        save_epoch: Callable[[int], None] | None = None,
+    ) -> None:
+        """Hand over what the run's checkpoints hold; call it once, after setup.
+
+        Args:
+            model (nn.Module | Mapping[str, nn.Module]): the model (FSDP2-sharded in
+                a distributed run), or several by name in one process. Step
+                checkpoints hold its trainable parameters and buffers.
+            optimizer (torch.optim.Optimizer): its optimizer, plain or in-backward.
+            dataloader (Any): the ``StatefulDataLoader``, whose position a mid-epoch
+                step checkpoint holds.
+            adapter_only (bool): epoch checkpoints hold only the trainable (adapter)
+                weights: the configured checkpointer is told so, and a distributed
+                run gathers only those. Default: ``False``
+            epoch_model_state (Callable[[dict[str, Any]], dict[str, Any]] | None):
+                turns the model's full CPU state dict into the epoch checkpoint's
+                entries (a LoRA recipe's adapter, its config and the merged
+                weights), on rank 0; default: ``{training.MODEL_KEY: state}``.
+            save_epoch (Callable[[int], None] | None): writes the epoch checkpoint of
+                an epoch itself, instead of the client (a recipe with several
+                checkpointers). Default: ``None``
+        """
+        self._model, self._optimizer, self._dataloader = model, optimizer, dataloader
+        self._adapter_only = adapter_only
+        self._epoch_model_state = epoch_model_state
+        self._save_epoch = save_epoch
+
+    def _save_step(
+        self, global_step: int, recipe_state: Mapping[str, Any], *, mid_epoch: bool
+    ) -> None:
+        # At an epoch's end the next epoch starts with a fresh loader, as it does in
+        # the uninterrupted run.
+        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        self._step_checkpointer.save(
+            global_step,
+            self._model,
+            self._optimizer,
+            recipe_state=dict(recipe_state),
+            rank_state={training.DATALOADER_KEY: loader_state},
+            model_state_dict=(
+                None if _is_distributed() else _trainable_state_dict(self._model)
+            ),
+        )
+
+    def step_done(
+        self,
+        global_step: int,
+        recipe_state: TrainingProgress | Mapping[str, Any],
+        *,
+        epoch_end: bool = False,
+    ) -> None:
+        """Say that optimizer step ``global_step`` is done; saves a step checkpoint
+        when one is due. Call it on every rank.
+
+        Args:
+            global_step (int): the optimizer steps taken so far.
+            recipe_state (TrainingProgress | Mapping[str, Any]): where training
+                stands (``epochs_run`` counts the epochs completed).
+            epoch_end (bool): whether this was the epoch's last step, whose
+                checkpoint :meth:`epoch_done` writes. Default: ``False``
+        """
+        if epoch_end or not self._step_checkpointer.is_due(global_step):
+            return
+        if isinstance(recipe_state, TrainingProgress):
+            recipe_state = recipe_state.state_dict()
+        self._save_step(global_step, recipe_state, mid_epoch=True)
+
+    def epoch_done(
+        self,
+        epoch: int,
+        global_step: int,
+        recipe_state: TrainingProgress | Mapping[str, Any],
+    ) -> None:
+        """Say that ``epoch`` is done; saves its checkpoints. Call it on every rank.
+
+        With step checkpoints on, the step checkpoint comes first: the epoch
+        checkpoint's recipe state is written in place, so a crash while it is
+        written leaves the step checkpoint to resume from.
+
+        Args:
+            epoch (int): the epoch just finished, counted from 0.
+            global_step (int): the optimizer steps taken so far.
+            recipe_state (TrainingProgress | Mapping[str, Any]): where training
+                stands, ``epochs_run`` counting this epoch.
+        """
+        step_state = (
+            recipe_state.state_dict()
+            if isinstance(recipe_state, TrainingProgress)
+            else recipe_state
+        )
+        if self._step_checkpointer.every_n_steps is not None:
+            self._save_step(global_step, step_state, mid_epoch=False)
+        if self._save_epoch is not None:
+            self._save_epoch(epoch)
+            return
+        # The loader's state is saved for the record only: training resumes at an
+        # epoch boundary, where a fresh loader with the epoch's sampler seed is what
+        # the uninterrupted run uses too.
+        progress = dataclasses.replace(
+            recipe_state, dataloader_state_dict=self._dataloader.state_dict()
+        )
+        self.save_checkpoint(self._model, self._optimizer, progress, epoch=epoch)
+
+    def close(self) -> None:
+        """Wait for an asynchronous save still in flight (it needs the process group,
+        so call this before destroying it)."""
+        self.wait_for_async_save()
+
+
+__all__ = ["CheckpointClient", "ResumedState", "TrainingProgress"]

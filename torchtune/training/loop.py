@@ -1,0 +1,221 @@
+"""What every recipe's training loop repeats, once: the batches of an epoch (with a
+mid-epoch resume, the profiler and the CUDA memory snapshot), the global gradient
+norm and clipping, the LR scheduler of a resumed run, and the profiler's setup.
+
+The forward, loss and backward of a step stay in each recipe, where a user edits
+them after ``tune cp``; these helpers take plain Python values, so they can be
+called and tested without a config.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtune import utils
+from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
+
+log = utils.get_logger("DEBUG")
+
+# (first, last) batch index of the profiler's active steps in epoch 0, or None.
+MemoryWindow = tuple[int, int] | None
+
+
+def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients, as ``clip_grad_norm_``
+    measures it, also for a model that mixes DTensors of several device meshes
+    with plain tensors (tensor parallelism leaves some parameters unsharded, and
+    ``clip_grad_norm_`` refuses such a mix).
+
+    DTensor gradients are reduced per mesh; a plain tensor's local norm is already
+    global (it is replicated). With plain tensors only, the result is bitwise
+    ``torch.nn.utils.get_total_norm`` of the gradients.
+
+    Args:
+        parameters (Iterable[nn.Parameter]): the parameters; those without a gradient
+            are left out.
+
+    Returns:
+        torch.Tensor: the norm, a scalar tensor (0 when no parameter has a gradient).
+
+    Example:
+        >>> p = nn.Parameter(torch.ones(4))
+        >>> p.grad = torch.full((4,), 2.0)
+        >>> grad_norm([p])
+        tensor(4.)
+    """
+    grads_by_mesh = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            grads_by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
+    if not grads_by_mesh:
+        return torch.zeros(())
+    norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grads_with_norm_(
+    parameters: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """Scale the gradients in place so that their global norm is at most
+    ``max_norm``, given that norm (from :func:`grad_norm`): ``clip_grad_norm_``'s
+    rule, ``clamp(max_norm / (total_norm + 1e-6), max=1)``, for DTensor and plain
+    gradients alike.
+
+    Args:
+        parameters (Iterable[nn.Parameter]): the parameters whose gradients to scale.
+        max_norm (float): the largest norm allowed.
+        total_norm (torch.Tensor): the gradients' global norm.
+    """
+    clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp(max=1.0)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad *= clip_coef.to(p.grad.device)
+
+
+def steps_per_epoch(
+    num_batches: int, gradient_accumulation_steps: int, max_steps_per_epoch: int | None
+) -> int:
+    """Optimizer steps in an epoch of ``num_batches`` batches: one per
+    ``gradient_accumulation_steps`` batches, at most ``max_steps_per_epoch``."""
+    steps = num_batches // gradient_accumulation_steps
+    return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
+
+
+def setup_lr_scheduler(
+    make_scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None,
+    optimizer: torch.optim.Optimizer,
+    *,
+    num_training_steps: int,
+    global_step: int,
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """Build the LR scheduler where a run that has taken ``global_step`` steps needs
+    it.
+
+    The scheduler is not checkpointed: ``last_epoch=global_step - 1`` puts it where
+    the interrupted run was. A scheduler built at ``last_epoch >= 0`` reads each
+    group's ``initial_lr``, which the optimizer state of an epoch checkpoint brings
+    back but a sharded one cannot (it loads only the entries a new optimizer has),
+    so a group without one gets the optimizer's base ``lr``.
+
+    Args:
+        make_scheduler (Callable[..., LRScheduler] | None): builds the scheduler from
+            ``(optimizer, num_training_steps=..., last_epoch=...)``, e.g.
+            ``functools.partial(config.instantiate, cfg.lr_scheduler)``; ``None``
+            keeps the LR constant.
+        optimizer (torch.optim.Optimizer): the optimizer, plain or in-backward.
+        num_training_steps (int): the run's optimizer steps, all epochs.
+        global_step (int): the steps already taken (0 for a new run).
+
+    Returns:
+        LRScheduler | None: the scheduler, or ``None``.
+    """
+    if make_scheduler is None:
+        return None
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", optimizer.defaults["lr"])
+    return make_scheduler(
+        optimizer, num_training_steps=num_training_steps, last_epoch=global_step - 1
+    )
+
+
+def setup_profiler(
+    cfg_profiler: Mapping[str, Any] | None, *, device: torch.device
+) -> tuple[torch.profiler.profile | DummyProfiler, MemoryWindow]:
+    """Build the torch profiler from the ``profiler`` options (the keywords of
+    :func:`~torchtune.training.setup_torch_profiler`; ``_component_`` is ignored,
+    :func:`~torchtune.training.recipe_options.check_profiler_component` checked it),
+    or a no-op one when they are absent or off.
+
+    Args:
+        cfg_profiler (Mapping[str, Any] | None): the ``profiler`` options.
+        device (torch.device): the training device.
+
+    Returns:
+        tuple: the profiler, and the memory window: with ``profile_memory`` on CUDA,
+        the first and last batch index of the profiled (active) steps of epoch 0,
+        over which :func:`epoch_batches` records a CUDA memory snapshot; else
+        ``None``.
+    """
+    kwargs = {k: v for k, v in (cfg_profiler or {}).items() if k != "_component_"}
+    profiler, profiler_cfg = setup_torch_profiler(**kwargs)
+    utils.log_rank_zero(log, f"Profiler config after instantiation: {profiler_cfg}")
+    window = None
+    if (
+        profiler_cfg["enabled"]
+        and profiler_cfg.get("profile_memory", False)
+        and device.type == "cuda"
+    ):
+        first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
+        window = (first, first + profiler_cfg["active_steps"])
+    return profiler, window
+
+
+def epoch_batches(
+    dataloader: Any,
+    epoch: int,
+    *,
+    steps_done: int,
+    steps_per_epoch: int,
+    gradient_accumulation_steps: int = 1,
+    loader_state: dict[str, Any] | None = None,
+    profiler: torch.profiler.profile | DummyProfiler | None = None,
+    memory_window: MemoryWindow = None,
+) -> Iterator[tuple[int, Any]]:
+    """The ``(batch index, batch)`` pairs of one epoch that are left to train on.
+
+    It sets the sampler's epoch (the data order depends only on the seed and the
+    epoch), resumes the loader mid-epoch from ``loader_state`` when given, numbers
+    batches from where the epoch stands, and stops after the epoch's last full
+    optimizer step (batches past it are left unused). After each optimizer step's
+    last batch it steps the profiler; in epoch 0 it records a CUDA memory snapshot
+    over ``memory_window``.
+
+    Args:
+        dataloader (Any): a ``StatefulDataLoader`` whose sampler has ``set_epoch``.
+        epoch (int): the epoch, counted from 0.
+        steps_done (int): optimizer steps of this epoch already taken.
+        steps_per_epoch (int): optimizer steps in the epoch.
+        gradient_accumulation_steps (int): batches per optimizer step. Default: ``1``
+        loader_state (dict[str, Any] | None): the loader's state saved mid-epoch, to
+            continue from. Default: ``None``
+        profiler (torch.profiler.profile | DummyProfiler | None): stepped once per
+            optimizer step. Default: ``None``
+        memory_window (MemoryWindow): from :func:`setup_profiler`. Default: ``None``
+
+    Yields:
+        tuple[int, Any]: the batch's index in the epoch and the batch.
+    """
+    dataloader.sampler.set_epoch(epoch)
+    if loader_state:
+        dataloader.load_state_dict(loader_state)
+    record = epoch == 0 and memory_window is not None
+    first_batch = steps_done * gradient_accumulation_steps
+    for idx, batch in enumerate(dataloader, start=first_batch):
+        if idx // gradient_accumulation_steps == steps_per_epoch:
+            break
+        if record and idx == memory_window[0]:
+            torch.cuda.memory._record_memory_history()
+        yield idx, batch
+        if record and idx == memory_window[1]:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if profiler is not None and (idx + 1) % gradient_accumulation_steps == 0:
+            profiler.step()
+
+
+__all__ = [
+    "clip_grads_with_norm_",
+    "epoch_batches",
+    "grad_norm",
+    "setup_lr_scheduler",
+    "setup_profiler",
+    "steps_per_epoch",
+]
