@@ -1,8 +1,10 @@
-"""Tests for torchtune/training/recipe_options.py: ``parse_compile_config`` (the
-``compile`` option every recipe reads), ``check_optimizer_in_bwd_options`` and
+"""Tests for torchtune/training/recipe_options.py: ``RecipeOptions`` (every option
+the recipes share, read and checked once), ``parse_compile_config`` (the ``compile``
+option every recipe reads), ``check_optimizer_in_bwd_options`` and
 ``check_fsdp_optimizer``."""
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from torchtune import training
@@ -144,3 +146,127 @@ def test_check_optimizer_in_bwd_options_refuses_a_bad_bucket_cap_naming_the_key(
 @pytest.mark.parametrize("good", [None, 0, 0.5, 16, 1024])
 def test_check_optimizer_in_bwd_options_accepts_any_bucket_cap_from_zero_up(good):
     training.check_optimizer_in_bwd_options(bucket_cap_mb=good)
+
+
+# -- RecipeOptions ---------------------------------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def _options(**kwargs) -> training.RecipeOptions:
+    return training.RecipeOptions(device=CPU, dtype=torch.float32, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "optimizer_in_bwd",
+        "enable_activation_checkpointing",
+        "enable_activation_offloading",
+        "fsdp_cpu_offload",
+        "enable_async_checkpointing",
+        "log_peak_memory_stats",
+    ],
+)
+@pytest.mark.parametrize("value", ["False", 2, 0, None])
+def test_recipe_options_refuse_a_flag_that_is_not_a_bool_naming_it(
+    key: str, value: object
+) -> None:
+    # 'False' (a string) and 2 are truthy: they would turn the option on.
+    with pytest.raises(ValueError, match=f"^{key}={value!r} is not a bool"):
+        _options(**{key: value})
+
+
+@pytest.mark.parametrize("key", ["gradient_accumulation_steps", "log_every_n_steps"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_recipe_options_refuse_a_count_that_is_not_a_positive_integer(
+    key: str, value: object
+) -> None:
+    with pytest.raises(ValueError, match=f"^{key}={value!r} is not a positive integer"):
+        _options(**{key: value})
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "1.0", True])
+def test_recipe_options_refuse_a_clip_grad_norm_that_is_not_positive(value) -> None:
+    with pytest.raises(
+        ValueError, match=f"^clip_grad_norm={value!r} is not a positive"
+    ):
+        _options(clip_grad_norm=value)
+
+
+def test_recipe_options_apply_the_in_backward_refusals_only_in_backward() -> None:
+    _options(clip_grad_norm=1.0, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="clip_grad_norm=1.0"):
+        _options(optimizer_in_bwd=True, clip_grad_norm=1.0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+        _options(optimizer_in_bwd=True, gradient_accumulation_steps=4)
+
+
+def test_recipe_options_warn_that_a_bucket_cap_without_in_backward_is_ignored(
+    caplog,
+) -> None:
+    with caplog.at_level("WARNING"):
+        _options(bucket_cap_mb=8)
+    assert "optimizer_in_bwd_bucket_cap_mb=8 is ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _options(optimizer_in_bwd=True, bucket_cap_mb=8)
+    assert "ignored" not in caplog.text
+
+
+def test_recipe_options_refuse_offloading_without_activation_checkpointing() -> None:
+    # On a CUDA device (the object only: nothing runs there), the second rule.
+    with pytest.raises(RuntimeError, match="needs enable_activation_checkpointing"):
+        training.RecipeOptions(
+            device=torch.device("cuda"),
+            dtype=torch.float32,
+            enable_activation_offloading=True,
+        )
+    training.RecipeOptions(
+        device=torch.device("cuda"),
+        dtype=torch.float32,
+        enable_activation_offloading=True,
+        enable_activation_checkpointing=True,
+    )
+
+
+def _cfg(**options) -> OmegaConf:
+    return OmegaConf.create(
+        {
+            "device": "cpu",
+            "dtype": "fp32",
+            "epochs": 1,
+            "optimizer": {"_component_": "torch.optim.AdamW"},
+            **options,
+        }
+    )
+
+
+def test_recipe_options_from_config_take_0_6_1_defaults_for_missing_keys() -> None:
+    options = training.RecipeOptions.from_config(_cfg())
+    assert options == _options()
+    assert options.compile == {"model": False, "loss": False, "optimizer_step": False}
+
+
+def test_recipe_options_from_config_turn_off_what_means_nothing_on_cpu(caplog) -> None:
+    with caplog.at_level("INFO"):
+        options = training.RecipeOptions.from_config(
+            _cfg(fsdp_cpu_offload=True, log_peak_memory_stats=True), distributed=True
+        )
+    assert not options.fsdp_cpu_offload and not options.log_peak_memory_stats
+    assert "fsdp_cpu_offload=True is ignored on CPU" in caplog.text
+    assert "log_peak_memory_stats=True is ignored on CPU" in caplog.text
+    assert options.process_group_backend == "gloo"
+
+
+def test_recipe_options_from_config_check_the_fsdp_optimizer_when_distributed() -> None:
+    cfg = _cfg(optimizer={"_component_": "bitsandbytes.optim.AdamW8bit"})
+    training.RecipeOptions.from_config(cfg)  # one device: bitsandbytes trains
+    with pytest.raises(ValueError, match="cannot train a model sharded with FSDP2"):
+        training.RecipeOptions.from_config(cfg, distributed=True)
+
+
+def test_recipe_options_from_config_refuse_an_inference_collate_function() -> None:
+    cfg = _cfg(collate_fn="torchtune.data.left_pad_sequence")
+    with pytest.raises(RuntimeError, match="is for inference only"):
+        training.RecipeOptions.from_config(cfg)

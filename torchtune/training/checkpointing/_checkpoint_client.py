@@ -182,10 +182,6 @@ class ResumedState:
     rng_state: dict[str, Any] | None = None
 
 
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _trainable_state_dict(model: nn.Module | Mapping[str, nn.Module]) -> Any:
     """The trainable parameters and the buffers of ``model`` (of each model of a
     mapping): frozen parameters are those of the base checkpoint."""
@@ -315,10 +311,21 @@ class CheckpointClient:
         )
         self._save_epoch: Callable[[int], None] | None = None
 
+    @staticmethod
+    def _is_distributed() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
     @property
     def resuming(self) -> bool:
         """Whether this run resumes from a checkpoint (``resume_from_checkpoint``)."""
         return bool(self._resume_from_checkpoint)
+
+    @property
+    def checkpointer(self):
+        """The checkpointer configured under ``cfg.checkpointer``, as
+        :meth:`load_base_checkpoint` used it: a recipe whose ``save_epoch`` (see
+        :meth:`track`) writes its epoch checkpoints itself saves through it."""
+        return self._get_checkpointer()
 
     def _get_checkpointer(self):
         """The checkpointer configured under ``cfg.checkpointer``."""
@@ -352,7 +359,7 @@ class CheckpointClient:
         if self._dcp_checkpointer is None:
             checkpointer = self._get_checkpointer()
             process_group = (
-                dist.new_group(backend="gloo") if _is_distributed() else None
+                dist.new_group(backend="gloo") if self._is_distributed() else None
             )
             self._dcp_checkpointer = DistributedCheckpointer(
                 checkpoint_dir=checkpointer._checkpoint_dir,
@@ -422,7 +429,7 @@ class CheckpointClient:
         intermediate = epoch + 1 < training_progress.total_epochs
         checkpointer = self._get_checkpointer()
         sharded = isinstance(checkpointer, DistributedCheckpointer)
-        distributed = _is_distributed()
+        distributed = self._is_distributed()
         utils.log_rank_zero(log, "Saving checkpoint. Gathering the model state dict...")
 
         if sharded:
@@ -646,7 +653,7 @@ class CheckpointClient:
         """Load a full optimizer state: keyed by index (``optimizer.state_dict()``),
         by parameter name (a distributed run's), or torchtune 0.6.1's in-backward
         format."""
-        distributed = _is_distributed()
+        distributed = self._is_distributed()
         if is_legacy_in_bwd_state_dict(state_dict):
             if distributed:
                 state_dict = convert_legacy_optim_in_bwd_state_dict(state_dict)
@@ -773,7 +780,7 @@ class CheckpointClient:
             recipe_state=dict(recipe_state),
             rank_state={training.DATALOADER_KEY: loader_state},
             model_state_dict=(
-                None if _is_distributed() else _trainable_state_dict(self._model)
+                None if self._is_distributed() else _trainable_state_dict(self._model)
             ),
         )
 
@@ -783,6 +790,7 @@ class CheckpointClient:
         recipe_state: TrainingProgress | Mapping[str, Any],
         *,
         epoch_end: bool = False,
+        due_step: int | None = None,
     ) -> None:
         """Say that optimizer step ``global_step`` is done; saves a step checkpoint
         when one is due. Call it on every rank.
@@ -793,8 +801,13 @@ class CheckpointClient:
                 stands (``epochs_run`` counts the epochs completed).
             epoch_end (bool): whether this was the epoch's last step, whose
                 checkpoint :meth:`epoch_done` writes. Default: ``False``
+            due_step (int | None): the count ``save_every_n_steps`` counts, for a
+                recipe whose steps are not optimizer steps (a PPO step takes
+                several); the checkpoint is still named by ``global_step``.
+                Default: ``global_step``
         """
-        if epoch_end or not self._step_checkpointer.is_due(global_step):
+        due_step = global_step if due_step is None else due_step
+        if epoch_end or not self._step_checkpointer.is_due(due_step):
             return
         if isinstance(recipe_state, TrainingProgress):
             recipe_state = recipe_state.state_dict()

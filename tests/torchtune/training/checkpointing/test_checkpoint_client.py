@@ -15,7 +15,8 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from tests.torchtune.distributed_launcher import DistributedRun
 from tests.torchtune.training.optimizer_in_backward_scenarios import SCENARIOS
@@ -51,7 +52,7 @@ def make_optimizer(in_backward: bool, model: nn.Module) -> torch.optim.Optimizer
 
 def client_config(tmp_path: Path, *, asynchronous: bool, resume: bool) -> DictConfig:
     base = tmp_path / "base"
-    base.mkdir(exist_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
     torch.save(make_model().state_dict(), base / "model.pt")
     return OmegaConf.create(
         {
@@ -133,11 +134,10 @@ def test_sync_intermediate_save_holds_full_in_backward_state_and_progress(
     resumed = make_model(seed=1)
     resumed.load_state_dict(torch.load(weights, weights_only=True))
     new_optimizer = make_optimizer(True, resumed)
-    # Keyed by parameter name, like the distributed save (full state dict format).
-    assert set(checkpoint[training.OPT_KEY]["state"]) == {
-        n for n, _ in resumed.named_parameters()
-    }
-    set_optimizer_state_dict(resumed, new_optimizer, checkpoint[training.OPT_KEY])
+    # In one process, the torch.optim format (keyed by index), as single-device
+    # recipes have always saved it.
+    assert set(checkpoint[training.OPT_KEY]["state"]) == set(range(4))
+    new_optimizer.load_state_dict(checkpoint[training.OPT_KEY])
     train(resumed, new_optimizer, range(3, 6))
     torch.testing.assert_close(
         dict(resumed.named_parameters()),
@@ -202,3 +202,155 @@ def test_progress_from_checkpoint_raises_naming_the_missing_recipe_state():
         TrainingProgress.from_checkpoint(
             saved, seed=7, total_epochs=2, max_steps_per_epoch=5
         )
+
+
+# -- the loop's side: track, step_done, epoch_done, resume -----------------------------
+
+
+def _loop_config(tmp_path: Path, *, resume: bool, **options) -> DictConfig:
+    cfg = client_config(tmp_path, asynchronous=False, resume=resume)
+    cfg.output_dir = str(tmp_path / "out")
+    return OmegaConf.merge(cfg, OmegaConf.create(options))
+
+
+def _data_loader() -> StatefulDataLoader:
+    data = [
+        torch.randn(6, generator=torch.Generator().manual_seed(i)) for i in range(8)
+    ]
+    sampler = StatefulDistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+    return StatefulDataLoader(data, batch_size=2, sampler=sampler)
+
+
+def _run(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    client: CheckpointClient,
+    *,
+    stop_after: int | None = None,
+    resumed=None,
+    epochs: int = 2,
+) -> int:
+    """A recipe's loop: 4 steps an epoch, the client told after each step and epoch."""
+    loader = _data_loader()
+    client.track(model, optimizer, loader)
+    global_step = 0 if resumed is None else resumed.global_step
+    loader_state = None if resumed is None else resumed.dataloader_state
+    first_epoch = global_step // 4
+    for epoch in range(first_epoch, epochs):
+        batches = training.epoch_batches(
+            loader,
+            epoch,
+            steps_done=global_step - epoch * 4,
+            steps_per_epoch=4,
+            loader_state=loader_state,
+        )
+        loader_state = None
+        for idx, batch in batches:
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            global_step += 1
+            progress = TrainingProgress(
+                seed=7, epochs_run=epoch, total_epochs=epochs, max_steps_per_epoch=4
+            )
+            client.step_done(global_step, progress, epoch_end=idx == 3)
+            if global_step == stop_after:
+                return global_step
+        progress = TrainingProgress(
+            seed=7, epochs_run=epoch + 1, total_epochs=epochs, max_steps_per_epoch=4
+        )
+        client.epoch_done(epoch, global_step, progress)
+    return global_step
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
+def test_a_run_resumed_mid_epoch_from_a_step_checkpoint_ends_bitwise_uninterrupted(
+    tmp_path: Path, in_backward: bool
+) -> None:
+    reference = make_model()
+    _run(
+        reference,
+        make_optimizer(in_backward, reference),
+        CheckpointClient(_loop_config(tmp_path / "ref", resume=False)),
+    )
+
+    model = make_model()
+    client = CheckpointClient(
+        _loop_config(tmp_path / "run", resume=False, save_every_n_steps=3)
+    )
+    _run(model, make_optimizer(in_backward, model), client, stop_after=7)
+    out = tmp_path / "run" / "out"
+    # Due at steps 3 and 6; the epoch's end (step 4) saves one too.
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_3", "step_4", "step_6"]
+
+    cfg = _loop_config(tmp_path / "run", resume=True, save_every_n_steps=3)
+    client = CheckpointClient(cfg)
+    resumed_model = make_model(seed=1)
+    resumed_model.load_state_dict(client.load_base_checkpoint()[training.MODEL_KEY])
+    optimizer = make_optimizer(in_backward, resumed_model)
+    resumed = client.resume(resumed_model, optimizer, {})
+    assert resumed.global_step == 6 and resumed.dataloader_state is not None
+    assert resumed.recipe_state[training.EPOCHS_KEY] == 1
+    _run(resumed_model, optimizer, client, resumed=resumed)
+    torch.testing.assert_close(
+        resumed_model.state_dict(), reference.state_dict(), **BITWISE
+    )
+
+
+def test_a_new_run_resumes_nothing_and_an_epoch_resume_loads_the_optimizer(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(True, model)
+    client = CheckpointClient(_loop_config(tmp_path, resume=False))
+    assert client.resume(model, optimizer, client.load_base_checkpoint()) is None
+    _run(model, optimizer, client, epochs=2)  # epoch_0 is intermediate
+
+    cfg = _loop_config(tmp_path, resume=True)
+    cfg.checkpointer.checkpoint_files = ["epoch_0/model-00001-of-00001.bin"]
+    client = CheckpointClient(cfg)
+    loaded = client.load_base_checkpoint()
+    resumed_model = make_model(seed=1)
+    resumed_model.load_state_dict(loaded[training.MODEL_KEY])
+    new_optimizer = make_optimizer(False, resumed_model)
+    progress, resumed = client.resume_progress(
+        resumed_model,
+        new_optimizer,
+        loaded,
+        TrainingProgress(seed=7, epochs_run=0, total_epochs=2, max_steps_per_epoch=4),
+    )
+    assert progress.epochs_run == 1 and resumed.global_step is None
+    torch.testing.assert_close(
+        new_optimizer.state_dict()["state"],
+        loaded[training.OPT_KEY]["state"],
+        **BITWISE,
+    )
+
+
+def test_step_checkpoints_of_a_partly_frozen_model_hold_its_trainable_part(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    model[0].requires_grad_(False)  # frozen: the base checkpoint's
+    optimizer = make_optimizer(True, model)
+    client = CheckpointClient(
+        _loop_config(tmp_path, resume=False, save_every_n_steps=2)
+    )
+    _run(model, optimizer, client, stop_after=2)
+    saved = torch.load(
+        tmp_path / "out" / "step_2" / "model_optimizer.pt", weights_only=False
+    )
+    assert sorted(saved["model"]) == ["2.bias", "2.weight"]
+
+    client = CheckpointClient(_loop_config(tmp_path, resume=True, save_every_n_steps=2))
+    resumed_model = make_model(seed=1)
+    resumed_model.load_state_dict(client.load_base_checkpoint()[training.MODEL_KEY])
+    resumed_model[0].requires_grad_(False)
+    client.resume(resumed_model, make_optimizer(True, resumed_model), {})
+    torch.testing.assert_close(
+        resumed_model.state_dict(), model.state_dict(), **BITWISE
+    )
+    # A model whose trainable part the checkpoint lacks is refused, naming entries.
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, 3))
+    with pytest.raises(training.CheckpointError, match=r"missing trainable .*3\.bias"):
+        client.resume(other, make_optimizer(True, other), {})

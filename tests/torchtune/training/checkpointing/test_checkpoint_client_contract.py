@@ -197,9 +197,8 @@ def test_synchronous_resume_loads_weights_optimizer_state_and_progress(
         loaded[training.MODEL_KEY], model.state_dict(), **BITWISE
     )
     assert loaded[training.EPOCHS_KEY] == 1 and loaded[training.SEED_KEY] == 7
-    assert set(loaded[training.OPT_KEY]["state"]) == {
-        n for n, _ in model.named_parameters()
-    }
+    # The torch.optim format, keyed by index, as single-device recipes save it.
+    assert set(loaded[training.OPT_KEY]["state"]) == set(range(4))
     # From a step checkpoint (or an asynchronous one) the recipe state is not read:
     # the base weights load as for a new run, though recipe_state.pt is there.
     for options, resume_from_epoch in (
@@ -307,6 +306,18 @@ def test_distributed_sync_save_writes_what_a_single_process_save_writes(
     # gather_cpu_state_dict's one per tensor, then the client's own after the write.
     assert len(barriers) == len(model.state_dict()) + 1
     expected, written = saved_files(single), saved_files(distributed)
+    # One process saves the optimizer keyed by index (optimizer.state_dict()), a
+    # distributed run keyed by parameter name (the full state dict format): the same
+    # state under other keys.
+    names = [name for name, _ in model.named_parameters()]
+    single_opt = expected["recipe_state/recipe_state.pt"][training.OPT_KEY]
+    expected["recipe_state/recipe_state.pt"][training.OPT_KEY] = {
+        "state": {names[i]: state for i, state in single_opt["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in single_opt["param_groups"]
+        ],
+    }
     assert_same(written, expected)
 
 

@@ -1,0 +1,203 @@
+"""Every recipe refuses the options they share the same way: with the same message,
+in ``__init__``, before anything is built or written.
+
+The options are read and checked once, by ``training.RecipeOptions`` and
+``training.CheckpointClient``; this test proves that each of the eight recipes
+really goes through them first, for every shared refusal, on its own tiny config.
+A refused run must leave ``output_dir`` (and a checkpoint already in it) as it was,
+and must not have started a process group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import torchtune
+from tests.recipes.utils import snapshot_files, tiny_config
+
+pytestmark = pytest.mark.integration_test
+
+# recipe file (under recipes/) -> (class, tiny config)
+RECIPES = {
+    "full_finetune_single_device": (
+        "FullFinetuneRecipeSingleDevice",
+        "tiny_full_single_device",
+    ),
+    "full_finetune_distributed": (
+        "FullFinetuneRecipeDistributed",
+        "tiny_full_distributed",
+    ),
+    "lora_finetune_single_device": (
+        "LoRAFinetuneRecipeSingleDevice",
+        "tiny_lora_single_device",
+    ),
+    "lora_finetune_distributed": (
+        "LoRAFinetuneRecipeDistributed",
+        "tiny_lora_distributed",
+    ),
+    "full_dpo_distributed": ("FullDPORecipeDistributed", "tiny_full_dpo_distributed"),
+    "ppo_full_finetune_single_device": (
+        "PPOFullFinetuneRecipeSingleDevice",
+        "tiny_ppo_single_device",
+    ),
+    "qat_distributed": ("QATRecipeDistributed", "tiny_qat_distributed"),
+    "dev/early_exit_finetune_distributed": (
+        "EarlyExitFinetuneRecipeDistributed",
+        "tiny_early_exit_distributed",
+    ),
+}
+DISTRIBUTED = {name for name in RECIPES if "distributed" in name}
+
+IN_BWD = {"optimizer_in_bwd": True}
+# name -> (overrides, exception type, the whole message)
+REFUSALS = {
+    "optimizer_in_bwd is a string": (
+        {"optimizer_in_bwd": "False"},
+        ValueError,
+        "optimizer_in_bwd='False' is not a bool: set optimizer_in_bwd=True or "
+        "optimizer_in_bwd=False.",
+    ),
+    "optimizer_in_bwd is a number": (
+        {"optimizer_in_bwd": 2},
+        ValueError,
+        "optimizer_in_bwd=2 is not a bool: set optimizer_in_bwd=True or "
+        "optimizer_in_bwd=False.",
+    ),
+    "in-backward with clipping": (
+        IN_BWD | {"clip_grad_norm": 1.0},
+        ValueError,
+        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
+        "gradient norm is only known after backward, when in-backward updates have "
+        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
+    ),
+    "in-backward with gradient accumulation": (
+        IN_BWD | {"gradient_accumulation_steps": 4},
+        ValueError,
+        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
+        "each parameter is updated as soon as its gradient is ready, so gradients "
+        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
+        "or optimizer_in_bwd=False.",
+    ),
+    "in-backward with a compiled optimizer step": (
+        IN_BWD | {"compile": {"optimizer_step": True}},
+        ValueError,
+        "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
+        "in-backward updates run a bucket of parameters at a time inside autograd "
+        "hooks, where a compiled whole-optimizer step cannot run. Set "
+        "compile.optimizer_step=False or optimizer_in_bwd=False.",
+    ),
+    "a negative bucket cap": (
+        IN_BWD | {"optimizer_in_bwd_bucket_cap_mb": -1},
+        ValueError,
+        "optimizer_in_bwd_bucket_cap_mb=-1 is not a number >= 0. It is the most MiB "
+        "of gradients one in-backward optimizer call updates: 0 updates each "
+        "parameter on its own (lowest memory); leave it unset for the default.",
+    ),
+    "fp16": (
+        {"dtype": "fp16"},
+        ValueError,
+        "dtype=fp16 is not supported: the recipes do no loss scaling, which fp16 "
+        "training needs. Set dtype=bf16 or dtype=fp32.",
+    ),
+    "activation offloading on CPU": (
+        {"enable_activation_offloading": True, "enable_activation_checkpointing": True},
+        RuntimeError,
+        "enable_activation_offloading=True needs a CUDA device, got device=cpu. Set "
+        "enable_activation_offloading=False.",
+    ),
+    "another profiler": (
+        {"profiler": {"_component_": "torch.profiler.profile", "enabled": True}},
+        ValueError,
+        "profiler._component_=torch.profiler.profile is not supported: the recipe "
+        "reads the profiler's settings back from what "
+        "torchtune.training.setup_torch_profiler returns, so only it can build the "
+        "profiler. Set profiler._component_=torchtune.training.setup_torch_profiler, "
+        "or null for the same.",
+    ),
+    "a step checkpoint interval of 0": (
+        {"save_every_n_steps": 0},
+        ValueError,
+        "save_every_n_steps=0 must be a positive integer or null (null: save at the "
+        "end of each epoch only)",
+    ),
+    "a negative number of step checkpoints to keep": (
+        {"save_every_n_steps": 2, "checkpointer": {"keep_last_n_checkpoints": -1}},
+        ValueError,
+        "checkpointer.keep_last_n_checkpoints=-1 must be a positive integer or null "
+        "(null: keep every step checkpoint)",
+    ),
+}
+FSDP_REFUSAL = (
+    {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
+    ValueError,
+    "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a model "
+    "sharded with FSDP2",
+)
+
+
+def _recipe_class(recipe: str) -> type:
+    """The installed recipe file's class (recipes are files, not a package)."""
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location(f"_{recipe.replace('/', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, RECIPES[recipe][0])
+
+
+def _refused(recipe: str, overrides: dict, tmp_path: Path) -> tuple[Path, dict]:
+    cfg = OmegaConf.load(tiny_config(RECIPES[recipe][1]))
+    cfg.assets_dir = str(tmp_path / "assets")  # never read: nothing is built
+    out = tmp_path / "out"
+    (out / "epoch_0").mkdir(parents=True)
+    (out / "epoch_0" / "model.pt").write_bytes(b"a finished run's checkpoint")
+    cfg.output_dir = str(out)
+    cfg.device = "cpu"
+    cfg.merge_with(OmegaConf.create(overrides))
+    return out, cfg
+
+
+CASES = [
+    pytest.param(recipe, *REFUSALS[name], id=f"{recipe}: {name}")
+    for recipe in RECIPES
+    for name in REFUSALS
+] + [
+    pytest.param(recipe, *FSDP_REFUSAL, id=f"{recipe}: bitsandbytes under FSDP2")
+    for recipe in sorted(DISTRIBUTED)
+]
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "error", "message"), CASES)
+def test_every_recipe_refuses_a_shared_option_first_with_one_message(
+    recipe: str,
+    overrides: dict,
+    error: type[Exception],
+    message: str,
+    tmp_path: Path,
+) -> None:
+    out, cfg = _refused(recipe, overrides, tmp_path)
+    before = snapshot_files(out)
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        _recipe_class(recipe)(cfg)
+    assert snapshot_files(out) == before
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_null_profiler_component_means_the_torch_profiler(
+    recipe: str, tmp_path: Path
+) -> None:
+    # As in 0.6.1: null (or no _component_) is setup_torch_profiler; a refused
+    # config proves the check ran and passed the profiler section.
+    out, cfg = _refused(
+        recipe,
+        {"profiler": {"_component_": None, "enabled": True}, "dtype": "fp16"},
+        tmp_path,
+    )
+    with pytest.raises(ValueError, match="^dtype=fp16 is not supported"):
+        _recipe_class(recipe)(cfg)
