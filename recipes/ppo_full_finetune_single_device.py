@@ -25,8 +25,8 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules import local_kv_cache
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.rlhf import PPOStats, Trajectory
+from torchtune.training import CheckpointClient
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    hyperparameters,
     is_legacy_in_bwd_state_dict,
 )
 
@@ -36,8 +36,6 @@ log = utils.get_logger("DEBUG")
 # token at a time with a KV cache, full sequences with and without gradients), more
 # than dynamo's default of 8 recompiles per frame.
 _COMPILE_CACHE_SIZE_LIMIT = 16
-# What activation checkpointing puts in front of the names inside a wrapped layer.
-_AC_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -81,8 +79,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
       advantages (``gamma``, ``lmbda``), the PPO loss (``loss``).
     - Run length (``num_steps``: prompts in all; ``num_steps // batch_size`` steps).
       Epochs are as many passes over ``dataset`` as those steps take.
-    - Memory (``enable_activation_checkpointing``); ``torch.compile`` (``compile``: a
-      bool, compiling the layers of all four models).
+    - Memory (``enable_activation_checkpointing``); ``torch.compile`` (``compile``:
+      ``True``, or a mapping with ``model: True``, compiles the layers of all four
+      models).
     - Checkpointing: the policy and the value model after every epoch; the optimizer
       state of both (standard ``torch.optim`` format) and the recipe state, including
       the sampling generator's, for every epoch but the last, to resume from with
@@ -120,48 +119,31 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg (DictConfig): the parsed config, command-line overrides applied.
 
     Raises:
-        ValueError: ``optimizer_in_bwd=True`` with ``gradient_accumulation_steps > 1``.
-        ValueError: ``dtype=fp16``, which this recipe does not support (no loss
-            scaling).
+        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
+            (``optimizer_in_bwd=True`` with gradient accumulation; fp16; a flag that
+            is not a bool; ...) or by :class:`~torchtune.training.CheckpointClient`
+            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``).
         ValueError: ``batch_size`` not divisible by ``forward_batch_size`` or by
             ``ppo_batch_size``, or ``ppo_batch_size`` not divisible by
             ``gradient_accumulation_steps``.
         ValueError: ``num_steps`` smaller than ``batch_size`` (no step to run).
         ValueError: a fresh run whose ``ref_policy_checkpointer`` reads other files
             than ``checkpointer``: the reference policy must start as the policy.
-        ValueError: ``profiler._component_`` is not ``setup_torch_profiler``.
-        ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
-            is not a positive integer or null.
         RuntimeError: ``dtype=bf16`` on hardware without bf16.
 
         Every refusal happens here, before anything is built or written.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
-        # MiB of gradients per in-backward optimizer call; None: the default.
-        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self._compile = bool(cfg.get("compile", False))
-        self._enable_activation_checkpointing = cfg.get(
-            "enable_activation_checkpointing", False
-        )
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
-
         # Refuse every unsupported combination before anything is built, so that a
         # refused run leaves output_dir (and the checkpoints in it) as it was.
-        if self._optimizer_in_bwd:
-            training.check_optimizer_in_bwd_options(
-                gradient_accumulation_steps=self._gradient_accumulation_steps,
-                bucket_cap_mb=self._bucket_cap_mb,
-            )
-        if self._dtype == torch.float16:
-            raise ValueError(
-                "dtype=fp16 is not supported by this recipe: it has no loss scaling. "
-                "Use dtype=bf16 or dtype=fp32."
-            )
+        self._opts = training.RecipeOptions.from_config(cfg)
+        self._device, self._dtype = self._opts.device, self._opts.dtype
+        self._optimizer_in_bwd = self._opts.optimizer_in_bwd
+        # The policy's checkpointer, which also holds the recipe state, and the step
+        # checkpoints; the other three models have checkpointers of their own.
+        self._checkpoint_client = CheckpointClient(cfg)
+        self._gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self.batch_size = cfg.batch_size
         self._forward_batch_size = cfg.forward_batch_size
         self._ppo_epochs = cfg.ppo_epochs
@@ -194,7 +176,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "no step. Set num_steps to at least batch_size."
             )
         policy, ref_policy = cfg.checkpointer, cfg.ref_policy_checkpointer
-        if not self._resume_from_checkpoint and (
+        if not self._checkpoint_client.resuming and (
             policy.checkpoint_dir != ref_policy.checkpoint_dir
             or policy.checkpoint_files != ref_policy.checkpoint_files
         ):
@@ -206,17 +188,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "reference policy is the policy before training. Point both at the "
                 "same files (only checkpointer changes when resuming)."
             )
-        # null means the default, as in 0.6.1.
-        training.check_profiler_component(cfg.get(training.PROFILER_KEY))
-        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
 
-        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
-        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
-        if self._log_peak_memory_stats and self._device.type == "cpu":
-            log.info("log_peak_memory_stats=True is ignored on CPU: no accelerator.")
-            self._log_peak_memory_stats = False
-
-        # Public: updated from the checkpoint on resume, and read by tests.
+        # Updated from the checkpoint on resume.
         self.seed = training.set_seed(
             seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
         )
@@ -233,54 +206,16 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        cfg_checkpointer = training.StepCheckpointer.checkpointer_config(
-            cfg.checkpointer
-        )
-        step_checkpoint = (
-            self._step_checkpointer.resume_point(cfg_checkpointer.recipe_checkpoint)
-            if self._resume_from_checkpoint
-            else None
-        )
         # Only the policy's epoch checkpoint holds the recipe state; the others are
-        # read from wherever the config points them.
-        self._policy_checkpointer = config.instantiate(
-            cfg_checkpointer,
-            should_load_recipe_state=(
-                self._resume_from_checkpoint and step_checkpoint is None
-            ),
-        )
-        self._value_checkpointer = config.instantiate(
-            cfg.value_checkpointer, should_load_recipe_state=False
-        )
-        # Also when resuming from a step checkpoint: the checkpointers learn the
-        # models' format from the files they load, and save epochs in it.
-        policy_ckpt = self._policy_checkpointer.load_checkpoint()
-        ref_policy_state_dict = config.instantiate(
-            cfg.ref_policy_checkpointer, should_load_recipe_state=False
-        ).load_checkpoint()[training.MODEL_KEY]
-        value_state_dict = self._value_checkpointer.load_checkpoint()[
-            training.MODEL_KEY
-        ]
-        # Mid-epoch resume state: the dataloader position and the global RNG state.
-        self._resume_dataloader_state = self._resume_rng_state = None
-        if step_checkpoint is not None:
-            recipe_state, rank_state, state = self._step_checkpointer.read(
-                step_checkpoint
-            )
-            log.info(f"Resuming from step checkpoint {step_checkpoint}.")
-            # The value model's weights too: value_checkpointer need not name them.
-            value_state_dict = state["model"]["value"]
-            policy_ckpt = recipe_state | {
-                training.MODEL_KEY: state["model"]["policy"],
-                training.OPT_KEY: state["optimizer"],
-            }
-            self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
-            self._resume_rng_state = rank_state["rng"]
-        reward_state_dict = config.instantiate(
-            cfg.reward_checkpointer, should_load_recipe_state=False
-        ).load_checkpoint()[training.MODEL_KEY]
+        # read from wherever the config points them. Also when resuming from a step
+        # checkpoint: the checkpointers learn the models' format from the files they
+        # load, and save epochs in it.
+        policy_ckpt = self._checkpoint_client.load_base_checkpoint()
+        self._value_checkpointer, value_state_dict = _load(cfg.value_checkpointer)
+        _, ref_policy_state_dict = _load(cfg.ref_policy_checkpointer)
+        _, reward_state_dict = _load(cfg.reward_checkpointer)
 
-        if self._compile:
+        if self._opts.compile["model"]:
             torch._dynamo.config.cache_size_limit = _COMPILE_CACHE_SIZE_LIMIT
         self._policy_model = self._setup_model(
             cfg.policy_model, policy_ckpt[training.MODEL_KEY], trainable=True
@@ -305,15 +240,30 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.log_memory_stats(training.get_memory_stats(device=self._device))
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        # The optimizer state can only be loaded once the models exist.
-        self._optimizer = self._setup_optimizer(
-            cfg.optimizer,
-            policy_ckpt[training.OPT_KEY] if self._resume_from_checkpoint else None,
+        self._optimizer = self._setup_optimizer(cfg.optimizer)
+        if is_legacy_in_bwd_state_dict(policy_ckpt.get(training.OPT_KEY)):
+            log.warning(
+                "The optimizer state is torchtune 0.6.1's in-backward format, which "
+                "holds the value model's state only: the policy's optimizer starts "
+                "afresh."
+            )
+        # Step checkpoints hold both trained models by name.
+        trained = {"policy": self._policy_model, "value": self._value_model}
+        # On resume: the optimizer state, and from a step checkpoint both trained
+        # models' weights too. 0.6.1's in-backward format held the value model's
+        # per-parameter optimizers only, under its parameter names.
+        self._resumed = self._checkpoint_client.resume(
+            trained,
+            self._optimizer,
+            policy_ckpt,
+            legacy_named_params=[(None, p) for p in self._policy_model.parameters()]
+            + list(self._value_model.named_parameters()),
         )
         self._loss_fn = config.instantiate(cfg.loss)
 
-        self._sampler, self._dataloader = self._setup_data(
-            cfg.dataset, cfg.shuffle, self.batch_size
+        self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, self.batch_size)
+        self._checkpoint_client.track(
+            trained, self._optimizer, self._dataloader, save_epoch=self.save_checkpoint
         )
         # One epoch is one pass over the prompts; the run ends after _total_steps.
         self._batches_per_epoch = batches_per_epoch = max(1, len(self._dataloader))
@@ -335,16 +285,17 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             f"total epochs to run: {self._total_epochs}."
         )
         self._setup_generation_and_rewards(cfg)
-        if self._resume_from_checkpoint:
-            self._update_recipe_state(policy_ckpt)
+        if self._resumed is not None:
+            self._update_recipe_state(self._resumed.recipe_state)
         # global_step counts optimizer steps: one per PPO minibatch.
         self.global_step = (
             self._steps_run
             * self._ppo_epochs
             * (self.batch_size // self._ppo_batch_size)
         )
-
-        self._profiler = self._setup_profiler(cfg.get(training.PROFILER_KEY, None))
+        self._profiler, self._memory_window = training.setup_profiler(
+            cfg.get(training.PROFILER_KEY, None), device=self._device
+        )
 
     def _setup_model(
         self,
@@ -363,9 +314,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         """
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
-        if self._compile:
+        if self._opts.compile["model"]:
             training.compile_model(model)
-        if trainable and self._enable_activation_checkpointing:
+        if trainable and self._opts.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
@@ -385,9 +336,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             model.requires_grad_(False)
         return model
 
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> torch.optim.Optimizer:
+    def _setup_optimizer(self, cfg_optimizer: DictConfig) -> torch.optim.Optimizer:
         """Build the optimizer: the one place that tells plain from in-backward.
 
         One optimizer holds the policy's parameters, then the value model's, in one
@@ -396,76 +345,20 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         either, and so does a torchtune 0.6.1 in-backward state.
         """
         make_optimizer = partial(config.instantiate, cfg_optimizer)
-        # No parameter names: the two models' names collide, and 0.6.1's in-backward
-        # format, which names would let OptimizerInBackward read, held only the value
-        # model's state here (see _from_0_6_1_in_bwd_state).
         params = list(self._trainable_params())
         optimizer = (
             training.OptimizerInBackward(
-                params, make_optimizer, bucket_cap_mb=self._bucket_cap_mb
+                params, make_optimizer, bucket_cap_mb=self._opts.bucket_cap_mb
             )
             if self._optimizer_in_bwd
             else make_optimizer(params)
         )
-        if opt_state_dict is not None:
-            if is_legacy_in_bwd_state_dict(opt_state_dict):
-                opt_state_dict = self._from_0_6_1_in_bwd_state(opt_state_dict)
-            optimizer.load_state_dict(opt_state_dict)
         log.info(f"Optimizer is initialized: {type(optimizer).__name__}.")
         return optimizer
 
-    def _from_0_6_1_in_bwd_state(self, legacy: dict[str, Any]) -> dict[str, Any]:
-        """A torchtune 0.6.1 in-backward PPO optimizer state, in the standard format.
-
-        0.6.1 saved the per-parameter optimizers of the value model only, keyed by its
-        parameter names; the policy's were never saved. The value model's state is
-        placed at its parameters' indices and the policy's is left empty, so the
-        policy's optimizer starts afresh, as it did when 0.6.1 resumed.
-
-        Raises:
-            ValueError: if the saved names are not the value model's parameters.
-        """
-        converted = training.convert_legacy_optim_in_bwd_state_dict(legacy)
-
-        def unwrapped(name: str) -> str:
-            # Activation checkpointing wraps layers under a prefix of its own.
-            return name.replace(_AC_WRAPPER_PREFIX, "")
-
-        saved = {unwrapped(n): state for n, state in converted["state"].items()}
-        (group,) = converted["param_groups"]
-        saved_names = {unwrapped(n) for n in group["params"]}
-        value_names = [unwrapped(n) for n, _ in self._value_model.named_parameters()]
-        missing = sorted(set(value_names) - saved_names)
-        extra = sorted(saved_names - set(value_names))
-        if missing or extra:
-            raise ValueError(
-                "The optimizer state is in torchtune 0.6.1's in-backward format, which "
-                "this recipe saved for the value model only, but its parameter names "
-                f"do not match the value model's: missing {missing}, extra {extra}. "
-                "Resume with the reward_and_value_model of the run that saved it."
-            )
-        num_policy_params = sum(1 for _ in self._policy_model.parameters())
-        log.warning(
-            "The optimizer state is torchtune 0.6.1's in-backward format, which holds "
-            "the value model's state only: the policy's optimizer starts afresh."
-        )
-        return {
-            "state": {
-                num_policy_params + index: saved[name]
-                for index, name in enumerate(value_names)
-                if name in saved
-            },
-            "param_groups": [
-                {
-                    **hyperparameters(group),
-                    "params": list(range(num_policy_params + len(value_names))),
-                }
-            ],
-        }
-
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
-    ) -> tuple[StatefulDistributedSampler, StatefulDataLoader]:
+    ) -> StatefulDataLoader:
         """Build the prompt dataset (a list is concatenated) and its loader.
 
         Prompts are padded on the left, so that generation continues every prompt
@@ -482,7 +375,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         sampler = StatefulDistributedSampler(
             ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0
         )
-        dataloader = StatefulDataLoader(
+        return StatefulDataLoader(
             dataset=ds,
             sampler=sampler,
             batch_size=batch_size,
@@ -495,7 +388,6 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 padding_idx=self._tokenizer.pad_id,
             ),
         )
-        return sampler, dataloader
 
     def _setup_generation_and_rewards(self, cfg: DictConfig) -> None:
         """Read the generation, reward and advantage settings; pick the stop tokens."""
@@ -571,30 +463,6 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._total_epochs = ckpt_dict[training.TOTAL_EPOCHS_KEY]
         self._epochs_run = ckpt_dict[training.EPOCHS_KEY]
 
-    def _setup_profiler(
-        self, cfg_profiler: DictConfig | None
-    ) -> torch.profiler.profile | training.DummyProfiler:
-        """Build the torch profiler, or a no-op one when ``profiler`` is absent or off.
-
-        With ``profile_memory`` on CUDA, the loop also records a memory snapshot over
-        the profiled (active) steps of the first epoch: ``self._memory_window`` holds
-        their first and last batch index, or is None.
-        """
-        cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
-        profiler, profiler_cfg = config.instantiate(cfg_profiler)
-        log.info(f"Profiler config after instantiation: {profiler_cfg}")
-
-        self._memory_window = None
-        if (
-            profiler_cfg["enabled"]
-            and profiler_cfg.get("profile_memory", False)
-            and self._device.type == "cuda"
-        ):
-            first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
-            self._memory_window = (first, first + profiler_cfg["active_steps"])
-        return profiler
-
     def _recipe_state(self) -> dict[str, Any]:
         """What :meth:`_update_recipe_state` takes back on resume."""
         return {
@@ -606,40 +474,24 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             training.RNG_KEY: self._rng.get_state(),
         }
 
-    def save_checkpoint(self, epoch: int, *, intermediate: bool) -> None:
-        """Save the policy and the value model; for an intermediate checkpoint, also
-        the optimizer state of both and the recipe state, in the policy's checkpoint."""
+    def save_checkpoint(self, epoch: int) -> None:
+        """Save the policy and the value model at the end of ``epoch`` and, unless
+        the run is over, the optimizer state of both and the recipe state in the
+        policy's checkpoint."""
+        intermediate = self._steps_run < self._total_steps
         policy_ckpt = {training.MODEL_KEY: self._policy_model.state_dict()}
         if intermediate:
             policy_ckpt |= {
                 training.OPT_KEY: self._optimizer.state_dict(),
                 **self._recipe_state(),
             }
-        self._policy_checkpointer.save_checkpoint(
+        self._checkpoint_client.checkpointer.save_checkpoint(
             policy_ckpt, epoch=epoch, intermediate_checkpoint=intermediate
         )
         self._value_checkpointer.save_checkpoint(
             {training.MODEL_KEY: self._value_model.state_dict()},
             epoch=epoch,
             intermediate_checkpoint=False,
-        )
-
-    def _save_step_checkpoint(self, *, mid_epoch: bool) -> None:
-        """Save everything the run needs to continue after this PPO step: both
-        trained models, the optimizer, the counters and the sampling generator, and
-        mid-epoch the loader's position. At an epoch's end (``_epochs_run`` already
-        counts it) the next epoch starts with a fresh loader, as it does here."""
-        loader_state = self._dataloader.state_dict() if mid_epoch else None
-        self._step_checkpointer.save(
-            self.global_step,
-            self._policy_model,
-            self._optimizer,
-            recipe_state=self._recipe_state(),
-            rank_state={training.DATALOADER_KEY: loader_state},
-            model_state_dict={
-                "policy": self._policy_model.state_dict(),
-                "value": self._value_model.state_dict(),
-            },
         )
 
     def _kv_cache(self, decoder_max_seq_len: int) -> contextlib.AbstractContextManager:
@@ -773,28 +625,32 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def train(self) -> None:
         """Run the remaining PPO steps, saving a checkpoint after each epoch and, with
         ``save_every_n_steps``, a step checkpoint when one is due."""
-        if self._compile:
+        if self._opts.compile["model"]:
             log.info("The models compile in their first forward: expect a slow step 1.")
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resume_rng_state is not None:
+        if self._resumed is not None and self._resumed.rng_state is not None:
             # Resuming from a step checkpoint: the global RNG as the run left it
             # (sampling and minibatch order draw from self._rng, restored with the
             # recipe state).
-            training.restore_rng_state(self._resume_rng_state)
+            training.restore_rng_state(self._resumed.rng_state)
+        loader_state = self._resumed and self._resumed.dataloader_state
         self._profiler.start()
         pbar = tqdm(total=self._total_steps, initial=self._steps_run)
         for curr_epoch in range(self._epochs_run, self._total_epochs):
-            self._sampler.set_epoch(curr_epoch)
-            if self._resume_dataloader_state:
-                # Resuming mid-epoch: the loader continues where the saved one was.
-                self._dataloader.load_state_dict(self._resume_dataloader_state)
-                self._resume_dataloader_state = None
-            first_batch = self._steps_run - curr_epoch * self._batches_per_epoch
-            for idx, batch in enumerate(self._dataloader, start=first_batch):
-                record_memory = curr_epoch == 0 and self._memory_window is not None
-                if record_memory and idx == self._memory_window[0]:
-                    torch.cuda.memory._record_memory_history()
-
+            epoch_start = curr_epoch * self._batches_per_epoch
+            # The last epoch ends early when the run's steps do not fill it.
+            epoch_steps = min(self._batches_per_epoch, self._total_steps - epoch_start)
+            batches = training.epoch_batches(
+                self._dataloader,
+                curr_epoch,
+                steps_done=self._steps_run - epoch_start,
+                steps_per_epoch=epoch_steps,
+                loader_state=loader_state,
+                profiler=self._profiler,
+                memory_window=self._memory_window,
+            )
+            loader_state = None
+            for idx, batch in batches:
                 input_ids = batch["tokens"].to(self._device)
                 num_tokens = input_ids.numel()
 
@@ -824,7 +680,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 ppo_time = time.perf_counter() - t0
 
                 self._steps_run += 1
-                if self._steps_run % self._log_every_n_steps == 0:
+                if self._steps_run % self._opts.log_every_n_steps == 0:
                     self._log_metrics(
                         trajectory,
                         ppo_stats,
@@ -837,28 +693,20 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 pbar.update(1)
                 # Free this step's tensors before the next step generates.
                 del trajectory, rewards, kl, kl_rewards, advantages, returns, ppo_stats
-
-                if record_memory and idx == self._memory_window[1]:
-                    torch.cuda.memory._record_memory_history(enabled=None)
-                self._profiler.step()
-                if self._steps_run == self._total_steps:
-                    break
-                # The last step of an epoch is saved with the epoch, below.
-                if idx + 1 < self._batches_per_epoch and self._step_checkpointer.is_due(
-                    self._steps_run
-                ):
-                    self._save_step_checkpoint(mid_epoch=True)
+                # save_every_n_steps counts PPO steps; the checkpoint is named by the
+                # optimizer step, at which the metrics are logged. The epoch's last
+                # step is saved with the epoch, below.
+                self._checkpoint_client.step_done(
+                    self.global_step,
+                    self._recipe_state(),
+                    epoch_end=idx + 1 == epoch_steps,
+                    due_step=self._steps_run,
+                )
 
             self._epochs_run += 1
-            if self._step_checkpointer.every_n_steps is not None:
-                # Before the epoch checkpoint, whose recipe state is written in place:
-                # a crash while it is written leaves this one to resume from.
-                self._save_step_checkpoint(mid_epoch=False)
-            self.save_checkpoint(
-                curr_epoch, intermediate=self._steps_run < self._total_steps
+            self._checkpoint_client.epoch_done(
+                curr_epoch, self.global_step, self._recipe_state()
             )
-            if self._steps_run == self._total_steps:
-                break
         pbar.close()
         self._profiler.stop()
 
@@ -910,15 +758,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     # The update already happened; backward recorded the norm.
                     grad_norms.append(self._optimizer.grad_norm)
                 else:
-                    grad_norms.append(
-                        nn.utils.get_total_norm(
-                            [
-                                p.grad
-                                for p in self._trainable_params()
-                                if p.grad is not None
-                            ]
-                        )
-                    )
+                    grad_norms.append(training.grad_norm(self._trainable_params()))
                 # A no-op after an in-backward backward.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -1036,12 +876,18 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             "tokens_per_second_per_gpu_trajectory": tokens_per_second_trajectory,
             "tokens_per_second_per_gpu_ppo": tokens_per_second_ppo,
         }
-        if self._log_peak_memory_stats:
+        if self._opts.log_peak_memory_stats:
             log_dict |= training.get_memory_stats(device=self._device)
         self._metric_logger.log_dict(log_dict, step=self.global_step)
 
     def cleanup(self) -> None:
         self._metric_logger.close()
+
+
+def _load(cfg_checkpointer: DictConfig) -> tuple[Any, dict[str, Any]]:
+    """A checkpointer that reads no recipe state, and the model weights it read."""
+    checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=False)
+    return checkpointer, checkpointer.load_checkpoint()[training.MODEL_KEY]
 
 
 @config.parse

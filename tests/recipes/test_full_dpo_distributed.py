@@ -13,11 +13,14 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 - resumed mid-epoch from the sharded step checkpoint of step 4
   (``save_every_n_steps``, copied alone into a fresh ``output_dir``) vs
   uninterrupted, in-backward;
+- resumed from the epoch-0 checkpoint with its optimizer state rewritten in
+  torchtune 0.6.1's in-backward format vs uninterrupted, in both modes;
 - 1 process vs 2 at the same global batch.
 
 Besides: the shipped ``llama3_1/8B_full_dpo`` config trains on the tiny assets as
 shipped (plain fused AdamW, gradient accumulation, bf16, activation checkpointing)
-and with ``optimizer_in_bwd=True``; refused configs fail before anything is written.
+and with ``optimizer_in_bwd=True``; an optimizer FSDP2 cannot train (bitsandbytes')
+is refused before anything is written.
 
 The 2-process runs are ``tune run --nproc_per_node 2`` subprocesses, started
 together on first use (a run mostly waits on interpreter start-up and collectives,
@@ -57,11 +60,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import shutil
 import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +83,6 @@ from tests.recipes.utils import (
     run_tune,
     run_tune_in_process,
     shipped_config_overrides,
-    snapshot_files,
     tiny_config,
 )
 
@@ -157,7 +161,7 @@ class Runs:
         self._root = root
         self._assets = assets
         # One thread per subprocess run: each mostly waits on its subprocess.
-        self._pool = ThreadPoolExecutor(max_workers=5)
+        self._pool = ThreadPoolExecutor(max_workers=7)
         self._futures: dict[str, Future[TuneRun]] = {}
         self._submit(
             "in_bwd",
@@ -204,6 +208,25 @@ class Runs:
             "in_bwd_from_plain_async",
             optimizer_in_bwd=True,
             enable_async_checkpointing=True,
+        )
+        # 0.6.1's DPO configs turn activation checkpointing on, which put its
+        # wrapper in the names 0.6.1 saved: the in-backward resume has it on too.
+        self._submit(
+            "in_bwd_from_0_6_1",
+            self._resume,
+            "in_bwd",
+            "in_bwd_from_0_6_1",
+            edit=partial(_rewrite_as_0_6_1_in_backward, checkpoint_wrapped=True),
+            optimizer_in_bwd=True,
+            enable_activation_checkpointing=True,
+        )
+        self._submit(
+            "plain_from_0_6_1",
+            self._resume,
+            "in_bwd",
+            "plain_from_0_6_1",
+            edit=partial(_rewrite_as_0_6_1_in_backward, checkpoint_wrapped=False),
+            optimizer_in_bwd=False,
         )
         # batch_size is per rank: 1 x 8 = 2 x 4, the same pairs each step.
         self._run_in_process(
@@ -288,9 +311,15 @@ class Runs:
                     torch.distributed.destroy_process_group()
                 torch.set_num_threads(threads)
 
-    def _resume(self, source_name: str, name: str, **overrides: Any) -> TuneRun:
+    def _resume(
+        self,
+        source_name: str,
+        name: str,
+        edit: Callable[[Path], None] | None = None,
+        **overrides: Any,
+    ) -> TuneRun:
         """Resume ``source_name`` from its epoch-0 checkpoint (its last
-        intermediate one), in a copy of its output_dir.
+        intermediate one), in a copy of its output_dir, which ``edit`` may rewrite.
 
         Synchronous: the configured checkpointer reads the weights named here and
         the recipe state the run saved. Asynchronous: the recipe reads everything
@@ -304,6 +333,8 @@ class Runs:
             # Without its step checkpoints, which would be further along.
             ignore=shutil.ignore_patterns(".hf_datasets_cache", "step_*"),
         )
+        if edit is not None:
+            edit(self._root / name)
         if not overrides.get("enable_async_checkpointing", False):
             weights = "epoch_0/model-00001-of-00001.safetensors"
             overrides["checkpointer.checkpoint_files"] = [weights]
@@ -347,6 +378,35 @@ class Runs:
                 **settings,
             },
         )
+
+
+def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
+    """Rewrite the optimizer state of ``output_dir``'s recipe state as torchtune
+    0.6.1's DPO recipe saved it with ``optimizer_in_bwd``: one optimizer per policy
+    parameter, keyed by ``model.named_parameters()`` names (which include activation
+    checkpointing's wrapper where it was on), each saved as its own full state dict
+    (keyed by the clean name). Only the first one holds the scheduler's
+    ``initial_lr``: 0.6.1 built the scheduler on that one alone.
+    """
+    path = output_dir / "recipe_state" / "recipe_state.pt"
+    recipe_state = torch.load(path, weights_only=False)
+    saved = recipe_state["optimizer"]
+    (group,) = saved["param_groups"]
+    legacy = {}
+    for i, fqn in enumerate(group["params"]):
+        name = fqn
+        if checkpoint_wrapped:
+            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        if i > 0:
+            del hyperparameters["initial_lr"]
+        legacy[name] = {
+            "state": {fqn: saved["state"][fqn]},
+            "param_groups": [hyperparameters | {"params": [fqn]}],
+        }
+    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    recipe_state["optimizer"] = legacy
+    torch.save(recipe_state, path)
 
 
 @pytest.fixture(scope="module")
@@ -453,7 +513,7 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
     resumed = runs["in_bwd_from_step"]
     # Found without being named, and continued from step RESUME_STEP + 1.
     copied = resumed.output_dir / step_checkpoint.name
-    assert f"Resumed from {copied}." in resumed.output
+    assert f"Resumed from step checkpoint {copied}." in resumed.output
     assert list(resumed.metrics) == list(AFTER_RESUME_STEP)
     # The same mode, kernels and values: bitwise (module docstring).
     _assert_same(
@@ -464,6 +524,27 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
         AFTER_RESUME_STEP,
     )
     _assert_same_lr(resumed, uninterrupted, AFTER_RESUME_STEP)
+
+
+@pytest.mark.parametrize("name", ["in_bwd_from_0_6_1", "plain_from_0_6_1"])
+def test_resume_from_a_0_6_1_in_backward_checkpoint_equals_uninterrupted_run(
+    name: str, runs: Runs
+) -> None:
+    resumed, uninterrupted = runs[name], runs["in_bwd"]
+    assert list(resumed.metrics) == list(EPOCH_1)
+    # Same updates in either mode (module docstring); only the plain run's grad norm
+    # sums in another order. Moments that failed to load would restart AdamW's bias
+    # correction and move the losses after the first and the weights by far more.
+    grad_norm = EXACT if name.startswith("in_bwd") else GRAD_NORM_ACROSS_MODES
+    _assert_same(resumed, uninterrupted, ("loss", *PAIR_METRICS), EXACT, EPOCH_1)
+    _assert_same(resumed, uninterrupted, ("grad_norm",), grad_norm, EPOCH_1)
+    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+    final = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
+    assert_close(
+        load_file(resumed.output_dir / final),
+        load_file(uninterrupted.output_dir / final),
+        **EXACT,
+    )
 
 
 def test_two_processes_match_one_process_at_the_same_global_batch(
@@ -540,63 +621,49 @@ def _load_recipe_class() -> type:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            {"clip_grad_norm": 1.0},
-            "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the "
-            "global gradient norm is only known after backward, when in-backward "
-            "updates have already happened. Set clip_grad_norm=null or "
-            "optimizer_in_bwd=False.",
-        ),
-        (
-            {"gradient_accumulation_steps": 2},
-            "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
-            "each parameter is updated as soon as its gradient is ready, so gradients "
-            "cannot be accumulated over several batches. Set "
-            "gradient_accumulation_steps=1 or optimizer_in_bwd=False.",
-        ),
-    ],
-    ids=["clip_grad_norm", "gradient_accumulation"],
+    "optimizer",
+    ["bitsandbytes.optim.PagedAdamW8bit", "bitsandbytes.optim.AdamW"],
 )
-def test_refused_config_fails_with_its_message_and_leaves_output_dir_untouched(
-    overrides: dict[str, Any],
-    message: str,
+@pytest.mark.parametrize("optimizer_in_bwd", [True, False], ids=["in_bwd", "plain"])
+def test_recipe_refuses_a_bitsandbytes_optimizer_before_building_anything(
+    optimizer: str,
+    optimizer_in_bwd: bool,
     tmp_path: Path,
     tiny_assets: TinyAssets,
-    preference_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # An earlier run's output_dir, with a checkpoint to keep.
-    checkpoint = tmp_path / "epoch_0" / "model-00001-of-00001.safetensors"
-    checkpoint.parent.mkdir()
-    checkpoint.write_bytes(b"an earlier run's weights")
-    before = snapshot_files(tmp_path)
-
-    # Through tune's entry point, in this process: the refusal comes before the
-    # process group, so no launcher is needed.
-    with pytest.raises(ValueError) as error:
-        run_tune_in_process(
-            RECIPE,
-            CONFIG,
-            {"assets_dir": tiny_assets.root, "optimizer_in_bwd": True, **overrides},
-            tmp_path,
-        )
-    assert str(error.value) == message
-    assert not torch.distributed.is_initialized()
-    assert snapshot_files(tmp_path) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
-
-
-def test_recipe_class_refuses_before_building_anything(
-    tmp_path: Path, tiny_assets: TinyAssets
-) -> None:
+    """bitsandbytes' update kernels fail on FSDP2's DTensor parameters: the recipe
+    refuses them in ``__init__``, before the process group, a model or a file, rather
+    than failing in the first update."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(CONFIG)
     cfg.assets_dir = str(tiny_assets.root)
     cfg.output_dir = str(tmp_path)
-    cfg.merge_with({"optimizer_in_bwd": True, "compile": {"optimizer_step": True}})
-    with pytest.raises(ValueError, match=r"^optimizer_in_bwd=True cannot be combined"):
-        _load_recipe_class()(cfg)
-    assert not torch.distributed.is_initialized()
+    cfg.merge_with(
+        {"optimizer_in_bwd": optimizer_in_bwd, "optimizer": {"_component_": optimizer}}
+    )
+    # A 1-rank group could start: only the refusal keeps it from starting.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(port)),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
+        monkeypatch.setenv(key, value)
+    try:
+        with pytest.raises(
+            ValueError,
+            match=f"^optimizer._component_={re.escape(optimizer)} cannot train a "
+            "model sharded with FSDP2",
+        ):
+            _load_recipe_class()(cfg)
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert list(tmp_path.iterdir()) == []

@@ -392,6 +392,28 @@ def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics
         )
 
 
+def test_save_every_n_steps_counts_ppo_steps(
+    ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
+) -> None:
+    """``save_every_n_steps=2``: after PPO steps 2 and 4, which end the epochs here,
+    and not every 2 optimizer steps (there are 4 per PPO step). Folders are named by
+    the optimizer step, at which the metrics are logged."""
+    assert {p.name for p in runs["bwd"].output_dir.glob("step_*")} == {
+        f"step_{n}" for n in EPOCH_0 + EPOCH_1
+    }
+    run = run_tune_in_process(
+        RECIPE,
+        CONFIG,
+        _overrides(ppo_assets, save_every_n_steps=2, **_mode("plain")),
+        tmp_path,
+    )
+    assert {p.name for p in run.output_dir.glob("step_*")} == {"step_8", "step_16"}
+    saved = torch.load(
+        run.output_dir / "step_8" / "recipe_state.pt", weights_only=False
+    )
+    assert (saved["global_step"], saved["steps_run"]) == (8, 2)
+
+
 def test_final_checkpoints_load_back_into_the_models(
     ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
@@ -418,13 +440,6 @@ def test_final_checkpoints_load_back_into_the_models(
 
 
 REFUSALS = {
-    "gradient_accumulation_steps": (
-        {"optimizer_in_bwd": True, "gradient_accumulation_steps": 2},
-        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
-        "each parameter is updated as soon as its gradient is ready, so gradients "
-        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
-        "or optimizer_in_bwd=False.",
-    ),
     "ppo_batch_size": (
         {"ppo_batch_size": 3},
         "batch_size=8 is not a multiple of ppo_batch_size=3: every step splits its "
@@ -435,11 +450,6 @@ REFUSALS = {
         {"num_steps": 4},
         "num_steps=4 is smaller than batch_size=8: num_steps counts prompts, so this "
         "run would have no step. Set num_steps to at least batch_size.",
-    ),
-    "fp16": (
-        {"dtype": "fp16"},
-        "dtype=fp16 is not supported by this recipe: it has no loss scaling. Use "
-        "dtype=bf16 or dtype=fp32.",
     ),
 }
 
