@@ -3,11 +3,13 @@ optimizer that runs inside ``backward()`` (:class:`OptimizerInBackward`).
 
 torchtune 0.6.1's optimizer-in-backward functions, deprecated, live in
 :mod:`torchtune.training.optim_in_bwd_deprecated` and are importable from here too,
-as in 0.6.1."""
+as in 0.6.1. Its in-backward checkpoint format is read by
+:mod:`torchtune.training.optim_in_bwd_legacy_state_dict`."""
 
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import sys
 import weakref
@@ -28,12 +30,6 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    convert_legacy_optim_in_bwd_state_dict,
-    hyperparameters,
-    is_legacy_in_bwd_state_dict,
-    legacy_entries,
-)
 from torchtune.utils import get_device_support, get_logger
 
 _log: logging.Logger = get_logger()
@@ -218,9 +214,6 @@ def log_memory_stats(
 # never keeps an optimizer, or through it the parameter itself, alive.
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-# Per-parameter optimizers that already carry the load_state_dict post-hook below.
-_HOOKED_INNER: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-
 # torch.optim.Optimizer's hooks around state_dict() and load_state_dict(). They belong
 # to the wrapped optimizer, whose own methods run them.
 _STATE_DICT_HOOKS = (
@@ -258,6 +251,23 @@ def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     return int(bucket_cap_mb * 1024**2)
+
+
+# Param group keys that are not hyperparameters.
+_NON_HYPERPARAMETER_KEYS = frozenset({"params", "param_names"})
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of a param group: every key but ``params`` and
+    ``param_names``.
+
+    Args:
+        group (Mapping[str, Any]): a param group, as in ``optimizer.param_groups``.
+
+    Returns:
+        dict[str, Any]: a new dict of its other entries (``lr``, ``betas``, ...).
+    """
+    return {k: v for k, v in group.items() if k not in _NON_HYPERPARAMETER_KEYS}
 
 
 def _owner_of(param: torch.Tensor) -> OptimizerInBackward | None:
@@ -335,47 +345,6 @@ def _local_bytes(param: torch.Tensor) -> int:
     """Bytes of ``param``'s gradient on this rank (its local shard for a DTensor)."""
     local = param.to_local() if isinstance(param, DTensor) else param
     return local.numel() * local.element_size()
-
-
-def _single_param(optimizer: Optimizer) -> torch.Tensor:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != 1:
-        raise ValueError(
-            "each per-parameter optimizer must hold exactly one parameter, but "
-            f"{type(optimizer).__name__} holds {len(params)}"
-        )
-    return params[0]
-
-
-def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _reclaim_inner_state(inner: Optimizer) -> None:
-    """Link a bucket optimizer's ``state`` back to its owner's.
-
-    A per-parameter optimizer's own ``load_state_dict`` replaces ``inner.state`` with a
-    new dict (0.6.1 recipes load through ``optim_map[name]``). This moves the loaded
-    entries into the owning :class:`OptimizerInBackward` and puts the shared view back,
-    so the loaded state is the state that training uses and that the owner saves. It
-    runs as a load_state_dict post-hook where the class runs torch's hooks, and before
-    every update and save for classes whose loader does not (bitsandbytes).
-    """
-    if isinstance(inner.state, _BucketState):
-        return
-    params = _optimizer_params(inner)
-    if not params:
-        return
-    owner = _owner_of(params[0])
-    bucket = None if owner is None else owner._bucket_of.get(params[0])
-    if bucket is None or bucket.optimizer is not inner:
-        return
-    loaded = inner.state
-    inner.state = _BucketState(owner, params)
-    for param in params:
-        entry = loaded.get(param)
-        if entry:
-            owner.state[param] = entry
 
 
 def _describe(param: torch.Tensor, name: str | None, index: int) -> str:
@@ -466,9 +435,9 @@ class OptimizerInBackward(Optimizer):
     Args:
         params (iterable): parameters to optimize, or dicts defining param groups, or
             ``(name, parameter)`` pairs such as ``model.named_parameters()``, exactly
-            as ``optimizer_cls`` takes them. Passing names is optional; it lets
-            :meth:`load_state_dict` load torchtune 0.6.1 in-backward checkpoints and
-            name parameters in error messages.
+            as ``optimizer_cls`` takes them. With names, the param groups and the
+            state dict hold ``param_names`` as ``optimizer_cls``'s would, and error
+            messages name the parameters.
         optimizer_cls (Callable[..., Optimizer]): builds an optimizer from a list of
             parameters (and ``optimizer_kwargs``), e.g. ``torch.optim.AdamW``,
             ``bitsandbytes.optim.PagedAdamW8bit`` or
@@ -532,44 +501,54 @@ class OptimizerInBackward(Optimizer):
                 "optimizer_cls must build a torch.optim.Optimizer, but "
                 f"{optimizer_cls!r} returned {type(optimizer).__name__}"
             )
-        self._init_in_backward(
-            optimizer, optimizer_cls, optimizer_kwargs, bucket_cap_bytes=cap_bytes
+        self._optimizer_cls = optimizer_cls
+        self._optimizer_kwargs = optimizer_kwargs
+        self._wrap(optimizer, bucket_cap_bytes=cap_bytes)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names this object does not have. Public ones are the
+        # wrapped optimizer's (bitsandbytes' is_paged, a schedule-free train(), ...).
+        wrapped = self.__dict__.get("_optimizer")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
+        return getattr(wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: it holds autograd "
+            "hooks on its parameters. Save state_dict() instead and load it into a "
+            "new instance."
         )
 
-    def _init_in_backward(
-        self,
-        optimizer: Optimizer,
-        optimizer_cls: Callable[..., Optimizer] | None,
-        optimizer_kwargs: dict[str, Any],
-        *,
-        bucket_cap_bytes: int = 0,
-        adopted: dict[torch.Tensor, Optimizer] | None = None,
-        names: dict[torch.Tensor, str] | None = None,
-    ) -> None:
-        """Wrap ``optimizer`` and hook every trainable parameter.
+    # -- extension points -----------------------------------------------------------
+    # A subclass that gets its wrapped optimizer and its bucket optimizers from
+    # elsewhere calls _wrap instead of __init__ and overrides _new_bucket_optimizer;
+    # _attach and _optimizer_of let it place parameters in buckets and find them, and
+    # _param_names may add names for error messages.
+
+    def _wrap(self, optimizer: Optimizer, *, bucket_cap_bytes: int) -> None:
+        """Become ``optimizer`` as far as everything but the update goes, and update
+        its trainable parameters in backward, in buckets.
 
         This replaces ``Optimizer.__init__``: ``param_groups``, ``state`` and
         ``defaults`` are ``optimizer``'s and must not be reset; only the step hooks,
-        which run around this object's :meth:`step`, are this object's own.
+        which run around this object's :meth:`step`, are this object's own. Each
+        bucket's optimizer comes from :meth:`_new_bucket_optimizer`.
 
         Args:
-            optimizer: the wrapped optimizer, holding every parameter.
-            optimizer_cls: builds the bucket optimizers; ``None`` for the deprecated
-                0.6.1 API, which brings its own (``adopted``).
-            optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
-            bucket_cap_bytes: most gradient bytes a bucket holds (a parameter larger
-                than that has a bucket of its own); 0 for one parameter per bucket.
-            adopted: per-parameter optimizers to take over instead of building them,
-                each the bucket of its one parameter. Those of frozen parameters are
-                taken over too (0.6.1 kept them).
-            names: parameter names known from outside ``param_groups``.
+            optimizer (Optimizer): the wrapped optimizer, holding every parameter.
+            bucket_cap_bytes (int): most gradient bytes a bucket holds (a parameter
+                larger than that has a bucket of its own); 0 for one parameter per
+                bucket.
         """
         torch._C._log_api_usage_once("python.optimizer")
         self._optimizer = optimizer
-        self._optimizer_cls = optimizer_cls
-        self._optimizer_kwargs = optimizer_kwargs
         self._bucket_cap_bytes = bucket_cap_bytes
-        self._extra_names = dict(names or {})
         # The bucket of every parameter this instance updates.
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         self._hook_handles: dict[torch.Tensor, RemovableHandle] = {}
@@ -593,35 +572,76 @@ class OptimizerInBackward(Optimizer):
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._patch_step_function()
         self._index_groups()
-        adopted = dict(adopted or {})
         for group in self.param_groups:
-            trainable = []
-            for param in group["params"]:
-                if param in adopted:
-                    self._attach([param], adopted.pop(param))
-                elif param.requires_grad:
-                    trainable.append(param)
-            self._attach_in_buckets(trainable)
+            self._attach_in_buckets([p for p in group["params"] if p.requires_grad])
 
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for names this object does not have. Public ones are the
-        # wrapped optimizer's (bitsandbytes' is_paged, a schedule-free train(), ...).
-        wrapped = self.__dict__.get("_optimizer")
-        if name.startswith("_") or wrapped is None:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}"
-            )
-        return getattr(wrapped, name)
+    def _new_bucket_optimizer(self, params: list[torch.Tensor]) -> Optimizer:
+        """The optimizer that will update the bucket ``params``:
+        ``optimizer_cls(params, **optimizer_kwargs)``.
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._optimizer!r})"
+        Its ``state`` is then replaced with the bucket's view of this object's
+        ``state``, and its param group's hyperparameters are refreshed from this
+        object's before each update. A subclass may return an optimizer built
+        elsewhere, after moving any state it holds for ``params`` into ``state``.
 
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            f"{type(self).__name__} cannot be pickled or copied: it holds autograd "
-            "hooks on its parameters. Save state_dict() instead and load it into a "
-            "new instance."
-        )
+        Args:
+            params (list[torch.Tensor]): the bucket's parameters, of one param group,
+                in its order.
+
+        Returns:
+            Optimizer: an optimizer over exactly ``params``.
+        """
+        return self._optimizer_cls(params, **self._optimizer_kwargs)
+
+    def _attach(self, params: list[torch.Tensor]) -> None:
+        """Make this instance the one that updates ``params``, as one bucket, with
+        the optimizer :meth:`_new_bucket_optimizer` gives; any other instance that
+        updated one of them stops.
+
+        Args:
+            params (list[torch.Tensor]): parameters of one param group, in its order.
+                Those with ``requires_grad=True`` get a hook (unless hooks were
+                removed); the others are updated only by :meth:`step`.
+        """
+        for param in params:
+            previous = _owner_of(param)
+            if previous is not None and previous is not self:
+                previous._release(param)
+            self._detach(param)
+        self._new_bucket(params)
+        for param in params:
+            if (
+                self._hooks_enabled
+                and param.requires_grad
+                and param not in self._hook_handles
+            ):
+                self._hook_handles[param] = param.register_post_accumulate_grad_hook(
+                    self._on_grad_ready
+                )
+            _OWNERS[param] = weakref.ref(self)
+
+    def _optimizer_of(self, param: torch.Tensor) -> Optimizer | None:
+        """The optimizer of ``param``'s bucket, or ``None`` if this instance does
+        not update ``param``.
+
+        Args:
+            param (torch.Tensor): a parameter.
+
+        Returns:
+            Optimizer | None: the bucket's optimizer.
+        """
+        bucket = self._bucket_of.get(param)
+        return None if bucket is None else bucket.optimizer
+
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        """Parameter -> its name in ``param_groups``' ``param_names``, where the
+        groups have them, for error messages. A subclass that knows other names may
+        add them."""
+        names = {}
+        for group in self.param_groups:
+            if "param_names" in group:
+                names.update(zip(group["params"], group["param_names"], strict=True))
+        return names
 
     # -- construction helpers ---------------------------------------------------
 
@@ -640,48 +660,14 @@ class OptimizerInBackward(Optimizer):
         if bucket:
             self._attach(bucket)
 
-    def _build_optimizer(self, params: list[torch.Tensor]) -> Optimizer:
-        if self._optimizer_cls is None:
-            raise RuntimeError(
-                "this optimizer was built from 0.6.1-style per-parameter optimizers "
-                "and cannot build one for a new parameter; use "
-                "OptimizerInBackward(params, optimizer_cls, **kwargs) instead"
-            )
-        return self._optimizer_cls(params, **self._optimizer_kwargs)
-
-    def _attach(
-        self, params: list[torch.Tensor], adopted: Optimizer | None = None
-    ) -> None:
-        """Make this instance the one that updates ``params``, as one bucket: by
-        ``adopted`` (with the state it holds) or by a new ``optimizer_cls``."""
-        for param in params:
-            previous = _owner_of(param)
-            if previous is not None and previous is not self:
-                previous._release(param)
-            self._detach(param)
-        if adopted is None:
-            inner = self._build_optimizer(params)
-        else:
-            inner = adopted
-            for param in params:
-                if param in inner.state and inner.state[param]:
-                    self.state[param] = inner.state[param]
+    def _new_bucket(self, params: list[torch.Tensor]) -> _Bucket:
+        """A bucket of ``params`` whose optimizer sees this object's state."""
+        inner = self._new_bucket_optimizer(params)
         inner.state = _BucketState(self, params)
-        if inner not in _HOOKED_INNER:
-            inner.register_load_state_dict_post_hook(_reclaim_inner_state)
-            _HOOKED_INNER.add(inner)
         bucket = _Bucket(params, inner)
         for param in params:
             self._bucket_of[param] = bucket
-            if (
-                self._hooks_enabled
-                and param.requires_grad
-                and param not in self._hook_handles
-            ):
-                self._hook_handles[param] = param.register_post_accumulate_grad_hook(
-                    self._on_grad_ready
-                )
-            _OWNERS[param] = weakref.ref(self)
+        return bucket
 
     def _detach(self, param: torch.Tensor) -> None:
         """Take ``param`` out of its bucket, if it has one; the rest of the bucket
@@ -691,12 +677,7 @@ class OptimizerInBackward(Optimizer):
             return
         rest = [p for p in bucket.params if p is not param]
         if rest:
-            inner = self._build_optimizer(rest)
-            inner.state = _BucketState(self, rest)
-            remaining = _Bucket(rest, inner)
-            remaining.ready = bucket.ready - {id(param)}
-            for p in rest:
-                self._bucket_of[p] = remaining
+            self._new_bucket(rest).ready = bucket.ready - {id(param)}
 
     def _release(self, param: torch.Tensor) -> None:
         """Stop updating ``param``: another instance took it over."""
@@ -710,24 +691,8 @@ class OptimizerInBackward(Optimizer):
             p: group for group in self.param_groups for p in group["params"]
         }
 
-    def _param_names(self) -> dict[torch.Tensor, str]:
-        names = dict(self._extra_names)
-        for group in self.param_groups:
-            if "param_names" in group:
-                names.update(zip(group["params"], group["param_names"], strict=True))
-        return names
-
-    @property
-    def _inner(self) -> dict[torch.Tensor, Optimizer]:
-        """The optimizer that updates each parameter: its bucket's."""
-        return {p: bucket.optimizer for p, bucket in self._bucket_of.items()}
-
     def _buckets(self) -> list[_Bucket]:
         return list({id(b): b for b in self._bucket_of.values()}.values())
-
-    def _reclaim_inner_states(self) -> None:
-        for bucket in self._buckets():
-            _reclaim_inner_state(bucket.optimizer)
 
     # -- the update ---------------------------------------------------------------
 
@@ -772,7 +737,6 @@ class OptimizerInBackward(Optimizer):
         else:
             self._grad_norm_missing = True
         inner = bucket.optimizer
-        _reclaim_inner_state(inner)
         # The outer group is the one schedulers and load_state_dict write to; all of
         # a bucket's parameters are in the same one.
         inner.param_groups[0].update(hyperparameters(self._group_of[params[0]]))
@@ -822,15 +786,7 @@ class OptimizerInBackward(Optimizer):
         Raises:
             ValueError: as ``torch.optim.Optimizer.add_param_group`` does, e.g. if a
                 parameter is already in another group.
-            RuntimeError: on the deprecated :class:`OptimizerInBackwardWrapper`,
-                which has no ``optimizer_cls`` to build optimizers for new parameters.
         """
-        if self._optimizer_cls is None:
-            raise RuntimeError(
-                "add_param_group is not supported on an optimizer built from 0.6.1-style "
-                "per-parameter optimizers; build OptimizerInBackward(params, "
-                "optimizer_cls, **kwargs) instead"
-            )
         self._optimizer.add_param_group(param_group)
         group = self.param_groups[-1]
         for param in group["params"]:
@@ -935,7 +891,6 @@ class OptimizerInBackward(Optimizer):
         Returns:
             dict[str, Any]: the state dict.
         """
-        self._reclaim_inner_states()
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -943,24 +898,19 @@ class OptimizerInBackward(Optimizer):
         ``load_state_dict()``, exactly as the plain ``optimizer_cls`` instance loads it.
 
         Accepts what that class accepts, whether saved from this class or from the
-        plain optimizer, and torchtune 0.6.1 in-backward checkpoints (a dict keyed by
-        parameter name). The latter needs parameter names: they are known when this
-        optimizer was built from ``model.named_parameters()`` or through the
-        deprecated 0.6.1 functions. Otherwise convert it with
-        :func:`convert_legacy_optim_in_bwd_state_dict` and load that through
-        ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict``.
+        plain optimizer. A torchtune 0.6.1 in-backward checkpoint (a dict keyed by
+        parameter name) is converted first, with
+        :func:`convert_legacy_optim_in_bwd_state_dict`.
 
         Args:
             state_dict (Mapping[str, Any]): the state to load.
 
         Raises:
-            ValueError: if the state dict's parameters do not match this optimizer's:
-                the message names what is missing and what is extra. This is checked
-                before anything is loaded, and nothing is dropped silently.
+            ValueError: if the state dict is not in the torch format, or its
+                parameters do not match this optimizer's: the message names what is
+                missing and what is extra. This is checked before anything is
+                loaded, and nothing is dropped silently.
         """
-        self._reclaim_inner_states()
-        if is_legacy_in_bwd_state_dict(state_dict):
-            state_dict = self._from_legacy(state_dict)
         self._check_matches(state_dict)
         self._optimizer.load_state_dict(state_dict)
         self._index_groups()
@@ -973,7 +923,10 @@ class OptimizerInBackward(Optimizer):
             raise ValueError(
                 f"optimizer state dict has no {sorted(missing_keys)} entry; expected "
                 "the torch format {'state': ..., 'param_groups': [...]}, got keys "
-                f"{list(state_dict)[:5]}"
+                f"{list(state_dict)[:5]}. A torchtune 0.6.1 in-backward checkpoint "
+                "(keyed by parameter name) loads after "
+                "training.convert_legacy_optim_in_bwd_state_dict(state_dict, "
+                "model.named_parameters())."
             )
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -1026,61 +979,6 @@ class OptimizerInBackward(Optimizer):
                 + "; ".join(problems)
             )
 
-    def _from_legacy(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """Turn a 0.6.1 in-backward state dict into the torch format for this optimizer."""
-        names = self._param_names()
-        if not names:
-            raise ValueError(
-                "this is a torchtune 0.6.1 in-backward optimizer state dict (keyed by "
-                "parameter name), but this optimizer does not know parameter names. "
-                "Build it from model.named_parameters(), or load "
-                "convert_legacy_optim_in_bwd_state_dict(state_dict) with "
-                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict."
-            )
-        entries = legacy_entries(state_dict)
-        ours = {
-            names[p]
-            for group in self.param_groups
-            for p in group["params"]
-            if p in names and p.requires_grad
-        }
-        unnamed = sum(
-            1 for g in self.param_groups for p in g["params"] if p not in names
-        )
-        missing = sorted(ours - set(entries))
-        extra = sorted(set(entries) - set(names.values()))
-        if missing or extra or unnamed:
-            raise ValueError(
-                "0.6.1 in-backward optimizer state dict does not match this "
-                f"optimizer's parameters: missing {missing}, extra {extra}"
-                + (f", {unnamed} parameters without a name" if unnamed else "")
-            )
-        state: dict[int, Any] = {}
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            ids = list(range(index, index + len(group["params"])))
-            index += len(ids)
-            group_hyperparameters = hyperparameters(group)
-            saved_group_hyperparameters = None
-            for pid, param in zip(ids, group["params"], strict=True):
-                entry = entries.get(names[param])
-                if entry is None:
-                    continue
-                param_state, saved_hyperparameters = entry
-                if param_state is not None:
-                    state[pid] = param_state
-                # The group's hyperparameters are those of its first parameter that
-                # was saved (a frozen one may not have been).
-                if saved_group_hyperparameters is None:
-                    saved_group_hyperparameters = saved_hyperparameters
-            group_hyperparameters.update(saved_group_hyperparameters or {})
-            converted = {**group_hyperparameters, "params": ids}
-            if "param_names" in group:
-                converted["param_names"] = list(group["param_names"])
-            groups.append(converted)
-        return {"state": state, "param_groups": groups}
-
     # -- hooks ------------------------------------------------------------------------
 
     def remove_hooks(self) -> None:
@@ -1096,22 +994,22 @@ class OptimizerInBackward(Optimizer):
         self._hooks_enabled = False
 
 
-# The deprecated 0.6.1 API was defined here in 0.6.1. It is imported on first use:
-# its module imports this one, so importing it at the top would be a cycle.
-_DEPRECATED_NAMES = frozenset(
-    {
-        "OptimizerInBackwardWrapper",
-        "create_optim_in_bwd_wrapper",
-        "register_optim_in_bwd_hooks",
-    }
-)
+# Names importable from here that live in the 0.6.1 compatibility modules: the
+# deprecated 0.6.1 API (defined here in 0.6.1) and the converter of its checkpoints.
+# They are imported on first use: those modules import this one, so importing them at
+# the top would be a cycle.
+_COMPAT_NAMES = {
+    "OptimizerInBackwardWrapper": "optim_in_bwd_deprecated",
+    "create_optim_in_bwd_wrapper": "optim_in_bwd_deprecated",
+    "register_optim_in_bwd_hooks": "optim_in_bwd_deprecated",
+    "convert_legacy_optim_in_bwd_state_dict": "optim_in_bwd_legacy_state_dict",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED_NAMES:
-        from torchtune.training import optim_in_bwd_deprecated
-
-        return getattr(optim_in_bwd_deprecated, name)
+    if name in _COMPAT_NAMES:
+        module = importlib.import_module(f"torchtune.training.{_COMPAT_NAMES[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -1120,7 +1018,6 @@ __all__ = [
     "DEFAULT_LOG_MESSAGE",
     "OptimizerInBackward",
     "cleanup_before_training",
-    "convert_legacy_optim_in_bwd_state_dict",
     "get_memory_stats",
     "log_memory_stats",
     "set_activation_checkpointing",

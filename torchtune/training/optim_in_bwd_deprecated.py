@@ -6,12 +6,21 @@ against 0.6.1) working, with a :class:`DeprecationWarning`. Each builds an
 :class:`~torchtune.training.OptimizerInBackward` from the per-parameter optimizers
 those recipes create, so no parameter is ever updated twice. New code builds
 ``OptimizerInBackward(params, optimizer_cls, **kwargs)`` instead.
+
+What 0.6.1 had and :class:`~torchtune.training.OptimizerInBackward` does not is
+:class:`OptimizerInBackwardWrapper`'s alone: it adopts the given per-parameter
+optimizers (their state included) as its buckets, knows every parameter's name,
+builds no optimizer of its own, moves state loaded through a per-parameter optimizer
+(``optim_map[name].load_state_dict``) into its own, and loads 0.6.1's in-backward
+checkpoints with the converter of
+:mod:`torchtune.training.optim_in_bwd_legacy_state_dict`.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -21,8 +30,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchtune.training.memory import OptimizerInBackward, _single_param
-from torchtune.training.optim_in_bwd_legacy_state_dict import hyperparameters
+from torchtune.training.memory import OptimizerInBackward, hyperparameters
+from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    convert_legacy_param_groups,
+    is_legacy_in_bwd_state_dict,
+)
 
 _DEPRECATION = (
     "{what} is deprecated and will be removed in a future release. Use "
@@ -41,6 +53,16 @@ _HOOK_DICTS = (
     "_optimizer_load_state_dict_pre_hooks",
     "_optimizer_load_state_dict_post_hooks",
 )
+
+
+def _single_param(optimizer: Optimizer) -> torch.Tensor:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) != 1:
+        raise ValueError(
+            "each per-parameter optimizer must hold exactly one parameter, but "
+            f"{type(optimizer).__name__} holds {len(params)}"
+        )
+    return params[0]
 
 
 def _warn_deprecated(what: str) -> None:
@@ -80,8 +102,10 @@ def _optimizer_like(
     """An optimizer of ``template``'s class and settings over ``param_groups``, with
     empty state and no hooks, so its own ``state_dict``/``load_state_dict`` apply."""
     optimizer = type(template).__new__(type(template))
-    # The class's own attributes (bitsandbytes' args and non-castable keys, ...).
+    # The class's own attributes (bitsandbytes' args and non-castable keys, ...), not
+    # the loader that adoption gives a per-parameter optimizer (_load_into_owner).
     optimizer.__dict__.update(template.__dict__)
+    optimizer.__dict__.pop("load_state_dict", None)
     for name in _HOOK_DICTS:
         setattr(optimizer, name, OrderedDict())
     optimizer.defaults = dict(template.defaults)
@@ -90,6 +114,39 @@ def _optimizer_like(
     for group in param_groups:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def _load_into_owner(
+    optimizer: Optimizer, param: torch.Tensor, owner: OptimizerInBackwardWrapper
+) -> None:
+    """Make ``optimizer.load_state_dict`` load into ``owner``'s state.
+
+    A per-parameter optimizer's own ``load_state_dict`` (0.6.1 recipes resume through
+    ``optim_map[name]``) replaces its ``state``, which ``owner`` made a view of its
+    own. Right after the class's loader, whatever hooks it runs (bitsandbytes' runs
+    none), the loaded entry is moved into ``owner``'s state and the view put back, so
+    the loaded state is what training uses and what ``owner`` saves. Once ``owner``
+    no longer updates ``param`` with ``optimizer`` (another instance took it over),
+    the load stays ``optimizer``'s own.
+    """
+    class_load = type(optimizer).load_state_dict
+    owner_ref = weakref.ref(owner)
+
+    @functools.wraps(class_load)
+    def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        view = optimizer.state
+        class_load(optimizer, state_dict, *args, **kwargs)
+        owner = owner_ref()
+        if optimizer.state is view or owner is None:
+            return
+        if owner._optimizer_of(param) is not optimizer:
+            return
+        loaded, optimizer.state = optimizer.state, view
+        entry = loaded.get(param)
+        if entry:
+            owner.state[param] = entry
+
+    optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
 class OptimizerInBackwardWrapper(OptimizerInBackward):
@@ -135,30 +192,112 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
     def _setup_from_optimizers(self, optim_map: dict[str, Optimizer]) -> None:
         if not optim_map:
             raise ValueError("OptimizerInBackwardWrapper got an empty optim_map")
-        adopted: dict[torch.Tensor, Optimizer] = {}
-        names: dict[torch.Tensor, str] = {}
+        # The per-parameter optimizers not yet adopted as buckets, and every name.
+        self._adopted: dict[torch.Tensor, Optimizer] = {}
+        self._names: dict[torch.Tensor, str] = {}
         for name, optimizer in optim_map.items():
             param = _single_param(optimizer)
-            adopted[param] = optimizer
-            names[param] = name
+            self._adopted[param] = optimizer
+            self._names[param] = name
         # Each parameter keeps the hyperparameters of its own optimizer: parameters
         # whose optimizers agree share a group (usually all of them, one group).
         first = next(iter(optim_map.values()))
         wrapped = _optimizer_like(
             first, _group_by_hyperparameters(list(optim_map.values()))
         )
-        self._init_in_backward(wrapped, None, {}, adopted=adopted, names=names)
+        # One bucket per parameter: each is its adopted optimizer.
+        self._wrap(wrapped, bucket_cap_bytes=0)
+        # Frozen parameters' optimizers are adopted too, as 0.6.1 kept them.
+        for param in list(self._adopted):
+            self._attach([param])
         self.lr_scheduler: LRScheduler | None = None
+
+    def _new_bucket_optimizer(self, params: list[torch.Tensor]) -> Optimizer:
+        """The adopted per-parameter optimizer of the bucket's one parameter, with
+        the state it holds moved into this object's ``state``.
+
+        Raises:
+            RuntimeError: for a parameter that has no per-parameter optimizer left
+                to adopt: this class cannot build one.
+        """
+        optimizer = self._adopted.pop(params[0], None) if len(params) == 1 else None
+        if optimizer is None:
+            raise RuntimeError(
+                "this optimizer was built from 0.6.1-style per-parameter optimizers "
+                "and cannot build one for a new parameter; use "
+                "OptimizerInBackward(params, optimizer_cls, **kwargs) instead"
+            )
+        (param,) = params
+        if param in optimizer.state and optimizer.state[param]:
+            self.state[param] = optimizer.state[param]
+        _load_into_owner(optimizer, param, self)
+        return optimizer
+
+    def _param_names(self) -> dict[torch.Tensor, str]:
+        # The param groups have no param_names (0.6.1's did not either): name
+        # parameters in error messages by their optim_map names.
+        return dict(self._names)
 
     @property
     def optim_map(self) -> dict[str, Optimizer]:
         """Parameter name -> its per-parameter optimizer, for every parameter given
         (frozen ones included, as in 0.6.1, whose checkpoints hold them too)."""
         return {
-            self._extra_names[p]: inner
-            for p, inner in self._inner.items()
-            if p in self._extra_names
+            self._names[param]: optimizer
+            for group in self.param_groups
+            for param in group["params"]
+            if (optimizer := self._optimizer_of(param)) is not None
         }
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: this class has no optimizer class to build optimizers for
+        new parameters with.
+
+        Args:
+            param_group (dict[str, Any]): ignored.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(
+            "add_param_group is not supported on an optimizer built from 0.6.1-style "
+            "per-parameter optimizers; build OptimizerInBackward(params, "
+            "optimizer_cls, **kwargs) instead"
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load optimizer state in the standard torch format, as
+        :meth:`OptimizerInBackward.load_state_dict` does, or in torchtune 0.6.1's
+        in-backward format (keyed by parameter name, the names of ``optim_map``).
+
+        A 0.6.1 state dict gives each param group the hyperparameters of its first
+        parameter that has an entry (0.6.1 schedulers set the learning rate of one
+        per-parameter optimizer only), and keeps the group's own for any key the
+        entry lacks.
+
+        Args:
+            state_dict (Mapping[str, Any]): the state to load.
+
+        Raises:
+            ValueError: if the state dict's parameters do not match this
+                optimizer's; the message names what is missing and what is extra.
+        """
+        if is_legacy_in_bwd_state_dict(state_dict):
+            converted = convert_legacy_param_groups(
+                state_dict,
+                [
+                    [(self._names[p], p) for p in group["params"]]
+                    for group in self.param_groups
+                ],
+            )
+            converted["param_groups"] = [
+                {**hyperparameters(ours), **saved}
+                for ours, saved in zip(
+                    self.param_groups, converted["param_groups"], strict=True
+                )
+            ]
+            state_dict = converted
+        super().load_state_dict(state_dict)
 
     def get_optim_key(self, key: str) -> Any:
         """The value of hyperparameter ``key`` (e.g. ``"lr"``) of the first param group.
@@ -188,7 +327,7 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
         """
         target = lr_scheduler.optimizer
         if target is not self:
-            if not any(target is inner for inner in self._inner.values()):
+            if not any(target is inner for inner in self.optim_map.values()):
                 raise ValueError(
                     "set_lr_scheduler: the scheduler drives an optimizer that is "
                     "neither this object nor one of its per-parameter optimizers"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from collections.abc import Callable
 from unittest import mock
 
@@ -21,24 +22,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
 from tests.torchtune.distributed_launcher import DistributedRun
 from tests.torchtune.training.optimizer_in_backward_scenarios import SCENARIOS
 from torchtune import config, training
-from torchtune.training import (
-    OptimizerInBackward,
-    convert_legacy_optim_in_bwd_state_dict,
-    get_cosine_schedule_with_warmup,
-)
+from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
 from torchtune.training.memory import (
     cleanup_before_training,
     get_memory_stats,
+    hyperparameters,
     log_memory_stats,
     set_activation_checkpointing,
 )
@@ -184,6 +178,15 @@ def test_empty_params_raise_value_error() -> None:
         OptimizerInBackward([], torch.optim.AdamW)
 
 
+def test_hyperparameters_are_every_group_key_but_params_and_param_names() -> None:
+    model = make_model()
+    group = torch.optim.AdamW(model.named_parameters(), lr=0.5).param_groups[0]
+    assert {"params", "param_names", "lr", "betas"} <= set(group)
+    assert hyperparameters(group) == {
+        k: v for k, v in group.items() if k not in ("params", "param_names")
+    }
+
+
 # -- training equivalence with LR schedulers -----------------------------------------
 
 
@@ -323,45 +326,8 @@ def test_state_dict_with_other_group_count_raises() -> None:
 
 
 # -- torchtune 0.6.1 in-backward checkpoints -------------------------------------------
-
-
-def run_like_0_6_1(
-    model: nn.Module, steps: range
-) -> dict[torch.Tensor, torch.optim.Optimizer]:
-    """What 0.6.1 recipes did: one AdamW per parameter (frozen ones included), each
-    trainable one stepped by a hook."""
-    cls, kwargs = ADAMW
-    per_param = {p: cls([p], **kwargs) for p in model.parameters()}
-
-    def step_and_clear(param: torch.Tensor) -> None:
-        per_param[param].step()
-        per_param[param].zero_grad()
-
-    handles = [
-        p.register_post_accumulate_grad_hook(step_and_clear)
-        for p in per_param
-        if p.requires_grad
-    ]
-    for step in steps:
-        loss_fn(model, step).backward()
-    for handle in handles:
-        handle.remove()
-    return per_param
-
-
-def legacy_checkpoint(model: nn.Module, style: str) -> dict:
-    """A 0.6.1 in-backward checkpoint after 3 steps: ``single_device`` recipes saved
-    ``{name: optimizer.state_dict()}``, distributed ones the full state dict of each
-    per-parameter optimizer, keyed by name inside too."""
-    per_param = run_like_0_6_1(model, range(3))
-    if style == "single_device":
-        return {n: per_param[p].state_dict() for n, p in model.named_parameters()}
-    return {
-        n: get_optimizer_state_dict(
-            model, per_param[p], options=StateDictOptions(full_state_dict=True)
-        )
-        for n, p in model.named_parameters()
-    }
+# This class loads the torch format only; converting 0.6.1's is tested in
+# test_optim_in_bwd_legacy_state_dict.py.
 
 
 def reference_after_6_steps() -> nn.Module:
@@ -371,69 +337,24 @@ def reference_after_6_steps() -> nn.Module:
     return reference
 
 
-@pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_0_6_1_checkpoint_loads_into_named_optimizer_and_resumes_bitwise(
-    style: str,
-) -> None:
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_0_6_1_checkpoint_is_refused_saying_how_to_convert_it(named: bool) -> None:
     model = make_model()
-    saved = copy.deepcopy(legacy_checkpoint(model, style))
-    cls, kwargs = ADAMW
-    optimizer = OptimizerInBackward(model.named_parameters(), cls, **kwargs)
-    optimizer.load_state_dict(saved)
-    assert len(optimizer.state) == 6
-    train(model, optimizer, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
-
-
-@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
-@pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_0_6_1_checkpoint_converted_loads_with_set_optimizer_state_dict(
-    style: str, in_backward: bool
-) -> None:
-    model = make_model()
-    saved = copy.deepcopy(legacy_checkpoint(model, style))
-    cls, kwargs = ADAMW
-    optimizer = (
-        OptimizerInBackward(model.parameters(), cls, **kwargs)
-        if in_backward
-        else cls(model.parameters(), **kwargs)
-    )
-    set_optimizer_state_dict(
-        model, optimizer, convert_legacy_optim_in_bwd_state_dict(saved)
-    )
-    train(model, optimizer, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
-
-
-def test_0_6_1_checkpoint_into_optimizer_without_names_explains_how_to_load() -> None:
-    model = make_model()
-    saved = legacy_checkpoint(model, "single_device")
-    optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
-    with pytest.raises(ValueError, match="named_parameters"):
-        optimizer.load_state_dict(saved)
-
-
-def test_0_6_1_checkpoint_with_missing_param_raises_naming_it() -> None:
-    model = make_model()
-    saved = legacy_checkpoint(model, "single_device")
-    del saved["4.bias"]
-    saved["ghost.weight"] = saved["4.weight"]
-    optimizer = OptimizerInBackward(model.named_parameters(), torch.optim.AdamW)
+    saved = {
+        name: torch.optim.AdamW([p]).state_dict()
+        for name, p in model.named_parameters()
+    }
+    params = model.named_parameters() if named else model.parameters()
+    optimizer = OptimizerInBackward(params, torch.optim.AdamW)
     with pytest.raises(
-        ValueError, match=r"missing \['4.bias'\], extra \['ghost.weight'\]"
+        ValueError,
+        match=re.escape(
+            "training.convert_legacy_optim_in_bwd_state_dict(state_dict, "
+            "model.named_parameters())"
+        ),
     ):
         optimizer.load_state_dict(saved)
-
-
-def test_convert_rejects_a_standard_state_dict() -> None:
-    with pytest.raises(ValueError, match="0.6.1 in-backward"):
-        convert_legacy_optim_in_bwd_state_dict(
-            torch.optim.AdamW(make_model().parameters()).state_dict()
-        )
+    assert len(optimizer.state) == 0
 
 
 # -- step() ------------------------------------------------------------------------

@@ -8,7 +8,11 @@ values as a plain optimizer, so results must agree bitwise.
 from __future__ import annotations
 
 import copy
+import gc
+import re
 import warnings
+import weakref
+from collections import OrderedDict
 from datetime import timedelta
 
 import pytest
@@ -23,7 +27,6 @@ from tests.torchtune.training.test_memory import (
     ADAMW,
     BITWISE,
     freeze_first_layer,
-    legacy_checkpoint,
     loss_fn,
     make_model,
     reference_after_6_steps,
@@ -31,8 +34,12 @@ from tests.torchtune.training.test_memory import (
     train,
     two_groups,
 )
+from tests.torchtune.training.test_optim_in_bwd_legacy_state_dict import (
+    legacy_checkpoint,
+    sgd_entries,
+)
 from torchtune import training
-from torchtune.training import get_cosine_schedule_with_warmup
+from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
 from torchtune.training.memory import (
     OptimizerInBackwardWrapper,
     create_optim_in_bwd_wrapper,
@@ -111,15 +118,22 @@ def test_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
     torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
-def test_0_6_1_wrapper_state_dict_is_standard_and_loads_legacy_format() -> None:
+@pytest.mark.parametrize("hooks_first", [False, True], ids=["wrapper", "hooks"])
+def test_0_6_1_wrapper_state_dict_is_standard_and_loads_legacy_format(
+    hooks_first: bool,
+) -> None:
+    """With ``hooks_first``, as 0.6.1 recipes did: register_optim_in_bwd_hooks over
+    the same per-parameter optimizers first, whose wrapper the second one replaces."""
     cls, kwargs = ADAMW
     model = make_model()
     legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
+    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
     with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
+        if hooks_first:
+            register_optim_in_bwd_hooks(model, optim_dict)
+        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
     wrapper.load_state_dict(legacy)
+    assert len(wrapper.state) == 6
     saved = wrapper.state_dict()
     assert set(saved) == {"state", "param_groups"}
     plain = cls(model.parameters(), **kwargs)
@@ -146,6 +160,155 @@ def test_state_loaded_through_a_0_6_1_per_parameter_optimizer_is_used() -> None:
     torch.testing.assert_close(
         snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
     )
+
+
+def test_legacy_state_dict_with_an_extra_entry_is_refused_naming_it() -> None:
+    cls, kwargs = ADAMW
+    model = make_model()
+    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
+    legacy["9.weight"] = legacy["0.weight"]
+    with pytest.warns(DeprecationWarning):
+        wrapper = create_optim_in_bwd_wrapper(
+            model, {p: cls([p], **kwargs) for p in model.parameters()}
+        )
+    with pytest.raises(ValueError, match=re.escape("missing [], extra ['9.weight']")):
+        wrapper.load_state_dict(legacy)
+
+
+def test_legacy_state_dict_sets_each_groups_hyperparameters_from_its_first_param() -> (
+    None
+):
+    """0.6.1 schedulers stepped one per-parameter optimizer, so the entries' lrs can
+    differ: each of the wrapper's groups (one per set of hyperparameters of the
+    per-parameter optimizers) takes its first parameter's."""
+    model = make_model()
+    optim_dict = {
+        p: torch.optim.SGD([p], lr=0.5 if i < 2 else 0.1)
+        for i, p in enumerate(model.parameters())
+    }
+    with pytest.warns(DeprecationWarning):
+        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
+    assert [len(g["params"]) for g in wrapper.param_groups] == [2, 4]
+    names = [n for n, _ in model.named_parameters()]
+    legacy = sgd_entries(model, {n: 0.01 * (i + 1) for i, n in enumerate(names)})
+    wrapper.load_state_dict(legacy)
+    assert [g["lr"] for g in wrapper.param_groups] == [0.01, 0.03]
+
+
+# -- state loaded through a per-parameter optimizer -----------------------------------
+
+
+def test_a_per_parameter_optimizers_own_load_moves_its_state_to_the_wrapper() -> None:
+    """0.6.1 recipes load per-parameter state through optim_map; the wrapper's state
+    holds it right after, not only after the next update or save."""
+    cls, kwargs = ADAMW
+    model = make_model()
+    with pytest.warns(DeprecationWarning):
+        wrapper = create_optim_in_bwd_wrapper(
+            model, {p: cls([p], **kwargs) for p in model.parameters()}
+        )
+    loss_fn(model, 0).backward()
+    per_param, param = wrapper.optim_map["0.weight"], model[0].weight
+    saved = copy.deepcopy(per_param.state_dict())
+    loss_fn(model, 1).backward()
+    per_param.load_state_dict(saved)
+    torch.testing.assert_close(wrapper.state[param], saved["state"][0], **BITWISE)
+    assert per_param.state[param] is wrapper.state[param]  # one state, shared again
+
+
+class _LoadsWithoutTorchHooks(torch.optim.SGD):
+    """Like bitsandbytes' optimizers: load_state_dict runs no torch hooks."""
+
+    def load_state_dict(self, state_dict) -> None:
+        hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = hooks
+
+
+def test_a_load_that_runs_no_torch_hooks_is_what_the_next_save_holds() -> None:
+    model = make_model()
+    with pytest.warns(DeprecationWarning):
+        wrapper = create_optim_in_bwd_wrapper(
+            model,
+            {
+                p: _LoadsWithoutTorchHooks([p], lr=0.1, momentum=0.9)
+                for p in model.parameters()
+            },
+        )
+    loss_fn(model, 0).backward()
+    per_param = wrapper.optim_map["2.weight"]
+    post_hook_calls = []
+    per_param.register_load_state_dict_post_hook(post_hook_calls.append)
+    saved = copy.deepcopy(per_param.state_dict())
+    loss_fn(model, 1).backward()
+    per_param.load_state_dict(saved)
+    assert post_hook_calls == []  # the class ran no torch hook
+    pid = [n for n, _ in model.named_parameters()].index("2.weight")
+    torch.testing.assert_close(
+        wrapper.state_dict()["state"][pid], saved["state"][0], **BITWISE
+    )
+
+
+def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
+    """0.6.1's create_optim_in_bwd_wrapper over per-parameter optimizers that have
+    already stepped: their state is the wrapper's."""
+    model = make_model()
+    optim_dict = {p: torch.optim.AdamW([p]) for p in model.parameters()}
+    loss_fn(model, 0).backward()
+    for per_param in optim_dict.values():
+        per_param.step()
+    model.zero_grad()
+    expected = {p: copy.deepcopy(o.state[p]) for p, o in optim_dict.items()}
+    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
+        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
+    assert len(wrapper.state) == len(expected)
+    for p, entry in expected.items():
+        torch.testing.assert_close(wrapper.state[p], entry, **BITWISE)
+
+
+def test_a_replaced_per_parameter_optimizer_no_longer_writes_the_owners_state() -> None:
+    """Loading into a per-parameter optimizer whose parameter another optimizer in
+    backward took over leaves the new owner's state alone."""
+    cls, kwargs = ADAMW
+    model = make_model()
+    with pytest.warns(DeprecationWarning):
+        wrapper = create_optim_in_bwd_wrapper(
+            model, {p: cls([p], **kwargs) for p in model.parameters()}
+        )
+    loss_fn(model, 0).backward()
+    stale = wrapper.optim_map["0.weight"]
+    saved = copy.deepcopy(stale.state_dict())
+    second = OptimizerInBackward(model.parameters(), cls, **kwargs)
+    assert "0.weight" not in wrapper.optim_map
+    loss_fn(model, 1).backward()
+    before = copy.deepcopy(second.state_dict()["state"])
+    stale.load_state_dict(saved)
+    torch.testing.assert_close(second.state_dict()["state"], before, **BITWISE)
+
+
+def test_a_per_parameter_optimizer_loads_alone_once_the_wrapper_is_gone() -> None:
+    """A per-parameter optimizer whose parameter another optimizer took over keeps
+    what it loads, and goes on loading after its wrapper is garbage collected."""
+    cls, kwargs = ADAMW
+    model = make_model()
+    weight = model[0].weight
+    per_param = cls([weight], **kwargs)
+    with pytest.warns(DeprecationWarning):
+        wrapper = OptimizerInBackwardWrapper({"0.weight": per_param})
+    loss_fn(model, 0).backward()
+    saved = copy.deepcopy(per_param.state_dict())
+    taker = OptimizerInBackward([weight], cls, **kwargs)
+    per_param.load_state_dict(saved)
+    wrapper_ref = weakref.ref(wrapper)
+    del wrapper
+    gc.collect()
+    assert wrapper_ref() is None
+    per_param.load_state_dict(saved)
+    torch.testing.assert_close(per_param.state[weight], saved["state"][0], **BITWISE)
+    assert weight not in taker.state
 
 
 def test_add_param_group_on_0_6_1_wrapper_raises_clearly() -> None:

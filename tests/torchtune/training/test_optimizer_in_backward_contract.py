@@ -15,9 +15,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
-import re
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import pytest
@@ -274,24 +272,6 @@ def test_state_dict_hooks_run_where_the_plain_optimizers_run() -> None:
     assert [g["lr"] for g in optimizer.param_groups] == [0.7]
 
 
-def test_a_buckets_own_load_moves_the_loaded_state_to_the_owner_at_once() -> None:
-    """0.6.1 recipes load per-parameter state through the bucket optimizers
-    themselves; the owner's state holds it right after, not only after the next
-    update or save."""
-    model = make_model()
-    optimizer = OptimizerInBackward(
-        model.parameters(), torch.optim.AdamW, bucket_cap_mb=0
-    )
-    loss_fn(model, 0).backward()
-    bucket = optimizer._buckets()[0]
-    (param,) = bucket.params
-    saved = copy.deepcopy(bucket.optimizer.state_dict())
-    loss_fn(model, 1).backward()
-    bucket.optimizer.load_state_dict(saved)
-    assert isinstance(bucket.optimizer.state, _BucketState)
-    torch.testing.assert_close(optimizer.state[param], saved["state"][0], **BITWISE)
-
-
 # -- step(), zero_grad() and ownership ----------------------------------------------------
 
 
@@ -325,59 +305,6 @@ def test_zero_grad_sets_grads_to_none_unless_told_otherwise() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-class _LoadsWithoutTorchHooks(torch.optim.SGD):
-    """Like bitsandbytes' optimizers: load_state_dict runs no torch hooks."""
-
-    def load_state_dict(self, state_dict) -> None:
-        hooks = self._optimizer_load_state_dict_post_hooks
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._optimizer_load_state_dict_post_hooks = hooks
-
-
-def test_a_bucket_load_without_torch_hooks_is_what_the_next_save_holds() -> None:
-    model = make_model()
-    optimizer = OptimizerInBackward(
-        model.parameters(),
-        _LoadsWithoutTorchHooks,
-        lr=0.1,
-        momentum=0.9,
-        bucket_cap_mb=0,
-    )
-    loss_fn(model, 0).backward()
-    bucket = optimizer._buckets()[0]
-    (param,) = bucket.params
-    saved = copy.deepcopy(bucket.optimizer.state_dict())
-    loss_fn(model, 1).backward()
-    bucket.optimizer.load_state_dict(saved)
-    assert not isinstance(bucket.optimizer.state, _BucketState)  # no hook ran
-    pid = list(model.parameters()).index(param)
-    torch.testing.assert_close(
-        optimizer.state_dict()["state"][pid], saved["state"][0], **BITWISE
-    )
-
-
-def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
-    """0.6.1's create_optim_in_bwd_wrapper over per-parameter optimizers that have
-    already stepped: their state is the wrapper's."""
-    from torchtune.training.memory import create_optim_in_bwd_wrapper
-
-    model = make_model()
-    optim_dict = {p: torch.optim.AdamW([p]) for p in model.parameters()}
-    loss_fn(model, 0).backward()
-    for per_param in optim_dict.values():
-        per_param.step()
-    model.zero_grad()
-    expected = {p: copy.deepcopy(o.state[p]) for p, o in optim_dict.items()}
-    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
-        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
-    assert len(wrapper.state) == len(expected)
-    for p, entry in expected.items():
-        torch.testing.assert_close(wrapper.state[p], entry, **BITWISE)
-
-
 def test_after_remove_hooks_no_parameter_gets_a_hook_again() -> None:
     """Neither a parameter unfrozen later (attached by step()) nor one added with
     add_param_group is updated in backward once the hooks are removed."""
@@ -408,21 +335,6 @@ def test_takeover_removes_the_earlier_instances_hooks_so_it_can_be_freed() -> No
     del first
     gc.collect()
     assert first_ref() is None
-
-
-def test_a_replaced_per_bucket_optimizer_no_longer_writes_the_owners_state() -> None:
-    """Loading into a bucket optimizer that is no longer its parameters' (its
-    instance lost them to another) leaves the new owner's state alone."""
-    model = make_model()
-    first = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
-    loss_fn(model, 0).backward()
-    (stale,) = [b.optimizer for b in first._buckets()]
-    saved = copy.deepcopy(stale.state_dict())
-    second = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
-    loss_fn(model, 1).backward()
-    before = copy.deepcopy(second.state_dict()["state"])
-    stale.load_state_dict(saved)
-    torch.testing.assert_close(second.state_dict()["state"], before, **BITWISE)
 
 
 # -- load_state_dict ----------------------------------------------------------------------
@@ -502,97 +414,6 @@ def test_named_state_dicts_load_in_the_same_order_only() -> None:
     names[0], names[1] = names[1], names[0]
     with pytest.raises(ValueError, match="same parameters in a different order"):
         optimizer.load_state_dict(swapped)
-
-
-def legacy_state_dict(model: nn.Module, lrs: dict[str, float]) -> dict:
-    """A 0.6.1 in-backward state dict: per parameter name, one SGD state dict."""
-    return {
-        name: {
-            "state": {},
-            "param_groups": [{**torch.optim.SGD([p], lr=lr).defaults, "params": [0]}],
-        }
-        for (name, p) in model.named_parameters()
-        if name in lrs
-        for lr in [lrs[name]]
-    }
-
-
-def test_legacy_state_dict_with_an_extra_param_is_refused() -> None:
-    model = make_model()
-    optimizer = OptimizerInBackward(model.named_parameters(), torch.optim.SGD, lr=0.1)
-    legacy = legacy_state_dict(model, {n: 0.1 for n, _ in model.named_parameters()})
-    legacy["9.weight"] = legacy["0.weight"]
-    with pytest.raises(ValueError, match=re.escape("missing [], extra ['9.weight']")):
-        optimizer.load_state_dict(legacy)
-
-
-def test_legacy_state_dict_sets_each_groups_hyperparameters_from_its_first_param() -> (
-    None
-):
-    """0.6.1 schedulers stepped one per-parameter optimizer, so the entries' lrs can
-    differ; a group takes its first parameter's."""
-    model = make_model()
-    groups = [
-        {"params": [p], "param_names": [n]}
-        for n, p in list(model.named_parameters())[:1]
-    ] + [
-        {
-            "params": [p for _, p in list(model.named_parameters())[1:]],
-            "param_names": [n for n, _ in list(model.named_parameters())[1:]],
-        }
-    ]
-    optimizer = OptimizerInBackward(groups, torch.optim.SGD, lr=0.1)
-    names = [n for n, _ in model.named_parameters()]
-    lrs = dict(zip(names, [0.01, 0.02, 0.03, 0.04], strict=True))
-    optimizer.load_state_dict(legacy_state_dict(model, lrs))
-    assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.02]
-
-
-def frozen_first_and_legacy_momenta() -> tuple[nn.Module, OptimizerInBackward, dict]:
-    """The group's first parameter frozen and absent from the 0.6.1 state dict (as
-    for a frozen base weight); every other one has a momentum buffer and lr 0.01."""
-    model = make_model()
-    model[0].weight.requires_grad_(False)
-    optimizer = OptimizerInBackward(
-        model.named_parameters(), torch.optim.SGD, lr=0.1, momentum=0.9
-    )
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    legacy = legacy_state_dict(model, dict.fromkeys(trainable, 0.01))
-    for i, (name, p) in enumerate(trainable.items()):
-        legacy[name]["param_groups"][0]["momentum"] = 0.9
-        legacy[name]["state"] = {0: {"momentum_buffer": torch.full_like(p, i + 1.0)}}
-    return model, optimizer, legacy
-
-
-def test_legacy_state_dict_loads_every_param_after_a_frozen_one() -> None:
-    model, optimizer, legacy = frozen_first_and_legacy_momenta()
-    optimizer.load_state_dict(legacy)
-    params = dict(model.named_parameters())
-    assert set(optimizer.state) == {p for p in params.values() if p.requires_grad}
-    for name, entry in legacy.items():
-        torch.testing.assert_close(
-            optimizer.state[params[name]], entry["state"][0], **BITWISE
-        )
-
-
-def test_legacy_hyperparameters_load_when_the_groups_first_param_is_frozen() -> None:
-    _, optimizer, legacy = frozen_first_and_legacy_momenta()
-    optimizer.load_state_dict(legacy)
-    assert optimizer.param_groups[0]["lr"] == 0.01
-
-
-def test_legacy_mismatch_message_mentions_unnamed_params_only_when_there_are() -> None:
-    model = make_model()
-    optimizer = OptimizerInBackward(model.named_parameters(), torch.optim.SGD, lr=0.1)
-    names = [n for n, _ in model.named_parameters()]
-    legacy = {
-        name: {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-        for name in names[1:]
-    }
-    with pytest.raises(ValueError) as error:
-        optimizer.load_state_dict(legacy)
-    assert f"missing ['{names[0]}'], extra []" in str(error.value)
-    assert "without a name" not in str(error.value)
 
 
 def test_grad_norm_of_plain_tensors_is_get_total_norms_bitwise() -> None:
