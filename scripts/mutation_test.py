@@ -88,6 +88,7 @@ _KEEP = {
 # definition, operator, the mutated line as the diff shows it, stripped) -> reason.
 # Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
 _MEMORY = "torchtune/training/memory.py"
+_DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
 _CLIENT = "torchtune/training/checkpointing/_checkpoint_client.py"
 _ONE_GROUP = (
     "a bucket's parameters are of one param group and have one owner, so its last "
@@ -96,49 +97,18 @@ _ONE_GROUP = (
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     (
         _MEMORY,
-        "_reclaim_inner_state",
-        "core/NumberReplacer",
-        "owner = _owner_of(params[ -1])",
-    ): (_ONE_GROUP + "; a stale optimizer is in no owner's _inner either way"),
-    (
-        _MEMORY,
         "_update",
         "core/NumberReplacer",
         "inner.param_groups[0].update(hyperparameters(self._group_of[params[ -1]]))",
     ): _ONE_GROUP,
-    (_MEMORY, "_single_param", "core/NumberReplacer", "return params[ -1]"): (
-        "the list has exactly one element, checked just above"
-    ),
-    (_MEMORY, "_init_in_backward", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
-        "private method: every caller passes the first three arguments by position "
-        "and the rest by keyword, which both signatures accept"
-    ),
     (
         _MEMORY,
-        "_init_in_backward",
-        "core/NumberReplacer",
-        "bucket_cap_bytes: int = 1,",
+        "_wrap",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def _wrap(self, optimizer: Optimizer, /, bucket_cap_bytes: int) -> None:",
     ): (
-        "only the deprecated wrapper omits bucket_cap_bytes, and it adopts one "
-        "optimizer per parameter: the cap is never used there"
-    ),
-    (
-        _MEMORY,
-        "_init_in_backward",
-        "core/NumberReplacer",
-        "bucket_cap_bytes: int = -1,",
-    ): (
-        "only the deprecated wrapper omits bucket_cap_bytes, and it adopts one "
-        "optimizer per parameter: the cap is never used there"
-    ),
-    (
-        _MEMORY,
-        "_attach",
-        "core/ReplaceAndWithOr",
-        "if param in inner.state or inner.state[param]:",
-    ): (
-        "differs only in creating or copying an empty state entry ({}), which every "
-        "optimizer treats like a missing one (its step creates the entry anyway)"
+        "protected method: every caller passes the optimizer by position and "
+        "bucket_cap_bytes by keyword, which both signatures accept"
     ),
     (
         _MEMORY,
@@ -146,37 +116,6 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/ReplaceTrueWithFalse",
         'names.update(zip(group["params"], group["param_names"], strict=False))',
     ): "torch keeps a group's param_names as long as its params",
-    (
-        _MEMORY,
-        "_from_legacy",
-        "core/ReplaceTrueWithFalse",
-        'for pid, param in zip(ids, group["params"], strict=False):',
-    ): "ids is built with the group's length two lines above",
-    **{
-        (_MEMORY, "_from_legacy", "core/NumberReplacer", line): (
-            "the converted state dict is internal: its ids only need to agree "
-            "between state and param_groups, which they do from any start"
-        )
-        for line in ("index = 1", "index = -1")
-    },
-    (
-        _MEMORY,
-        "_from_legacy",
-        "core/NumberReplacer",
-        'unnamed = sum( 2 for g in self.param_groups for p in g["params"] if p not in names',
-    ): (
-        "unnamed is 0 whenever names are known: torch requires all param groups "
-        "named or none, and the deprecated wrapper names every parameter it holds"
-    ),
-    (
-        _MEMORY,
-        "_from_legacy",
-        "core/NumberReplacer",
-        'unnamed = sum( 0 for g in self.param_groups for p in g["params"] if p not in names',
-    ): (
-        "unnamed is 0 whenever names are known: torch requires all param groups "
-        "named or none, and the deprecated wrapper names every parameter it holds"
-    ),
     (
         _MEMORY,
         "_on_grad_ready",
@@ -193,6 +132,18 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/RemoveDecorator",
         "after: def step(self, closure: None = None) -> None:  # type: ignore[override]",
     ): "step() updates through _update, which has its own torch.no_grad()",
+    (_DEPRECATED, "_single_param", "core/NumberReplacer", "return params[ -1]"): (
+        "the list has exactly one element, checked just above"
+    ),
+    (
+        _DEPRECATED,
+        "_new_bucket_optimizer",
+        "core/ReplaceAndWithOr",
+        "if param in optimizer.state or optimizer.state[param]:",
+    ): (
+        "differs only in creating or copying an empty state entry ({}), which every "
+        "optimizer treats like a missing one (its step creates the entry anyway)"
+    ),
     (
         _CLIENT,
         "_save_checkpoint_sync",

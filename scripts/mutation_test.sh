@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
-# (torchtune/training/memory.py) and the checkpoint client
+# (torchtune/training/memory.py), the deprecated 0.6.1 in-backward API
+# (optim_in_bwd_deprecated.py), the 0.6.1 checkpoint converter
+# (optim_in_bwd_legacy_state_dict.py) and the checkpoint client
 # (torchtune/training/checkpointing/_checkpoint_client.py), against the unit tests
 # (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
 # See "Mutation testing" in CONTRIBUTING.md.
 #
-#   bash scripts/mutation_test.sh [memory] [checkpoint_client]   (default: both)
+#   bash scripts/mutation_test.sh [memory] [deprecated] [legacy_state_dict]
+#                                 [checkpoint_client]          (default: all four)
 #
 # cosmic-ray rewrites the mutated file in place, so this never runs in the checkout it
 # is started from: it clones the committed HEAD into $MUT_DIR (default
@@ -22,12 +25,15 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 MUT_DIR="${MUT_DIR:-/tmp/torchtune-mutation}"
 COSMIC_RAY_VERSION=8.7.0
 MEMORY=torchtune/training/memory.py
+DEPRECATED=torchtune/training/optim_in_bwd_deprecated.py
+LEGACY=torchtune/training/optim_in_bwd_legacy_state_dict.py
 CLIENT=torchtune/training/checkpointing/_checkpoint_client.py
+MUTATED=("$MEMORY" "$DEPRECATED" "$LEGACY" "$CLIENT")
 
 if [ "$REPO" != "$(realpath -m "$MUT_DIR")" ]; then
   if [ -d "$MUT_DIR/.git" ]; then
     # A run that was killed mid-mutant leaves that mutant on disk.
-    git -C "$MUT_DIR" checkout -q -- "$MEMORY" "$CLIENT"
+    git -C "$MUT_DIR" checkout -q -- "${MUTATED[@]}"
     git -C "$MUT_DIR" pull -q --ff-only
   else
     git clone -q "$REPO" "$MUT_DIR"
@@ -36,9 +42,9 @@ if [ "$REPO" != "$(realpath -m "$MUT_DIR")" ]; then
 fi
 
 cd "$REPO"
-if ! git diff --quiet -- "$MEMORY" "$CLIENT"; then
-  echo "$MEMORY or $CLIENT differs from HEAD (an interrupted run's mutant?):" >&2
-  echo "  git -C $REPO checkout -- $MEMORY $CLIENT" >&2
+if ! git diff --quiet -- "${MUTATED[@]}"; then
+  echo "${MUTATED[*]}: one differs from HEAD (an interrupted run's mutant?):" >&2
+  echo "  git -C $REPO checkout -- ${MUTATED[*]}" >&2
   exit 1
 fi
 bash scripts/setup_env.sh
@@ -66,10 +72,31 @@ MEMORY_TESTS=(
 )
 MEMORY_CONTRACT="$TT/test_optimizer_in_backward_contract.py"
 MEMORY_TARGETS=(
-  _OWNERS _HOOKED_INNER _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB is_valid_bucket_cap
-  _bucket_cap_bytes
-  _owner_of _BucketState _Bucket _local_bytes _single_param _optimizer_params
-  _reclaim_inner_state _describe _wrapped_attribute OptimizerInBackward
+  _OWNERS _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB is_valid_bucket_cap
+  _bucket_cap_bytes _NON_HYPERPARAMETER_KEYS hyperparameters
+  _owner_of _BucketState _Bucket _local_bytes _describe _wrapped_attribute
+  OptimizerInBackward
+)
+# The 0.6.1 compatibility modules. Each one's own test file runs last, and the report
+# counts what only it kills.
+DEPRECATED_TESTS=(
+  "$TT/test_optim_in_bwd_legacy_state_dict.py"
+  "$TT/test_lr_scheduler_resume.py"
+  "$TT/test_optim_in_bwd_deprecated.py"
+)
+DEPRECATED_TARGETS=(
+  _DEPRECATION _HOOK_DICTS _single_param _warn_deprecated _same_hyperparameters
+  _group_by_hyperparameters _optimizer_like _load_into_owner
+  OptimizerInBackwardWrapper _optim_map_for create_optim_in_bwd_wrapper
+  register_optim_in_bwd_hooks
+)
+LEGACY_TESTS=(
+  "$TT/test_optim_in_bwd_deprecated.py"
+  "$TT/test_optim_in_bwd_legacy_state_dict.py"
+)
+LEGACY_TARGETS=(
+  is_legacy_in_bwd_state_dict _unwrapped _entries _checked_pairs
+  convert_legacy_param_groups convert_legacy_optim_in_bwd_state_dict
 )
 CLIENT_TESTS=(
   "$TT/checkpointing/test_checkpoint_client.py"
@@ -88,7 +115,8 @@ existing() {
 # Imports torch, torchao, bitsandbytes, ... once; each mutant's pytest run is a fork
 # of it that imports torchtune (with the mutant) from disk.
 # shellcheck disable=SC2046
-"$PY" scripts/mutation_test.py serve "$SOCK" $(existing "${MEMORY_TESTS[@]}" "${CLIENT_TESTS[@]}") \
+"$PY" scripts/mutation_test.py serve "$SOCK" \
+  $(existing "${MEMORY_TESTS[@]}" "${DEPRECATED_TESTS[@]}" "${CLIENT_TESTS[@]}") \
   >"$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true' EXIT
@@ -130,19 +158,28 @@ EOF
     tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT'
 }
 
-for what in "${@:-memory checkpoint_client}"; do
+for what in "${@:-memory deprecated legacy_state_dict checkpoint_client}"; do
   for name in $what; do
     case "$name" in
       memory)
         run_session memory "$MEMORY" "$(existing "${MEMORY_TESTS[@]}")" \
           "${MEMORY_TARGETS[*]}" "$MEMORY_CONTRACT"
         ;;
+      deprecated)
+        run_session deprecated "$DEPRECATED" "$(existing "${DEPRECATED_TESTS[@]}")" \
+          "${DEPRECATED_TARGETS[*]}" "$TT/test_optim_in_bwd_deprecated.py"
+        ;;
+      legacy_state_dict)
+        run_session legacy_state_dict "$LEGACY" "$(existing "${LEGACY_TESTS[@]}")" \
+          "${LEGACY_TARGETS[*]}" "$TT/test_optim_in_bwd_legacy_state_dict.py"
+        ;;
       checkpoint_client)
         run_session checkpoint_client "$CLIENT" "$(existing "${CLIENT_TESTS[@]}")" \
           "${CLIENT_TARGETS[*]}" "$CLIENT_CONTRACT"
         ;;
       *)
-        echo "unknown target $name (memory, checkpoint_client)" >&2
+        echo "unknown target $name (memory, deprecated, legacy_state_dict," \
+          "checkpoint_client)" >&2
         exit 2
         ;;
     esac
