@@ -100,7 +100,7 @@ def _checked_pairs(named_params: Iterable[Any]) -> list[NamedParam]:
 
 def convert_legacy_param_groups(
     state_dict: Mapping[str, Mapping[str, Any]],
-    param_groups: Sequence[Iterable[NamedParam]],
+    param_groups: Sequence[Iterable[tuple[str | None, torch.Tensor]]],
 ) -> dict[str, Any]:
     """Convert a torchtune 0.6.1 in-backward checkpoint into the standard state dict
     of an optimizer with the given param groups.
@@ -170,7 +170,7 @@ def convert_legacy_param_groups(
 
 def convert_legacy_optim_in_bwd_state_dict(
     state_dict: Mapping[str, Mapping[str, Any]],
-    named_params: Iterable[NamedParam] | None = None,
+    named_params: Iterable[tuple[str | None, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
     """Convert a torchtune 0.6.1 optimizer-in-backward checkpoint to the standard format.
 
