@@ -67,6 +67,7 @@ from torchtune.training.checkpointing._step_checkpointer import (
 )
 from torchtune.training.loop import (
     clip_grads_with_norm_,
+    compile_optimizer_step,
     epoch_batches,
     grad_norm,
     setup_lr_scheduler,
@@ -172,6 +173,7 @@ __all__ = [
     "restore_rng_state",
     # training loop
     "clip_grads_with_norm_",
+    "compile_optimizer_step",
     "epoch_batches",
     "grad_norm",
     "setup_lr_scheduler",

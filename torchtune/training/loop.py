@@ -9,6 +9,7 @@ called and tested without a config.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -127,6 +128,23 @@ def setup_lr_scheduler(
     )
 
 
+def compile_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Compile the optimizer's ``step`` (``compile.optimizer_step``), with the
+    backend ``TORCH_COMPILE_BACKEND`` names (default ``inductor``).
+
+    .. warning::
+        Call it after building the LR scheduler, which wraps ``step`` to check the
+        order of calls.
+
+    Args:
+        optimizer (torch.optim.Optimizer): a plain optimizer (an in-backward one
+            refuses ``compile.optimizer_step``).
+    """
+    optimizer.step = torch.compile(
+        optimizer.step, backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
+    )
+
+
 def setup_profiler(
     cfg_profiler: Mapping[str, Any] | None, *, device: torch.device
 ) -> tuple[torch.profiler.profile | DummyProfiler, MemoryWindow]:
@@ -213,6 +231,7 @@ def epoch_batches(
 
 __all__ = [
     "clip_grads_with_norm_",
+    "compile_optimizer_step",
     "epoch_batches",
     "grad_norm",
     "setup_lr_scheduler",

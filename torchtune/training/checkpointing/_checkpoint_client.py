@@ -40,6 +40,7 @@ from torchtune.training.checkpointing._checkpointer import DistributedCheckpoint
 from torchtune.training.checkpointing._step_checkpointer import (
     CheckpointError,
     StepCheckpointer,
+    restore_rng_state,
 )
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
     convert_legacy_optim_in_bwd_state_dict,
@@ -299,8 +300,10 @@ class CheckpointClient:
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last_n=cfg.checkpointer.get("keep_last_n_checkpoints", None),
         )
-        # The step checkpoint a resumed run continues from, once chosen.
+        # The step checkpoint a resumed run continues from, once chosen, and what
+        # resume() read.
         self._step_checkpoint: Path | None = None
+        self._resumed: ResumedState | None = None
         # What the run saves, from track().
         self._model: nn.Module | Mapping[str, nn.Module] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -584,6 +587,18 @@ class CheckpointClient:
         """
         if not self._resume_from_checkpoint:
             return None
+        self._resumed = self._resume(
+            model, optimizer, checkpoint_dict, legacy_named_params
+        )
+        return self._resumed
+
+    def _resume(
+        self,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: torch.optim.Optimizer,
+        checkpoint_dict: dict[str, Any],
+        legacy_named_params: Iterable[tuple[str | None, torch.Tensor]] | None,
+    ) -> ResumedState:
         if self._step_checkpoint is not None:
             path = self._step_checkpoint
             if utils.get_world_size_and_rank()[0] > 1:
@@ -750,7 +765,7 @@ class CheckpointClient:
                 checkpoints hold its trainable parameters and buffers.
             optimizer (torch.optim.Optimizer): its optimizer, plain or in-backward.
             dataloader (Any): the ``StatefulDataLoader``, whose position a mid-epoch
-                step checkpoint holds.
+                step checkpoint holds; resuming mid-epoch, it is put back here.
             adapter_only (bool): epoch checkpoints hold only the trainable (adapter)
                 weights: the configured checkpointer is told so, and a distributed
                 run gathers only those. Default: ``False``
@@ -763,9 +778,20 @@ class CheckpointClient:
                 checkpointers). Default: ``None``
         """
         self._model, self._optimizer, self._dataloader = model, optimizer, dataloader
+        if self._resumed is not None and self._resumed.dataloader_state:
+            # Mid-epoch: the loader continues where the saved one was (the sampler
+            # keeps its position across set_epoch, which only sets the order).
+            dataloader.load_state_dict(self._resumed.dataloader_state)
         self._adapter_only = adapter_only
         self._epoch_model_state = epoch_model_state
         self._save_epoch = save_epoch
+
+    def restore_rng_state(self) -> None:
+        """Put back the RNG state of a run resumed mid-run (from a step checkpoint),
+        so that dropout draws what the uninterrupted run drew; a no-op otherwise.
+        Call it right before training starts."""
+        if self._resumed is not None and self._resumed.rng_state is not None:
+            restore_rng_state(self._resumed.rng_state)
 
     def _save_step(
         self, global_step: int, recipe_state: Mapping[str, Any], *, mid_epoch: bool
