@@ -144,21 +144,6 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "differs only in creating or copying an empty state entry ({}), which every "
         "optimizer treats like a missing one (its step creates the entry anyway)"
     ),
-    (
-        _CLIENT,
-        "_save_checkpoint_sync",
-        "core/ReplaceTrueWithFalse",
-        "options=StateDictOptions(full_state_dict=False, cpu_offload=True),",
-    ): (
-        "the single-process branch: no DTensor parameters without a process group, "
-        "so full and sharded state dicts are the same"
-    ),
-    (
-        _CLIENT,
-        "_save_checkpoint_sync",
-        "core/ReplaceTrueWithFalse",
-        "options=StateDictOptions(full_state_dict=True, cpu_offload=False),",
-    ): "on a CPU-only machine the state is on the CPU already (not so with a GPU)",
     **{
         (_CLIENT, "load_distributed_checkpoint", "core/NumberReplacer", line): (
             "a placeholder that the DCP load replaces with the saved value"

@@ -227,14 +227,3 @@ def epoch_batches(
             torch.cuda.memory._record_memory_history(enabled=None)
         if profiler is not None and (idx + 1) % gradient_accumulation_steps == 0:
             profiler.step()
-
-
-__all__ = [
-    "clip_grads_with_norm_",
-    "compile_optimizer_step",
-    "epoch_batches",
-    "grad_norm",
-    "setup_lr_scheduler",
-    "setup_profiler",
-    "steps_per_epoch",
-]

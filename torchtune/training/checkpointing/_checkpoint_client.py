@@ -293,8 +293,6 @@ class CheckpointClient:
         self._resume_from_epoch = self._resume_from_checkpoint
         self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
         self._device = utils.get_device(device=cfg.device)
-        _, self._rank = utils.get_world_size_and_rank()
-        self._is_rank_zero = self._rank == 0
         self._step_checkpointer = StepCheckpointer(
             cfg.get("output_dir", None) or cfg.checkpointer.output_dir,
             every_n_steps=cfg.get("save_every_n_steps", None),
@@ -317,6 +315,12 @@ class CheckpointClient:
     @staticmethod
     def _is_distributed() -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    @property
+    def _is_rank_zero(self) -> bool:
+        # Asked when needed: recipes build the client before the process group, when
+        # every process would still call itself rank 0.
+        return utils.get_world_size_and_rank()[1] == 0
 
     @property
     def resuming(self) -> bool:
@@ -384,38 +388,12 @@ class CheckpointClient:
         if future is not None:
             future.result()
 
-    def _save_checkpoint_async(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        training_progress: TrainingProgress,
-        epoch: int,
-    ) -> None:
-        """Start writing an intermediate checkpoint with DCP and return once the state
-        has been copied to CPU. Every rank writes its own shards: model weights,
-        optimizer state (``optimizer.state_dict()``) and training progress."""
-        start = time.perf_counter()
-        utils.log_rank_zero(log, "Saving checkpoint asynchronously...")
-        checkpoint = {
-            **training_progress.state_dict(),
-            training.MODEL_KEY: model.state_dict(),
-            training.OPT_KEY: optimizer.state_dict(),
-        }
-        self._get_dcp_checkpointer().save_checkpoint(
-            checkpoint, epoch=epoch, save_async=True
-        )
-        utils.log_rank_zero(
-            log,
-            f"Training was blocked {time.perf_counter() - start:.2f} s by the "
-            "asynchronous checkpoint save",
-        )
-
     def _save_checkpoint_sync(
         self,
+        epoch: int,
+        training_progress: TrainingProgress,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        training_progress: TrainingProgress,
-        epoch: int,
     ) -> None:
         """Write a checkpoint with the configured checkpointer and wait for it.
 
@@ -507,10 +485,26 @@ class CheckpointClient:
             epoch (int): the epoch just finished, counted from 0.
         """
         intermediate = epoch + 1 < training_progress.total_epochs
-        if intermediate and self._enable_async_checkpointing:
-            self._save_checkpoint_async(model, optimizer, training_progress, epoch)
-        else:
-            self._save_checkpoint_sync(model, optimizer, training_progress, epoch)
+        if not (intermediate and self._enable_async_checkpointing):
+            self._save_checkpoint_sync(epoch, training_progress, model, optimizer)
+            return
+        # Asynchronous: returns once the state is copied to CPU; every rank writes
+        # its own shards.
+        start = time.perf_counter()
+        utils.log_rank_zero(log, "Saving checkpoint asynchronously...")
+        checkpoint = {
+            **training_progress.state_dict(),
+            training.MODEL_KEY: model.state_dict(),
+            training.OPT_KEY: optimizer.state_dict(),
+        }
+        self._get_dcp_checkpointer().save_checkpoint(
+            checkpoint, epoch=epoch, save_async=True
+        )
+        utils.log_rank_zero(
+            log,
+            f"Training was blocked {time.perf_counter() - start:.2f} s by the "
+            "asynchronous checkpoint save",
+        )
 
     def load_base_checkpoint(
         self, resume_from_epoch: bool | None = None
@@ -587,18 +581,6 @@ class CheckpointClient:
         """
         if not self._resume_from_checkpoint:
             return None
-        self._resumed = self._resume(
-            model, optimizer, checkpoint_dict, legacy_named_params
-        )
-        return self._resumed
-
-    def _resume(
-        self,
-        model: nn.Module | Mapping[str, nn.Module],
-        optimizer: torch.optim.Optimizer,
-        checkpoint_dict: dict[str, Any],
-        legacy_named_params: Iterable[tuple[str | None, torch.Tensor]] | None,
-    ) -> ResumedState:
         if self._step_checkpoint is not None:
             path = self._step_checkpoint
             if utils.get_world_size_and_rank()[0] > 1:
@@ -612,18 +594,24 @@ class CheckpointClient:
                     model, optimizer, state["optimizer"], legacy_named_params
                 )
             utils.log_rank_zero(log, f"Resumed from step checkpoint {path}.")
-            return ResumedState(
+            self._resumed = ResumedState(
                 recipe_state,
                 global_step=recipe_state["global_step"],
                 dataloader_state=rank_state[training.DATALOADER_KEY],
                 rng_state=rank_state["rng"],
             )
-        if self._enable_async_checkpointing:
-            return ResumedState(self.load_distributed_checkpoint(model, optimizer))
-        self._load_optimizer_state(
-            model, optimizer, checkpoint_dict[training.OPT_KEY], legacy_named_params
-        )
-        return ResumedState(checkpoint_dict)
+        elif self._enable_async_checkpointing:
+            loaded = self.load_distributed_checkpoint(model, optimizer)
+            self._resumed = ResumedState(loaded)
+        else:
+            self._load_optimizer_state(
+                model,
+                optimizer,
+                checkpoint_dict[training.OPT_KEY],
+                legacy_named_params,
+            )
+            self._resumed = ResumedState(checkpoint_dict)
+        return self._resumed
 
     def resume_progress(
         self,
