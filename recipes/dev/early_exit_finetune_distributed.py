@@ -7,28 +7,20 @@ Run it with ``tune run --nproc_per_node N dev/early_exit_finetune_distributed
 """
 
 import functools
-import os
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.distributed import destroy_process_group, init_device_mesh
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    _CHECKPOINT_PREFIX,
-)
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
@@ -36,15 +28,7 @@ from torchtune.modules.common_utils import slice_str_to_array
 from torchtune.modules.early_exit_loss import EarlyExitCurriculum, early_exit_loss
 from torchtune.modules.layer_dropout import LayerDropout, prepare_layer_dropout
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import PROFILER_KEY
-from torchtune.training.activations import apply_selective_activation_checkpointing
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
-    TrainingProgress,
-)
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    is_legacy_in_bwd_state_dict,
-)
+from torchtune.training import CheckpointClient, TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -122,49 +106,28 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): OmegaConf object parsed from yaml file
 
     Raises:
+        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
+            (``optimizer_in_bwd=True`` with clipping, gradient accumulation or
+            ``compile.optimizer_step``; fp16; a flag that is not a bool; an optimizer
+            FSDP2 cannot train or checkpoint, see ``training.check_fsdp_optimizer``;
+            ...) or by :class:`~torchtune.training.CheckpointClient`
+            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``).
         ValueError: If ``early_exit_loss`` is set and ``loss`` has no ``reduction`` of
             ``"mean"`` (e.g. ``CEWithChunkedOutputLoss``): the early-exit loss reads
             per-token losses from a copy of it with ``reduction="none"``.
-        ValueError: If ``optimizer_in_bwd`` is True and ``clip_grad_norm`` is set.
-        ValueError: If ``optimizer_in_bwd`` is True and ``gradient_accumulation_steps`` > 1.
-        ValueError: If ``optimizer_in_bwd`` is True and ``compile.optimizer_step`` is True.
-        ValueError: If ``compile`` is a mapping with keys other than ``model``,
-            ``loss`` and ``optimizer_step``.
-        ValueError: If ``dtype`` is fp16.
         ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
             with a fused optimizer, or not dividing the world size.
-        ValueError: If ``profiler._component_`` is not ``setup_torch_profiler`` (null
-            means it).
-        ValueError: If ``optimizer`` is a bitsandbytes optimizer (its kernels cannot
-            step FSDP2's sharded parameters), or a torchao low-bit one with ``epochs``
-            > 1 (its state cannot be saved from them); see
-            ``training.check_fsdp_optimizer``.
-        ValueError: If ``save_every_n_steps`` or
-            ``checkpointer.keep_last_n_checkpoints`` is not a positive integer or null.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
-            CUDA or ``enable_activation_checkpointing`` is False.
-        RuntimeError: If ``left_pad_sequence`` is set as the data collator.
-        RuntimeError: If ``dtype`` is bf16 and the hardware does not support it.
+            CUDA or ``enable_activation_checkpointing`` is False; if
+            ``left_pad_sequence`` is set as the data collator; if ``dtype`` is bf16
+            and the hardware does not support it.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
         # Every refusal comes before the process group, the model or any file.
-        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
-        # MiB of gradients per in-backward optimizer call; None: the default.
-        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self._gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self._compile = training.parse_compile_config(cfg.get("compile", False))
-        if self._optimizer_in_bwd:
-            training.check_optimizer_in_bwd_options(
-                clip_grad_norm=self._clip_grad_norm,
-                gradient_accumulation_steps=self._gradient_accumulation_steps,
-                compile_optimizer_step=self._compile["optimizer_step"],
-                bucket_cap_mb=self._bucket_cap_mb,
-            )
-        # bitsandbytes' optimizers cannot step sharded (DTensor) parameters, and
-        # torchao's low-bit ones cannot save their state from them.
-        training.check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+        self._opts = training.RecipeOptions.from_config(cfg, distributed=True)
+        self._device, self._dtype = self._opts.device, self._opts.dtype
+        self._optimizer_in_bwd = self._opts.optimizer_in_bwd
         # The early-exit loss takes per-token losses from a copy of the loss with
         # reduction="none", and a token mean from them: only a mean-reducing loss
         # module can be copied so. Building one is cheap and touches nothing.
@@ -180,34 +143,6 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     "loss._component_=torch.nn.CrossEntropyLoss (with "
                     "ignore_index=-100), or early_exit_loss=null."
                 )
-        # save_every_n_steps and checkpointer.keep_last_n_checkpoints.
-        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
-
-        # null means the default, as in 0.6.1.
-        training.check_profiler_component(cfg.get(PROFILER_KEY))
-
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        if self._dtype == torch.float16:
-            raise ValueError(
-                "full fp16 training is not supported with this recipe. Please use bf16 or fp32 instead."
-            )
-        self._enable_activation_checkpointing = cfg.get(
-            "enable_activation_checkpointing", False
-        )
-        self._enable_activation_offloading = cfg.get(
-            "enable_activation_offloading", False
-        )
-        if self._enable_activation_offloading and self._device.type != "cuda":
-            raise RuntimeError(
-                "enable_activation_offloading should only be True when training on CUDA"
-            )
-        if self._enable_activation_offloading and not (
-            self._enable_activation_checkpointing
-        ):
-            raise RuntimeError(
-                "enable_activation_offloading should only be True when enable_activation_checkpointing is True"
-            )
         self._tp_dim = cfg.get("tensor_parallel_dim", 1)
         self._tp_plan = config.instantiate(cfg.get("tensor_parallel_plan", None))
         if self._tp_dim > 1 and self._tp_plan is None:
@@ -218,27 +153,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             raise ValueError(
                 "Tensor parallelism is currently incompatible with fused optimizer."
             )
+        self._checkpoint_client = CheckpointClient(cfg)
 
-        # gloo on CPU; NCCL on CUDA, plus gloo for the CPU-side collectives of FSDP's
-        # CPU offload and of asynchronous checkpoint saves.
-        self._fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
-        if self._fsdp_cpu_offload and self._device.type == "cpu":
-            # Everything is in CPU memory already (and FSDP's offload pins memory,
-            # which needs an accelerator).
-            log.info(
-                "fsdp_cpu_offload is ignored on CPU, where it has nothing to move."
-            )
-            self._fsdp_cpu_offload = False
-        self._enable_async_checkpointing = cfg.get("enable_async_checkpointing", False)
-        torch.distributed.init_process_group(
-            "gloo"
-            if self._device.type == "cpu"
-            else training.get_distributed_backend(
-                self._device.type,
-                offload_ops_to_cpu=self._fsdp_cpu_offload
-                or self._enable_async_checkpointing,
-            )
-        )
+        torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
         if self.world_size % self._tp_dim != 0:
@@ -246,25 +163,8 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
             )
 
-        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
-        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
-        if self._log_peak_memory_stats and self._device.type == "cpu":
-            utils.log_rank_zero(
-                log, "log_peak_memory_stats is ignored on CPU, which has no such stats."
-            )
-            self._log_peak_memory_stats = False
-        if self._enable_activation_checkpointing and not (
-            self._enable_activation_offloading
-        ):
-            utils.log_rank_zero(
-                log,
-                "Hint: enable_activation_checkpointing is True, but enable_activation_offloading "
-                "isn't. Enabling activation offloading should reduce memory further.",
-            )
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
-        self._checkpoint_client = CheckpointClient(cfg)
-
-        # Public: updated from the checkpoint on resume, read by tests.
+        # Public: updated from the checkpoint on resume. All ranks agree on the seed
+        # (set_seed broadcasts a random one if it is null).
         self.seed = training.set_seed(
             seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
         )
@@ -273,94 +173,41 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
 
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        """Take the epoch count, seed and steps per epoch from the checkpoint."""
-        progress = TrainingProgress.from_checkpoint(
-            ckpt_dict,
+    def _progress(self) -> TrainingProgress:
+        return TrainingProgress(
             seed=self.seed,
+            epochs_run=self.epochs_run,
             total_epochs=self.total_epochs,
             max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self.epochs_run = progress.epochs_run
-        self.seed = progress.seed
-        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
     def setup(self, cfg: DictConfig) -> None:
         """
         Builds, in order: metric logger, model (sharded, with the base or resumed
-        weights), tokenizer, optimizer (with resumed state), loss, data, LR scheduler
-        and profiler.
+        weights, and its layer dropout), tokenizer, optimizer (with resumed state),
+        loss, data, early-exit layers, LR scheduler and profiler.
         """
-        if self._fsdp_cpu_offload:
+        if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
 
-        # A step checkpoint further along than the epoch checkpoint wins.
-        step_checkpoint = (
-            self._step_checkpointer.resume_point(cfg.checkpointer.recipe_checkpoint)
-            if self._resume_from_checkpoint
-            else None
-        )
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint(
-            resume_from_epoch=step_checkpoint is None
-        )
-        self._model = self._setup_model(
-            cfg_model=cfg.model,
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-            model_state_dict=checkpoint_dict[training.MODEL_KEY],
-            ac_mode=cfg.get("ac_mode", None),
-            ac_option=cfg.get("ac_option", None),
-        )
+        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        self._model = self._setup_model(cfg, checkpoint_dict[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        if self._cfg_early_exit_loss and isinstance(self._model, FSDPModule):
-            # The early-exit loss calls the model's norm and output projection after
-            # forward, so the root's parameters (those not in a layer) must stay
-            # gathered until backward; FSDP frees them after forward when asked to
-            # reshard, as the recipe does.
-            self._model.set_reshard_after_forward(False, recurse=False)
-        cfg_layer_dropout = cfg.get("layer_dropout", None)
-        if cfg_layer_dropout:
-            # Before the optimizer: the wrapper puts ".module" in the parameters'
-            # names, which the optimizer's state dict is keyed by, on save and load.
-            prepare_layer_dropout(
-                self._model.layers,
-                prob_max=cfg_layer_dropout.get("prob", 0.0),
-                prob_layer_scale=cfg_layer_dropout.get("layers_scale", "uniform"),
-                layers_str=cfg_layer_dropout.get("layers", ":"),
-                disable_on_eval=cfg_layer_dropout.get("disable_on_eval", True),
-            )
-        self._layer_dropouts = [
-            m for m in self._model.modules() if isinstance(m, LayerDropout)
-        ]
-        self._optimizer = self._setup_optimizer(
-            cfg_optimizer=cfg.optimizer,
-            opt_state_dict=checkpoint_dict.get(training.OPT_KEY),
+        self._optimizer = self._setup_optimizer(cfg.optimizer)
+        # On resume: the optimizer state; from a step or an asynchronous checkpoint
+        # the trained weights too.
+        progress, resumed = self._checkpoint_client.resume_progress(
+            self._model, self._optimizer, checkpoint_dict, self._progress()
         )
-        # Mid-epoch resume state: the dataloader position and the RNG state.
-        self._resume_dataloader_state = self._resume_rng_state = None
-        if self._resume_from_checkpoint:
-            if step_checkpoint is not None:
-                # Every rank loads its shards, its dataloader position and RNG.
-                checkpoint_dict, rank_state = self._step_checkpointer.load(
-                    step_checkpoint, self._model, self._optimizer
-                )
-                utils.log_rank_zero(log, f"Resumed from {step_checkpoint}.")
-                self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
-                self._resume_rng_state = rank_state["rng"]
-            elif self._enable_async_checkpointing:
-                # Intermediate checkpoints were written by DCP, not by the configured
-                # checkpointer: take weights, optimizer and progress from the latest.
-                checkpoint_dict = self._checkpoint_client.load_distributed_checkpoint(
-                    self._model, self._optimizer
-                )
-            self._update_recipe_state(checkpoint_dict)
+        self.seed, self.epochs_run = progress.seed, progress.epochs_run
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
         self._loss_fn = config.instantiate(cfg.loss)
-        if self._compile["loss"]:
+        if self._opts.compile["loss"]:
             training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
@@ -372,16 +219,15 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        # A step is one optimizer update: gradient_accumulation_steps batches.
-        self._steps_per_epoch = (
-            len(self._dataloader) // self._gradient_accumulation_steps
+        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
+        self._steps_per_epoch = training.steps_per_epoch(
+            len(self._dataloader),
+            self._opts.gradient_accumulation_steps,
+            self.max_steps_per_epoch,
         )
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
         # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        self.global_step = checkpoint_dict.get(
-            "global_step", self.epochs_run * self._steps_per_epoch
-        )
+        resumed_step = resumed and resumed.global_step
+        self.global_step = resumed_step or self.epochs_run * self._steps_per_epoch
 
         # The curriculum knows the total steps and continues from the resumed one.
         self._early_exit_layers, self._early_exit_curriculum = (
@@ -390,43 +236,35 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         if self._early_exit_layers is not None:
             self._final_hidden = None
             self._model.norm.register_forward_pre_hook(self._keep_final_hidden)
-        self._lr_scheduler = self._setup_lr_scheduler(
-            cfg_lr_scheduler=cfg.get("lr_scheduler", None),
+        cfg_lr_scheduler = cfg.get("lr_scheduler", None)
+        self._lr_scheduler = training.setup_lr_scheduler(
+            cfg_lr_scheduler
+            and functools.partial(config.instantiate, cfg_lr_scheduler),
+            self._optimizer,
             num_training_steps=self.total_epochs * self._steps_per_epoch,
-            last_epoch=self.global_step - 1,
+            global_step=self.global_step,
         )
-        if self._compile["optimizer_step"]:
+        if self._opts.compile["optimizer_step"]:
             # After the scheduler, which wraps the bound step() to check call order.
-            self._optimizer.step = torch.compile(
-                self._optimizer.step,
-                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
-            )
-        self._profiler = self._setup_profiler(cfg.get(PROFILER_KEY, None))
+            training.compile_optimizer_step(self._optimizer)
+        # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
+        self._profiler, self._memory_window = training.setup_profiler(
+            cfg.get(training.PROFILER_KEY, None), device=self._device
+        )
         # Appended to the shifted labels so logits need no slicing.
         self.ignore_labels_cache = torch.full(
             (cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
 
     def _setup_model(
-        self,
-        cfg_model: DictConfig,
-        custom_sharded_layers: list[str] | None,
-        reshard_after_forward: bool,
-        model_state_dict: dict[str, Any],
-        ac_mode: str | None = None,
-        ac_option: int | str | None = None,
+        self, cfg: DictConfig, model_state_dict: dict[str, Any]
     ) -> nn.Module:
         """
         Builds the model on the meta device (no memory), applies tensor parallelism,
-        activation checkpointing and FSDP2, then loads the full state dict into the
-        shards; each rank materializes only its own shards.
+        activation checkpointing and FSDP2, loads the full state dict into the
+        shards (each rank materializes only its own), then prepares what the
+        early-exit loss and layer dropout need.
         """
-        init_start = time.perf_counter()
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model)
-        if self._compile["model"]:
-            training.compile_model(model, verbose=self._is_rank_zero)
-
         dp_dim = self.world_size // self._tp_dim
         device_mesh = init_device_mesh(
             self._device.type,
@@ -435,66 +273,52 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self.dp_size = device_mesh["dp"].size()
         self.dp_rank = device_mesh["dp"].get_local_rank()
-        if self._tp_dim > 1:
-            # Heads and embed_dim become per-rank numbers before the plan splits them.
-            model = training.prepare_mha_for_tp(model, device_mesh["tp"])
-            parallelize_module(model, device_mesh["tp"], self._tp_plan)
-
-        # Selective AC (ac_mode/ac_option) only applies without full AC.
-        if self._enable_activation_checkpointing and ac_mode is None:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        elif not self._enable_activation_checkpointing and ac_mode is not None:
-            apply_selective_activation_checkpointing(model, ac_mode, ac_option)
-
-        if dp_dim > 1:
-            training.shard_model(
-                model=model,
-                shard_conditions=[
-                    functools.partial(
-                        training.get_shard_conditions,
-                        names_to_match=custom_sharded_layers,
-                    )
-                ],
-                cpu_offload=self._fsdp_cpu_offload,
-                reshard_after_forward=reshard_after_forward,
-                dp_mesh=device_mesh["dp"],
-            )
-
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                # RoPE buffers are not in the state dict: compute them on the device.
-                if hasattr(m, "rope_init"):
-                    m.rope_init()
-        training.load_from_full_model_state_dict(
-            model,
+        model = training.build_sharded_model(
+            functools.partial(config.instantiate, cfg.model),
             model_state_dict,
-            self._device,
-            strict=True,
-            cpu_offload=self._fsdp_cpu_offload,
+            device=self._device,
+            dtype=self._dtype,
+            dp_mesh=device_mesh["dp"],
+            tp_mesh=device_mesh["tp"],
+            tp_plan=self._tp_plan,
+            compile=self._opts.compile["model"],
+            activation_checkpointing=self._opts.enable_activation_checkpointing,
+            ac_mode=cfg.get("ac_mode", None),
+            ac_option=cfg.get("ac_option", None),
+            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+            cpu_offload=self._opts.fsdp_cpu_offload,
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         )
         self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
+            model, self._opts.enable_activation_offloading
         )
-        training.validate_no_params_on_meta_device(model)
-        utils.log_rank_zero(
-            log,
-            f"Instantiating model and loading checkpoint took {time.perf_counter() - init_start:.2f} secs",
-        )
-        if self._is_rank_zero and self._device.type != "cpu":
-            training.log_memory_stats(training.get_memory_stats(device=self._device))
-        torch.distributed.barrier()
+        if self._cfg_early_exit_loss and isinstance(model, FSDPModule):
+            # The early-exit loss calls the model's norm and output projection after
+            # forward, so the root's parameters (those not in a layer) must stay
+            # gathered until backward; FSDP frees them after forward when asked to
+            # reshard, as the recipe does.
+            model.set_reshard_after_forward(False, recurse=False)
+        cfg_layer_dropout = cfg.get("layer_dropout", None)
+        if cfg_layer_dropout:
+            # Before the optimizer: the wrapper puts ".module" in the parameters'
+            # names, which the optimizer's state dict is keyed by, on save and load.
+            prepare_layer_dropout(
+                model.layers,
+                prob_max=cfg_layer_dropout.get("prob", 0.0),
+                prob_layer_scale=cfg_layer_dropout.get("layers_scale", "uniform"),
+                layers_str=cfg_layer_dropout.get("layers", ":"),
+                disable_on_eval=cfg_layer_dropout.get("disable_on_eval", True),
+            )
+        self._layer_dropouts = [
+            m for m in model.modules() if isinstance(m, LayerDropout)
+        ]
         return model
 
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None = None
-    ) -> torch.optim.Optimizer:
+    def _setup_optimizer(self, cfg_optimizer: DictConfig) -> torch.optim.Optimizer:
         """
         The only place that tells the two modes apart. ``OptimizerInBackward`` has the
         plain optimizer's groups, state and state dict format, so the state of either
-        mode loads here, and nothing downstream needs to know which one it got. So
-        does a torchtune 0.6.1 in-backward checkpoint, converted first.
+        mode loads into either, and nothing downstream needs to know which one it got.
 
         Both get every parameter of the model, as in 0.6.1 and the other recipes:
         frozen ones get no state (and no in-backward hook), and the state dicts of a
@@ -505,24 +329,10 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             optimizer = training.OptimizerInBackward(
                 params,
                 functools.partial(config.instantiate, cfg_optimizer),
-                bucket_cap_mb=self._bucket_cap_mb,
+                bucket_cap_mb=self._opts.bucket_cap_mb,
             )
         else:
             optimizer = config.instantiate(cfg_optimizer, params)
-        if opt_state_dict and is_legacy_in_bwd_state_dict(opt_state_dict):
-            # 0.6.1's in-backward runs saved {parameter name: that parameter's own
-            # full optimizer state dict}. Its names carry activation checkpointing's
-            # wrapper prefix where it was on; the standard format's names never do.
-            opt_state_dict = training.convert_legacy_optim_in_bwd_state_dict(
-                {
-                    name.replace(_CHECKPOINT_PREFIX, ""): per_param
-                    for name, per_param in opt_state_dict.items()
-                }
-            )
-        if opt_state_dict:
-            training.load_from_full_optimizer_state_dict(
-                self._model, optimizer, opt_state_dict, self._device
-            )
         utils.log_rank_zero(
             log, f"Optimizer is initialized: {type(optimizer).__name__}."
         )
@@ -609,57 +419,6 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 hash((self.seed, self.global_step, layer)) & (2**63 - 1)
             )
 
-    def _setup_lr_scheduler(
-        self,
-        cfg_lr_scheduler: DictConfig | None,
-        num_training_steps: int,
-        last_epoch: int,
-    ) -> torch.optim.lr_scheduler.LRScheduler | None:
-        """Builds the scheduler on the optimizer; ``None`` keeps the lr constant."""
-        if cfg_lr_scheduler is None:
-            utils.log_rank_zero(log, "No learning rate scheduler configured.")
-            return None
-        # A scheduler resumed at last_epoch >= 0 reads each group's initial_lr, which
-        # a DCP checkpoint cannot restore: DCP loads only the keys that a freshly built
-        # optimizer has. The base lr is what the optimizer was built with.
-        for group in self._optimizer.param_groups:
-            group.setdefault("initial_lr", self._optimizer.defaults["lr"])
-        lr_scheduler = config.instantiate(
-            cfg_lr_scheduler,
-            self._optimizer,
-            num_training_steps=num_training_steps,
-            last_epoch=last_epoch,
-        )
-        utils.log_rank_zero(log, "Learning rate scheduler is initialized.")
-        return lr_scheduler
-
-    def _setup_profiler(
-        self, cfg_profiler: DictConfig | None = None
-    ) -> torch.profiler.profile | training.DummyProfiler:
-        """
-        Builds the torch profiler from the ``profiler`` section (see
-        ``training.setup_torch_profiler`` for its keys); a missing or disabled section
-        gives a ``DummyProfiler`` whose methods do nothing.
-        """
-        cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        # __init__ refused any component but this one; null means it.
-        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
-        profiler, profiler_cfg = config.instantiate(cfg_profiler)
-        utils.log_rank_zero(
-            log, f" Profiler config after instantiation: {profiler_cfg}"
-        )
-        # CUDA memory history is recorded for the profiler's active steps of epoch 0.
-        self._memory_history_steps = None
-        if (
-            self._is_rank_zero
-            and self._device.type == "cuda"
-            and profiler_cfg["enabled"]
-            and profiler_cfg.get("profile_memory", False)
-        ):
-            start = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
-            self._memory_history_steps = (start, start + profiler_cfg["active_steps"])
-        return profiler
-
     def _setup_data(
         self,
         cfg_dataset: DictConfig,
@@ -679,8 +438,6 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
-        if "left_pad_sequence" in collate_fn:
-            raise RuntimeError("left_pad_sequence collator is only for inference.")
         collate = _get_component_from_path(collate_fn)
         sampler = StatefulDistributedSampler(
             ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle
@@ -710,10 +467,10 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         accumulation otherwise.
         """
         training.cleanup_before_training()
+        gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resume_rng_state is not None:
-            # Resuming mid-run: draw (dropout) what the interrupted run would have.
-            training.restore_rng_state(self._resume_rng_state)
+        # Resuming mid-run: draw (dropout) what the interrupted run would have.
+        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
@@ -722,24 +479,23 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self._set_output_hidden_states()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            self._dataloader.sampler.set_epoch(curr_epoch)
-            if self._resume_dataloader_state:
-                # Resuming mid-epoch: the loader continues where the saved one was.
-                self._dataloader.load_state_dict(self._resume_dataloader_state)
-                self._resume_dataloader_state = None
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
             pbar = tqdm(
                 total=self._steps_per_epoch,
                 initial=steps_done,
                 disable=not self._is_rank_zero,
             )
-            first_batch = steps_done * self._gradient_accumulation_steps
-            for idx, batch in enumerate(self._dataloader, start=first_batch):
-                # Batches past the epoch's last full step are left unused.
-                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
-                    break
-                self._record_memory_history(curr_epoch, idx, start=True)
-                if idx % self._gradient_accumulation_steps == 0:
+            batches = training.epoch_batches(
+                self._dataloader,
+                curr_epoch,
+                steps_done=steps_done,
+                steps_per_epoch=self._steps_per_epoch,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                profiler=self._profiler,
+                memory_window=self._memory_window if self._is_rank_zero else None,
+            )
+            for idx, batch in batches:
+                if idx % gradient_accumulation_steps == 0:
                     self._seed_layer_dropout()
                 utils.batch_to_device(batch, self._device)
                 current_num_tokens = (
@@ -782,7 +538,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     torch.distributed.all_reduce(num_tokens)
                     loss = loss * (self.world_size / num_tokens)
                 loss.backward()
-                if (idx + 1) % self._gradient_accumulation_steps != 0:
+                if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
@@ -792,11 +548,13 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 else:
                     torch.distributed.all_reduce(num_tokens)
                     training.scale_grads(self._model, self.world_size / num_tokens)
-                    grad_norm = _grad_norm(self._model.parameters())
-                    if self._clip_grad_norm is not None:
-                        # clip_grad_norm_'s rule, without its norm (see _grad_norm).
-                        clip_coef = float(self._clip_grad_norm) / (grad_norm + 1e-6)
-                        training.scale_grads(self._model, clip_coef.clamp(max=1.0))
+                    grad_norm = training.grad_norm(self._model.parameters())
+                    if self._opts.clip_grad_norm is not None:
+                        training.clip_grads_with_norm_(
+                            self._model.parameters(),
+                            self._opts.clip_grad_norm,
+                            grad_norm,
+                        )
                 # No-ops after an in-backward backward; the plain update otherwise.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -816,7 +574,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 if (
                     self._is_rank_zero
-                    and self.global_step % self._log_every_n_steps == 0
+                    and self.global_step % self._opts.log_every_n_steps == 0
                 ):
                     time_per_step = time.perf_counter() - t0
                     log_dict = {
@@ -826,90 +584,32 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                         "tokens_per_second_per_gpu": num_tokens.item()
                         / (time_per_step * self.world_size),
                     }
-                    if self._log_peak_memory_stats:
+                    if self._opts.log_peak_memory_stats:
                         log_dict.update(training.get_memory_stats(device=self._device))
                     self._metric_logger.log_dict(log_dict, step=self.global_step)
 
                 running_loss.zero_()
                 num_tokens.zero_()
-                epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
+                epoch_ends = (idx + 1) // gradient_accumulation_steps == (
                     self._steps_per_epoch
                 )
-                if self._step_checkpointer.is_due(self.global_step) and not epoch_ends:
-                    self._save_step_checkpoint(curr_epoch, mid_epoch=True)
+                self._checkpoint_client.step_done(
+                    self.global_step, self._progress(), epoch_end=epoch_ends
+                )
                 t0 = time.perf_counter()
-                self._record_memory_history(curr_epoch, idx, start=False)
-                # One profiler step per optimizer step (all its batches).
-                self._profiler.step()
 
             self.epochs_run += 1
-            if self._step_checkpointer.every_n_steps is not None:
-                # Before the epoch checkpoint, whose recipe state is written in place:
-                # a crash while it is written leaves this one to resume from.
-                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
-            self._checkpoint_client.save_checkpoint(
-                model=self._model,
-                optimizer=self._optimizer,
-                training_progress=TrainingProgress(
-                    seed=self.seed,
-                    epochs_run=self.epochs_run,
-                    total_epochs=self.total_epochs,
-                    max_steps_per_epoch=self.max_steps_per_epoch,
-                    dataloader_state_dict=self._dataloader.state_dict(),
-                ),
-                epoch=curr_epoch,
+            self._checkpoint_client.epoch_done(
+                curr_epoch, self.global_step, self._progress()
             )
         self._profiler.stop()
 
-    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
-        """Save, from every rank, everything the run needs to continue from this very
-        step. At an epoch's end the next epoch starts with a fresh loader."""
-        progress = TrainingProgress(
-            seed=self.seed,
-            epochs_run=epochs_run,
-            total_epochs=self.total_epochs,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
-        loader_state = self._dataloader.state_dict() if mid_epoch else None
-        self._step_checkpointer.save(
-            self.global_step,
-            self._model,
-            self._optimizer,
-            recipe_state=progress.state_dict(),
-            rank_state={training.DATALOADER_KEY: loader_state},
-        )
-
-    def _record_memory_history(self, epoch: int, idx: int, start: bool) -> None:
-        """Starts/stops the CUDA memory snapshot around the profiler's active steps."""
-        if self._memory_history_steps is None or epoch != 0:
-            return
-        if start and idx == self._memory_history_steps[0]:
-            torch.cuda.memory._record_memory_history()
-        elif not start and idx == self._memory_history_steps[1]:
-            torch.cuda.memory._record_memory_history(enabled=None)
-
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.wait_for_async_save()
+        self._checkpoint_client.close()
         if self._is_rank_zero:
             self._metric_logger.close()
         destroy_process_group()
-
-
-def _grad_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
-    """
-    Global L2 norm of the gradients. ``clip_grad_norm_`` fails on a mix of DTensors
-    from different meshes and plain tensors (tensor parallel leaves some parameters
-    unsharded), so DTensor gradients are reduced per mesh; plain tensors are
-    replicated, so their local norm is already global.
-    """
-    grads_by_mesh = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            grads_by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
-    norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 @config.parse

@@ -13,10 +13,14 @@ Every claim is an equivalence between runs on the same seed and data:
 - 2 processes vs 1 at the same global batch;
 - fake quantization off for ``fake_quant_after_n_steps`` steps, then on.
 
+And a partly frozen model's checkpoint holds the optimizer state of every parameter,
+as 0.6.1's and the other recipes' do.
+
 Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
 fake quantization from step 3), shared through module-scoped fixtures: six runs in
-all. Refusals run in this process. The shipped configs are checked to resolve
-(components and keys), not run: neither sets ``optimizer_in_bwd: True``.
+all, and the partly frozen one on 1 process in this process. Refusals run in this
+process. The shipped configs are checked to resolve (components and keys), not run:
+neither sets ``optimizer_in_bwd: True``.
 
 The data: the runs train on the records of the tiny instruct set whose answer is 4
 label tokens, so every step's global token count is 8 x 4 = 32. That makes the
@@ -50,6 +54,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +65,7 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
+from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
     run_tune,
@@ -276,7 +282,9 @@ def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupte
         resume_from_checkpoint=True,
         **STEP_CHECKPOINTS,
     )
-    assert f"Resumed from {out.resolve() / 'step_1'}." in resumed.output
+    assert f"Resumed from step checkpoint {out.resolve() / 'step_1'}." in (
+        resumed.output
+    )
     assert "Step 1: fake quantization disabled." in resumed.output
     assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in resumed.output
     resumed_steps = range(2, EPOCHS * STEPS + 1)
@@ -361,6 +369,86 @@ def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_k
     assert any(not torch.equal(final[k], base[k]) for k in final)
 
 
+def test_rank_0_alone_writes_the_epoch_checkpoints(in_bwd: TuneRun) -> None:
+    # Every rank takes part in gathering the full state; only rank 0 writes it, once.
+    out = in_bwd.output_dir
+    for saved in (
+        *(f"{out / f'epoch_{epoch}' / SHARD}" for epoch in range(EPOCHS)),
+        f"{out / 'recipe_state' / 'recipe_state.pt'}",
+    ):
+        assert in_bwd.output.count(f" saved to {saved}\n") == 1, saved
+
+
+def _train_here(out: Path, assets: TinyAssets, data: Path, **overrides: Any) -> TuneRun:
+    """``_train`` on 1 process, in this process: no interpreter to start, so a few
+    seconds a run. The environment gives the recipe what torchrun gives a rank; one
+    thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base = {"assets_dir": assets.root, "dataset.data_files": data}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
+    finally:
+        if torch.distributed.is_initialized():  # the run failed before its cleanup
+            torch.distributed.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+# A partly frozen model: the embedding (in FSDP's root unit, beside trainable
+# weights) and the norms of a layer (in that layer's unit). Not linear layers: the
+# quantizer's prepare swaps them for fake-quantized layers with new, trainable
+# weights when the model is on the meta device, as the recipe builds it.
+FROZEN = ["tok_embeddings", "layers.0.sa_norm", "layers.0.mlp_norm"]
+
+
+def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
+    runs_dir: Path, tiny_assets: TinyAssets, four_token_data: Path
+) -> None:
+    """The optimizer is built over every parameter, frozen ones included, as 0.6.1's
+    qat_distributed and every other recipe build it: frozen ones get no state. So the
+    checkpoint lists the same parameters as theirs; an optimizer over the trainable
+    parameters only listed fewer, and its checkpoints did not interchange with
+    theirs."""
+    run = _train_here(
+        runs_dir / "partly_frozen",
+        tiny_assets,
+        four_token_data,
+        batch_size=8,
+        **{
+            "model._component_": (
+                "tests.recipes.partly_frozen_model.partly_frozen_llama2"
+            ),
+            "model.frozen": FROZEN,
+        },
+    )
+    assert list(run.metrics) == list(ALL_STEPS)
+    model = partly_frozen_llama2(FROZEN, **tiny_assets.model_kwargs)
+    names = [name for name, _ in model.named_parameters()]
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(names)
+    saved = torch.load(
+        run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
+    )["optimizer"]
+    (group,) = saved["param_groups"]
+    assert group["params"] == names
+    assert sorted(saved["state"]) == sorted(trainable)
+    # And the frozen weights are the base checkpoint's, the others trained.
+    base = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
+    final = load_file(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
+    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(final[key], base[key]), key
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(final[key], base[key])
+
+
 def _registered_configs() -> list[tuple[str, Path]]:
     """Every config registered for this recipe, with its file in the installed package."""
     import torchtune
@@ -386,20 +474,9 @@ def test_every_upstream_config_of_the_recipe_resolves(name: str, path: Path) -> 
 
 
 NOT_QAT = "torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
+# The refusals that are this recipe's own; those it shares with the other recipes
+# (RecipeOptions, CheckpointClient) are tested once for all in test_shared_refusals.
 REFUSALS = {
-    "clip_grad_norm": (
-        ["clip_grad_norm=1.0"],
-        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
-        "gradient norm is only known after backward, when in-backward updates have "
-        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
-    ),
-    "gradient_accumulation_steps": (
-        ["gradient_accumulation_steps=2"],
-        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
-        "each parameter is updated as soon as its gradient is ready, so gradients "
-        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
-        "or optimizer_in_bwd=False.",
-    ),
     "compile": (
         ["compile=True"],
         "compile=True is not supported by qat_distributed: it does not compile "
@@ -419,6 +496,20 @@ REFUSALS = {
     "fake_quant_after_n_steps": (
         ["fake_quant_after_n_steps=-1"],
         "fake_quant_after_n_steps must be null or an integer >= 0, got -1.",
+    ),
+    # Shared too, but this recipe once skipped the check: FSDP2 makes every
+    # parameter a DTensor, which bitsandbytes' kernels cannot step, so the run
+    # failed inside its first update instead of being refused up front.
+    "bitsandbytes_optimizer": (
+        ["optimizer._component_=bitsandbytes.optim.AdamW8bit"],
+        "optimizer._component_=bitsandbytes.optim.AdamW8bit cannot train a model "
+        "sharded with FSDP2, with or without optimizer_in_bwd: FSDP2 makes every "
+        "parameter a DTensor, and bitsandbytes' update kernels take plain tensors "
+        "only (8-bit ones fail with 'got mixed torch.Tensor and DTensor', 32-bit ones "
+        "with 'no sharding strategy registered'). Use torch.optim.AdamW or "
+        "torchao.optim._AdamW; for low-bit optimizer state torchao.optim.AdamW8bit or "
+        "torchao.optim.AdamW4bit with epochs=1; or this optimizer in a single-device "
+        "recipe.",
     ),
 }
 
