@@ -25,14 +25,13 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset
 from torchtune.modules.peft import (
     get_adapter_params,
-    get_adapter_state_dict,
     get_lora_module_names,
-    get_merged_lora_ckpt,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.checkpointing._checkpoint_client import TrainingProgress
+from torchtune.training import CheckpointClient, TrainingProgress
+from torchtune.training.lora_checkpoint import lora_epoch_checkpoint, resumed_adapter
 
 log = utils.get_logger("DEBUG")
 
@@ -101,94 +100,29 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg (DictConfig): the parsed config, command-line overrides applied.
 
     Raises:
-        ValueError: ``optimizer_in_bwd=True`` with ``clip_grad_norm`` set.
-        ValueError: ``optimizer_in_bwd=True`` with ``gradient_accumulation_steps > 1``.
-        ValueError: ``optimizer_in_bwd=True`` with ``compile.optimizer_step=True``.
-        ValueError: ``compile`` is a mapping with a key other than ``model``, ``loss``
-            and ``optimizer_step``.
-        ValueError: ``dtype=fp16``, which this recipe does not support (no loss
-            scaling).
-        ValueError: ``compile`` on an NPU device.
-        ValueError: ``profiler._component_`` is not ``setup_torch_profiler`` (null
-            means it).
-        ValueError: ``save_every_n_steps`` or ``checkpointer.keep_last_n_checkpoints``
-            is not a positive integer or null.
-        ValueError: ``resume_from_checkpoint=True`` and no adapter checkpoint found.
-        RuntimeError: ``dtype=bf16`` on hardware without bf16.
+        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
+            (``optimizer_in_bwd=True`` with clipping, gradient accumulation or
+            ``compile.optimizer_step``; fp16; a flag that is not a bool; ...) or by
+            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            ``checkpointer.keep_last_n_checkpoints``).
+        ValueError: ``resume_from_checkpoint=True`` from an epoch checkpoint, and no
+            adapter checkpoint found.
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
-            without ``enable_activation_checkpointing``.
-        RuntimeError: a ``left_pad_sequence`` collate function (inference only).
+            without ``enable_activation_checkpointing``; an inference-only
+            ``collate_fn``; ``dtype=bf16`` on hardware without bf16.
 
         Every refusal but the missing adapter happens here, before anything is built
         or written.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
-        self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
-        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
-        # MiB of gradients per in-backward optimizer call; None: the default.
-        self._bucket_cap_mb = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
-        self._gradient_accumulation_steps = cfg.get("gradient_accumulation_steps", 1)
-        self._clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self._compile = training.parse_compile_config(cfg.get("compile", False))
-        self._enable_activation_checkpointing = cfg.get(
-            "enable_activation_checkpointing", False
-        )
-        self._enable_activation_offloading = cfg.get(
-            "enable_activation_offloading", False
-        )
-
-        # Refuse every unsupported combination before anything is built, so that a
-        # refused run leaves output_dir (and the checkpoints in it) as it was.
-        if self._optimizer_in_bwd:
-            training.check_optimizer_in_bwd_options(
-                clip_grad_norm=self._clip_grad_norm,
-                gradient_accumulation_steps=self._gradient_accumulation_steps,
-                compile_optimizer_step=self._compile["optimizer_step"],
-                bucket_cap_mb=self._bucket_cap_mb,
-            )
-        if self._dtype == torch.float16:
-            raise ValueError(
-                "dtype=fp16 is not supported by this recipe (it has no loss scaling). "
-                "Use dtype=fp32 or dtype=bf16."
-            )
-        if self._device.type == "npu" and any(self._compile.values()):
-            raise ValueError(
-                "compile is not supported on NPU devices. Set compile=False."
-            )
-        if self._enable_activation_offloading and self._device.type != "cuda":
-            raise RuntimeError(
-                "enable_activation_offloading=True needs a CUDA device, got "
-                f"device={self._device.type}. Set enable_activation_offloading=False."
-            )
-        if (
-            self._enable_activation_offloading
-            and not self._enable_activation_checkpointing
-        ):
-            raise RuntimeError(
-                "enable_activation_offloading=True needs "
-                "enable_activation_checkpointing=True."
-            )
+        # Every refusal comes first, so that a refused run leaves output_dir (and the
+        # checkpoints in it) as it was.
+        self._opts = training.RecipeOptions.from_config(cfg)
+        self._device, self._dtype = self._opts.device, self._opts.dtype
+        self._optimizer_in_bwd = self._opts.optimizer_in_bwd
+        self._checkpoint_client = CheckpointClient(cfg)
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-        if "left_pad_sequence" in self._collate_fn:
-            raise RuntimeError(
-                f"collate_fn={self._collate_fn} is for inference only. Use "
-                "torchtune.data.padded_collate_sft."
-            )
-        # null means the default, as in 0.6.1.
-        training.check_profiler_component(cfg.get(training.PROFILER_KEY))
-
-        self._output_dir = cfg.output_dir
-        self._log_every_n_steps = cfg.get("log_every_n_steps", 1)
-        self._log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
-        if self._log_peak_memory_stats and self._device.type == "cpu":
-            log.info(
-                "log_peak_memory_stats is ignored on CPU, which has no such stats."
-            )
-            self._log_peak_memory_stats = False
-        self._resume_from_checkpoint = cfg.resume_from_checkpoint
-        self._step_checkpointer = training.StepCheckpointer.from_config(cfg)
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
 
         # Public: updated from the checkpoint on resume, and read by tests.
@@ -200,60 +134,13 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
 
-    def load_checkpoint(self, cfg_checkpointer: DictConfig) -> dict[str, Any]:
-        """Load the base weights; when resuming, also the adapter, optimizer and
-        recipe state: from a step checkpoint when one is further along than the
-        epoch checkpoint."""
-        cfg_checkpointer = training.StepCheckpointer.checkpointer_config(
-            cfg_checkpointer
-        )
-        step_checkpoint = (
-            self._step_checkpointer.resume_point(cfg_checkpointer.recipe_checkpoint)
-            if self._resume_from_checkpoint
-            else None
-        )
-        self._checkpointer = config.instantiate(
-            cfg_checkpointer,
-            should_load_recipe_state=(
-                self._resume_from_checkpoint and step_checkpoint is None
-            ),
-        )
-        checkpoint_dict = self._checkpointer.load_checkpoint()
-        # Mid-epoch resume state: the dataloader position and the RNG state.
-        self._resume_dataloader_state = self._resume_rng_state = None
-        if step_checkpoint is not None:
-            recipe_state, rank_state, state = self._step_checkpointer.read(
-                step_checkpoint
-            )
-            log.info(f"Resuming from step checkpoint {step_checkpoint}.")
-            # The base weights are the checkpoint's; the step saved the adapter.
-            checkpoint_dict |= recipe_state | {
-                training.ADAPTER_KEY: state["model"],
-                training.OPT_KEY: state["optimizer"],
-            }
-            self._resume_dataloader_state = rank_state[training.DATALOADER_KEY]
-            self._resume_rng_state = rank_state["rng"]
-        if self._resume_from_checkpoint:
-            if training.ADAPTER_KEY not in checkpoint_dict:
-                raise ValueError(
-                    "resume_from_checkpoint=True, but no adapter weights were found. "
-                    "Set checkpointer.adapter_checkpoint, or resume from an output_dir "
-                    "whose latest epoch_* folder holds adapter_model.pt."
-                )
-            self._update_recipe_state(checkpoint_dict)
-        return checkpoint_dict
-
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        """Take the epoch count, seed and steps per epoch from the checkpoint."""
-        progress = TrainingProgress.from_checkpoint(
-            ckpt_dict,
+    def _progress(self) -> TrainingProgress:
+        return TrainingProgress(
             seed=self.seed,
+            epochs_run=self.epochs_run,
             total_epochs=self.total_epochs,
             max_steps_per_epoch=self.max_steps_per_epoch,
         )
-        self.epochs_run = progress.epochs_run
-        self.seed = progress.seed
-        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and
@@ -261,91 +148,77 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        checkpoint_dict = self.load_checkpoint(cfg_checkpointer=cfg.checkpointer)
-        resumed = checkpoint_dict if self._resume_from_checkpoint else {}
+        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         # Picks the variant of the hook that turns NF4 weights back to the training
         # dtype in state_dict() (QLoRA checkpoints).
         common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)
         self._model = self._setup_model(
-            cfg_model=cfg.model,
-            base_model_state_dict=checkpoint_dict[training.MODEL_KEY],
-            lora_weights_state_dict=resumed.get(training.ADAPTER_KEY),
+            cfg.model, ckpt_dict[training.MODEL_KEY], resumed_adapter(ckpt_dict)
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._optimizer = self._setup_optimizer(
-            cfg_optimizer=cfg.optimizer, opt_state_dict=resumed.get(training.OPT_KEY)
+        self._optimizer = self._setup_optimizer(cfg.optimizer)
+        # On resume: the optimizer state, and from a step checkpoint the adapter too.
+        progress, self._resumed = self._checkpoint_client.resume_progress(
+            self._model, self._optimizer, ckpt_dict, self._progress()
         )
+        self.seed, self.epochs_run = progress.seed, progress.epochs_run
+        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
         self._loss_fn = config.instantiate(cfg.loss)
-        if self._compile["loss"]:
+        if self._opts.compile["loss"]:
             # Compiles in place for chunked losses, returns a new module for others.
             self._loss_fn = training.compile_loss(self._loss_fn)
-        if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-            # The model returns its output in as many chunks as the loss expects.
+        # A chunked output loss needs the model to return its logits in chunks.
+        if hasattr(self._loss_fn, "num_output_chunks"):
             self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
         # The collate function pads with the tokenizer's pad id and the loss's ignore
-        # index, so it comes after both.
-        self._dataloader = self._setup_data(
-            cfg_dataset=cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size
+        # index, so data comes after both.
+        self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
+        # Epoch checkpoints: the adapter, its config and the merged weights.
+        self._checkpoint_client.track(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            adapter_only=self._save_adapter_weights_only,
+            epoch_model_state=partial(
+                lora_epoch_checkpoint,
+                rank=cfg.model.lora_rank,
+                alpha=cfg.model.lora_alpha,
+                target_modules=get_lora_module_names(
+                    list(cfg.model.lora_attn_modules),
+                    cfg.model.apply_lora_to_mlp,
+                    cfg.model.get("apply_lora_to_output", False),
+                ),
+                adapter_only=self._save_adapter_weights_only,
+            ),
         )
 
-        # One step is gradient_accumulation_steps batches.
-        self._steps_per_epoch = (
-            len(self._dataloader) // self._gradient_accumulation_steps
+        self._steps_per_epoch = training.steps_per_epoch(
+            len(self._dataloader),
+            self._opts.gradient_accumulation_steps,
+            self.max_steps_per_epoch,
         )
-        if self.max_steps_per_epoch is not None:
-            self._steps_per_epoch = min(self._steps_per_epoch, self.max_steps_per_epoch)
         # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        self.global_step = checkpoint_dict.get(
-            "global_step", self.epochs_run * self._steps_per_epoch
-        )
-
-        # The scheduler is not checkpointed: last_epoch puts it where the interrupted
-        # run was, and the optimizer state brings back its initial_lr.
+        resumed_step = self._resumed and self._resumed.global_step
+        self.global_step = resumed_step or self.epochs_run * self._steps_per_epoch
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
-        self._lr_scheduler = (
-            None
-            if cfg_lr_scheduler is None
-            else config.instantiate(
-                cfg_lr_scheduler,
-                self._optimizer,
-                num_training_steps=self.total_epochs * self._steps_per_epoch,
-                last_epoch=self.global_step - 1,
-            )
+        self._lr_scheduler = training.setup_lr_scheduler(
+            cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
+            self._optimizer,
+            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            global_step=self.global_step,
         )
-        if self._compile["optimizer_step"]:
+        if self._opts.compile["optimizer_step"]:
             # After the scheduler, which wraps step() to check the call order.
             self._optimizer.step = torch.compile(
                 self._optimizer.step,
                 backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
             )
-
-        self._profiler = self._setup_profiler(cfg.get(training.PROFILER_KEY, None))
-
-    def _setup_profiler(
-        self, cfg_profiler: DictConfig | None
-    ) -> torch.profiler.profile | training.DummyProfiler:
-        """Build the torch profiler, or a no-op one when ``profiler`` is absent or off.
-
-        With ``profile_memory`` on CUDA, the loop also records a memory snapshot over
-        the profiled (active) steps of the first epoch: ``self._memory_window`` holds
-        their first and last batch index, or is None.
-        """
-        cfg_profiler = cfg_profiler or DictConfig({"enabled": False})
-        cfg_profiler["_component_"] = training.TORCH_PROFILER  # checked in __init__
-        profiler, profiler_cfg = config.instantiate(cfg_profiler)
-        log.info(f"Profiler config after instantiation: {profiler_cfg}")
-
-        self._memory_window = None
-        if (
-            profiler_cfg["enabled"]
-            and profiler_cfg.get("profile_memory", False)
-            and self._device.type == "cuda"
-        ):
-            first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
-            self._memory_window = (first, first + profiler_cfg["active_steps"])
-        return profiler
+        # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
+        self._profiler, self._memory_window = training.setup_profiler(
+            cfg.get(training.PROFILER_KEY, None), device=self._device
+        )
 
     def _setup_model(
         self,
@@ -357,17 +230,12 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         adapter, and load the base weights (and the adapter, when resuming)."""
         with training.set_default_dtype(self._dtype), self._device:
             model = config.instantiate(cfg_model)
-        self._lora_rank = cfg_model.lora_rank
-        self._lora_alpha = cfg_model.lora_alpha
-        self._lora_attn_modules = list(cfg_model.lora_attn_modules)
-        self._apply_lora_to_mlp = cfg_model.apply_lora_to_mlp
-        self._apply_lora_to_output = cfg_model.get("apply_lora_to_output", False)
         self.adapter_params = get_adapter_params(model)
         set_trainable_params(model, self.adapter_params)
 
-        if self._compile["model"]:
+        if self._opts.compile["model"]:
             training.compile_model(model)
-        if self._enable_activation_checkpointing:
+        if self._opts.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
@@ -386,9 +254,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 lora_weights_state_dict, strict=False
             )
         validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=self._lora_attn_modules,
-            apply_lora_to_mlp=self._apply_lora_to_mlp,
-            apply_lora_to_output=self._apply_lora_to_output,
+            lora_attn_modules=list(cfg_model.lora_attn_modules),
+            apply_lora_to_mlp=cfg_model.apply_lora_to_mlp,
+            apply_lora_to_output=cfg_model.get("apply_lora_to_output", False),
             base_missing=base_missing,
             base_unexpected=base_unexpected,
             lora_missing=lora_missing,
@@ -399,16 +267,14 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         # A no-op context when offloading is off.
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            model, self._enable_activation_offloading
+            model, self._opts.enable_activation_offloading
         )
         log.info(f"Model is initialized with precision {self._dtype}.")
         if self._device.type != "cpu":
             training.log_memory_stats(training.get_memory_stats(device=self._device))
         return model
 
-    def _setup_optimizer(
-        self, cfg_optimizer: DictConfig, opt_state_dict: dict[str, Any] | None
-    ) -> torch.optim.Optimizer:
+    def _setup_optimizer(self, cfg_optimizer: DictConfig) -> torch.optim.Optimizer:
         """Build the optimizer: the one place that tells plain from in-backward.
 
         Both get every parameter of the model, as in 0.6.1: the frozen ones get no
@@ -419,13 +285,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         make_optimizer = partial(config.instantiate, cfg_optimizer)
         optimizer = (
             training.OptimizerInBackward(
-                params, make_optimizer, bucket_cap_mb=self._bucket_cap_mb
+                params, make_optimizer, bucket_cap_mb=self._opts.bucket_cap_mb
             )
             if self._optimizer_in_bwd
             else make_optimizer(params)
         )
-        if opt_state_dict is not None:
-            optimizer.load_state_dict(opt_state_dict)
         log.info(f"Optimizer is initialized: {type(optimizer).__name__}.")
         return optimizer
 
@@ -464,81 +328,6 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             drop_last=True,
         )
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """Save the adapter weights and config, and unless
-        ``save_adapter_weights_only`` the merged weights; for every epoch but the
-        last, also what resuming needs. The model being trained is left unchanged.
-        """
-        intermediate = epoch + 1 < self.total_epochs
-        state_dict = self._model.state_dict()
-        ckpt_dict = {
-            training.ADAPTER_KEY: get_adapter_state_dict(state_dict),
-            training.ADAPTER_CONFIG: {
-                "r": self._lora_rank,
-                "lora_alpha": self._lora_alpha,
-                "target_modules": get_lora_module_names(
-                    self._lora_attn_modules,
-                    self._apply_lora_to_mlp,
-                    self._apply_lora_to_output,
-                ),
-                "peft_type": "LORA",
-            },
-        }
-        if not self._save_adapter_weights_only:
-            # get_merged_lora_ckpt adds each adapter into its base weight in place,
-            # and state_dict() holds the live parameters (on CPU, .cpu() returns them
-            # as they are). Copy the weights it merges into, and only those, one at a
-            # time, so that saving never merges the adapter into the model being
-            # trained (0.6.1 did, on CPU, at every epoch end).
-            merged_into = {
-                name.removesuffix("lora_a.weight") + "weight"
-                for name in state_dict
-                if name.endswith("lora_a.weight")
-            }
-            for name, value in state_dict.items():
-                state_dict[name] = value.to("cpu", copy=name in merged_into)
-            ckpt_dict[training.MODEL_KEY] = get_merged_lora_ckpt(
-                state_dict, rank=self._lora_rank, alpha=self._lora_alpha
-            )
-        if intermediate:
-            ckpt_dict |= {
-                training.OPT_KEY: self._optimizer.state_dict(),
-                training.SEED_KEY: self.seed,
-                training.EPOCHS_KEY: self.epochs_run,
-                training.TOTAL_EPOCHS_KEY: self.total_epochs,
-                training.MAX_STEPS_KEY: self.max_steps_per_epoch,
-                # Saved for the record only: training resumes at an epoch boundary,
-                # where a fresh loader with the epoch's sampler seed is what the
-                # uninterrupted run uses too.
-                training.DATALOADER_KEY: self._dataloader.state_dict(),
-            }
-        self._checkpointer.save_checkpoint(
-            ckpt_dict,
-            epoch=epoch,
-            intermediate_checkpoint=intermediate,
-            adapter_only=self._save_adapter_weights_only,
-        )
-
-    def _save_step_checkpoint(self, epochs_run: int, mid_epoch: bool) -> None:
-        """Save everything a run needs to continue from this very step. At an
-        epoch's end the next epoch starts with a fresh loader, as it does here."""
-        progress = TrainingProgress(
-            seed=self.seed,
-            epochs_run=epochs_run,
-            total_epochs=self.total_epochs,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
-        loader_state = self._dataloader.state_dict() if mid_epoch else None
-        self._step_checkpointer.save(
-            self.global_step,
-            self._model,
-            self._optimizer,
-            recipe_state=progress.state_dict(),
-            rank_state={training.DATALOADER_KEY: loader_state},
-            # The base weights never change: the checkpoint's are the ones to load.
-            model_state_dict=get_adapter_state_dict(self._model.state_dict()),
-        )
-
     def _loss_step(
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,33 +345,34 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def train(self) -> None:
         """Train for the remaining epochs, saving a checkpoint after each one."""
-        if self._compile["model"]:
+        if self._opts.compile["model"]:
             log.info("The model compiles in its first forward: expect a slow step 1.")
+        gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resume_rng_state is not None:
+        if self._resumed is not None and self._resumed.rng_state is not None:
             # Resuming mid-run: draw (dropout) what the interrupted run would have.
-            training.restore_rng_state(self._resume_rng_state)
+            training.restore_rng_state(self._resumed.rng_state)
+        loader_state = self._resumed and self._resumed.dataloader_state
         # Totals over the current step's batches.
         running_loss, num_tokens = 0, 0
         t0 = time.perf_counter()
         self._profiler.start()
         for curr_epoch in range(self.epochs_run, self.total_epochs):
-            self._dataloader.sampler.set_epoch(curr_epoch)
-            if self._resume_dataloader_state:
-                # Resuming mid-epoch: the loader continues where the saved one was.
-                self._dataloader.load_state_dict(self._resume_dataloader_state)
-                self._resume_dataloader_state = None
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
             pbar = tqdm(total=self._steps_per_epoch, initial=steps_done)
-            first_batch = steps_done * self._gradient_accumulation_steps
-            for idx, batch in enumerate(self._dataloader, start=first_batch):
-                if idx // self._gradient_accumulation_steps == self._steps_per_epoch:
-                    break
-                record_memory = curr_epoch == 0 and self._memory_window is not None
-                if record_memory and idx == self._memory_window[0]:
-                    torch.cuda.memory._record_memory_history()
+            batches = training.epoch_batches(
+                self._dataloader,
+                curr_epoch,
+                steps_done=steps_done,
+                steps_per_epoch=self._steps_per_epoch,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                loader_state=loader_state,
+                profiler=self._profiler,
+                memory_window=self._memory_window,
+            )
+            loader_state = None
+            for idx, batch in batches:
                 utils.batch_to_device(batch, self._device)
-
                 loss, batch_tokens = self._loss_step(batch)
                 running_loss += loss.detach() * batch_tokens
                 num_tokens += batch_tokens
@@ -595,76 +385,63 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     # token count after accumulation, when that count is known.
                     (loss * batch_tokens).backward()
                 del loss
+                if (idx + 1) % gradient_accumulation_steps != 0:
+                    continue
 
-                if (idx + 1) % self._gradient_accumulation_steps == 0:
-                    if self._optimizer_in_bwd:
-                        # The update already happened; backward recorded the norm.
-                        grad_norm = self._optimizer.grad_norm
-                    else:
-                        training.scale_grads(self._model, 1 / num_tokens)
-                        grad_norm = nn.utils.get_total_norm(
-                            [
-                                p.grad
-                                for p in self._model.parameters()
-                                if p.grad is not None
-                            ]
+                if self._optimizer_in_bwd:
+                    # The update already happened; backward recorded the norm.
+                    grad_norm = self._optimizer.grad_norm
+                else:
+                    training.scale_grads(self._model, 1 / num_tokens)
+                    grad_norm = training.grad_norm(self._model.parameters())
+                    if self._opts.clip_grad_norm is not None:
+                        training.clip_grads_with_norm_(
+                            self._model.parameters(),
+                            self._opts.clip_grad_norm,
+                            grad_norm,
                         )
-                        if self._clip_grad_norm is not None:
-                            nn.utils.clip_grads_with_norm_(
-                                self._model.parameters(),
-                                float(self._clip_grad_norm),
-                                grad_norm,
-                            )
-                    # A no-op after an in-backward backward.
-                    self._optimizer.step()
-                    self._optimizer.zero_grad(set_to_none=True)
-                    if self._lr_scheduler is not None:
-                        self._lr_scheduler.step()
-                    self.global_step += 1
+                # A no-op after an in-backward backward.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
+                self.global_step += 1
 
-                    loss_to_log = (running_loss / num_tokens).item()
-                    pbar.update(1)
-                    pbar.set_description(
-                        f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
-                    )
-                    if self.global_step % self._log_every_n_steps == 0:
-                        log_dict = {
-                            "loss": loss_to_log,
-                            "lr": training.get_lr(self._optimizer),
-                            "tokens_per_second_per_gpu": num_tokens.item()
-                            / (time.perf_counter() - t0),
-                            "grad_norm": grad_norm.item(),
-                        }
-                        if self._log_peak_memory_stats:
-                            log_dict |= training.get_memory_stats(device=self._device)
-                        self._metric_logger.log_dict(log_dict, step=self.global_step)
-                    running_loss, num_tokens = 0, 0
-                    epoch_ends = (idx + 1) // self._gradient_accumulation_steps == (
-                        self._steps_per_epoch
-                    )
-                    if self._step_checkpointer.is_due(self.global_step) and not (
-                        epoch_ends
-                    ):
-                        self._save_step_checkpoint(curr_epoch, mid_epoch=True)
-                    t0 = time.perf_counter()
-
-                if record_memory and idx == self._memory_window[1]:
-                    torch.cuda.memory._record_memory_history(enabled=None)
-                # Steps per batch, so a trace may not end on an optimizer step.
-                self._profiler.step()
+                loss_to_log = (running_loss / num_tokens).item()
+                pbar.update(1)
+                pbar.set_description(
+                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                )
+                if self.global_step % self._opts.log_every_n_steps == 0:
+                    log_dict = {
+                        "loss": loss_to_log,
+                        "lr": training.get_lr(self._optimizer),
+                        "tokens_per_second_per_gpu": num_tokens.item()
+                        / (time.perf_counter() - t0),
+                        "grad_norm": grad_norm.item(),
+                    }
+                    if self._opts.log_peak_memory_stats:
+                        log_dict |= training.get_memory_stats(device=self._device)
+                    self._metric_logger.log_dict(log_dict, step=self.global_step)
+                running_loss, num_tokens = 0, 0
+                epoch_ends = (
+                    self.global_step == (curr_epoch + 1) * self._steps_per_epoch
+                )
+                self._checkpoint_client.step_done(
+                    self.global_step, self._progress(), epoch_end=epoch_ends
+                )
+                t0 = time.perf_counter()
 
             pbar.close()
             self.epochs_run += 1
-            if self._step_checkpointer.every_n_steps is not None:
-                # Before the epoch checkpoint, whose recipe state is written in place:
-                # a crash while it is written leaves this one to resume from.
-                self._save_step_checkpoint(self.epochs_run, mid_epoch=False)
-            start = time.perf_counter()
-            self.save_checkpoint(epoch=curr_epoch)
-            log.info(f"Checkpoint saved in {time.perf_counter() - start:.2f} seconds.")
+            self._checkpoint_client.epoch_done(
+                curr_epoch, self.global_step, self._progress()
+            )
         self._profiler.stop()
 
     def cleanup(self) -> None:
+        # An asynchronous save may still be in flight.
+        self._checkpoint_client.close()
         self._metric_logger.close()
 
 

@@ -8,7 +8,7 @@ and data (``tests/recipes/configs/tiny_lora_distributed.yaml``, 2 epochs of
 - 1 process vs 2 at the same global batch (8 samples a step; the 1-process run gets
   them as 2 accumulated batches of 4, and clips at a norm it never reaches);
 - resumed from the epoch-0 checkpoint vs uninterrupted, switching mode both ways
-  (plain -> in-backward, in-backward -> plain);
+  (plain -> in-backward, in-backward -> plain), and from an asynchronous one;
 - with 1 process, where the gathered "full" weights are the live shards, saving a
   checkpoint leaves the model as it was (0.6.1 merged the adapter into it).
 
@@ -247,7 +247,9 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
             recipe.setup(cfg)
             recipe.train()
             before = _local_params(recipe._model)
-            recipe.save_checkpoint(epoch=0)
+            recipe._checkpoint_client.epoch_done(
+                0, recipe.global_step, recipe._progress()
+            )
             after = _local_params(recipe._model)
             recipe.cleanup()
         finally:
@@ -331,13 +333,30 @@ def test_resume_switching_mode_equals_uninterrupted_run(
     _assert_same_training(resumed, source, RESUMED_ACROSS_MODES, EPOCH_1)
 
 
-PROFILER_REFUSAL = (
-    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
-    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
-    "returns, so only it can build the profiler. Set "
-    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
-    "same."
-)
+def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+) -> None:
+    # Epoch 0's checkpoint is a distributed checkpoint written in the background
+    # (every rank its shards of all weights, with optimizer and recipe state); the
+    # last one holds the adapter and the merged weights, as without it.
+    run = _train(runs_dir / "async", tiny_assets, True, enable_async_checkpointing=True)
+    assert (run.output_dir / "dist_epoch_0").is_dir()
+    assert not (run.output_dir / "epoch_0").exists()
+    assert list((run.output_dir / "epoch_1").glob("model-*.safetensors"))
+    # Saving in the background leaves training as it was.
+    exact = _tolerances(0.0, 0.0, 0.0)
+    _assert_same_training(run, in_bwd, exact)
+
+    out = runs_dir / "async_resumed"
+    shutil.copytree(run.output_dir / "dist_epoch_0", out / "dist_epoch_0")
+    resumed = _train(
+        out,
+        tiny_assets,
+        True,
+        enable_async_checkpointing=True,
+        resume_from_checkpoint=True,
+    )
+    _assert_same_training(resumed, run, exact, EPOCH_1)
 
 
 def _bitsandbytes_refusal(component: str) -> str:
@@ -366,28 +385,6 @@ TORCHAO_REFUSAL = (
     ("overrides", "message"),
     [
         (
-            {"clip_grad_norm": 1.0},
-            "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the "
-            "global gradient norm is only known after backward, when in-backward "
-            "updates have already happened. Set clip_grad_norm=null or "
-            "optimizer_in_bwd=False.",
-        ),
-        (
-            {"gradient_accumulation_steps": 2},
-            "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=2: "
-            "each parameter is updated as soon as its gradient is ready, so gradients "
-            "cannot be accumulated over several batches. Set "
-            "gradient_accumulation_steps=1 or optimizer_in_bwd=False.",
-        ),
-        (
-            {"compile": {"optimizer_step": True}},
-            "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-            "in-backward updates run a bucket of parameters at a time inside autograd "
-            "hooks, where a compiled whole-optimizer step cannot run. Set "
-            "compile.optimizer_step=False or optimizer_in_bwd=False.",
-        ),
-        ({"profiler": {"_component_": "torch.profiler.profile"}}, PROFILER_REFUSAL),
-        (
             {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit"}},
             _bitsandbytes_refusal("bitsandbytes.optim.AdamW8bit"),
         ),
@@ -404,10 +401,6 @@ TORCHAO_REFUSAL = (
         ),
     ],
     ids=[
-        "clip_grad_norm",
-        "gradient_accumulation",
-        "compiled_optimizer_step",
-        "profiler_component",
         "bitsandbytes_8bit_in_backward",
         "bitsandbytes_32bit_paged_plain",
         "torchao_low_bit_with_intermediate_checkpoints",
@@ -434,28 +427,3 @@ def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
     after = checkpoint.stat()
     assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
-
-
-def test_a_null_profiler_component_means_the_torch_profiler(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        try:
-            recipe = _load_recipe_class()(cfg)  # starts a 1-process group
-            profiler = recipe._setup_profiler(cfg.profiler)
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    assert isinstance(profiler, torch.profiler.profile)

@@ -82,7 +82,6 @@ from tests.recipes.utils import (
     run_tune,
     run_tune_in_process,
     series,
-    snapshot_files,
     tiny_config,
 )
 
@@ -552,7 +551,7 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
             param.normal_(1.0, 0.5, generator=generator)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    recipe.save_checkpoint(epoch=0)
+    recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe._progress())
 
     after = model.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -706,73 +705,26 @@ def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
     assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
 
 
-PROFILER_REFUSAL = (
-    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
-    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
-    "returns, so only it can build the profiler. Set "
-    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
-    "same."
-)
-
-
-REFUSALS = {
-    "clip_grad_norm": (
-        ["clip_grad_norm=1.0"],
-        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
-        "gradient norm is only known after backward, when in-backward updates have "
-        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
-    ),
-    "gradient_accumulation_steps": (
-        ["gradient_accumulation_steps=4"],
-        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
-        "each parameter is updated as soon as its gradient is ready, so gradients "
-        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
-        "or optimizer_in_bwd=False.",
-    ),
-    "compile.optimizer_step": (
-        ["~compile", "compile.optimizer_step=True"],
-        "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-        "in-backward updates run a bucket of parameters at a time inside autograd "
-        "hooks, where a compiled whole-optimizer step cannot run. Set "
-        "compile.optimizer_step=False or optimizer_in_bwd=False.",
-    ),
-    "profiler._component_": (
-        ["profiler._component_=torch.profiler.profile"],
-        PROFILER_REFUSAL,
-    ),
-}
-
-
-@pytest.mark.parametrize("key", REFUSALS)
-def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
-    key: str,
-    tiny_assets: TinyAssets,
-    adamw_runs: dict[str, TuneRun],
-    tmp_path: Path,
+def test_resume_from_an_epoch_checkpoint_without_its_adapter_is_refused(
+    tiny_assets: TinyAssets, adamw_runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
-    # An output_dir that holds a finished run's checkpoints.
-    out = tmp_path / "out"
-    shutil.copytree(adamw_runs["plain"].output_dir, out)
-    before = snapshot_files(out)
-    overrides, message = REFUSALS[key]
+    # Epoch 0's recipe state, but no adapter_model.pt. Without an adapter the
+    # checkpointer reads the model from output_dir, as for a full fine-tune: give it
+    # one there, so that only the adapter is missing.
+    for part in ("epoch_0", "recipe_state"):
+        shutil.copytree(adamw_runs["plain"].output_dir / part, tmp_path / part)
+    (tmp_path / "epoch_0" / "adapter_model.pt").unlink()
+    for name in tiny_assets.checkpoint_files:
+        shutil.copy(tiny_assets.checkpoint_dir / name, tmp_path / name)
+    message = (
+        "resume_from_checkpoint=True, but no adapter weights were found. Set "
+        "checkpointer.adapter_checkpoint, or resume from an output_dir whose latest "
+        "epoch_* folder holds adapter_model.pt."
+    )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         tune_run_here(
             CONFIG,
-            [f"assets_dir={tiny_assets.root}", "optimizer_in_bwd=True", *overrides],
-            out,
+            {"assets_dir": tiny_assets.root, "resume_from_checkpoint": True},
+            tmp_path,
         )
-    assert snapshot_files(out) == before
-
-
-def test_a_null_profiler_component_means_the_torch_profiler(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
-    recipe = _load_recipe_class()(cfg)
-    assert isinstance(recipe._setup_profiler(cfg.profiler), torch.profiler.profile)
+    assert not (tmp_path / "epoch_1").exists()

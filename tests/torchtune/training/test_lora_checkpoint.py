@@ -1,0 +1,97 @@
+"""``training.lora_checkpoint``: a LoRA epoch checkpoint's entries, built without
+touching the state dict they come from, and the adapter a resumed run starts from."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from torchtune import training
+from torchtune.training.lora_checkpoint import lora_epoch_checkpoint, resumed_adapter
+
+RANK, ALPHA = 2, 4.0
+
+
+def _state_dict(dora: bool = False) -> dict[str, torch.Tensor]:
+    """One adapted projection, one plain weight (and a DoRA magnitude)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    state_dict = {
+        "q_proj.weight": randn(4, 3),
+        "q_proj.lora_a.weight": randn(RANK, 3),
+        "q_proj.lora_b.weight": randn(4, RANK),
+        "norm.scale": randn(3),
+    }
+    if dora:
+        state_dict["q_proj.magnitude"] = randn(4).abs()
+    return state_dict
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_epoch_checkpoint_merges_without_changing_the_state_dict(dora: bool) -> None:
+    state_dict = _state_dict(dora)
+    before = {name: value.clone() for name, value in state_dict.items()}
+    tensors = dict(state_dict)
+
+    ckpt = lora_epoch_checkpoint(
+        state_dict, rank=RANK, alpha=ALPHA, target_modules=["q_proj"]
+    )
+
+    # The caller's dict and its tensors (on CPU: the live model's) are unchanged.
+    assert list(state_dict) == list(before)
+    assert all(state_dict[k] is tensors[k] for k in state_dict)
+    assert all(torch.equal(state_dict[k], before[k]) for k in before)
+    adapter_names = ["q_proj.lora_a.weight", "q_proj.lora_b.weight"]
+    adapter_names += ["q_proj.magnitude"] if dora else []
+    assert sorted(ckpt[training.ADAPTER_KEY]) == sorted(adapter_names)
+    assert all(
+        torch.equal(ckpt[training.ADAPTER_KEY][k], before[k]) for k in adapter_names
+    )
+    assert ckpt[training.ADAPTER_CONFIG] == {
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "target_modules": ["q_proj"],
+        "peft_type": "LORA",
+    }
+    merged = ckpt[training.MODEL_KEY]
+    assert sorted(merged) == ["norm.scale", "q_proj.weight"]
+    weight = before["q_proj.weight"] + (ALPHA / RANK) * (
+        before["q_proj.lora_b.weight"] @ before["q_proj.lora_a.weight"]
+    )
+    if dora:
+        weight = weight * (before["q_proj.magnitude"] / weight.norm(dim=1)).view(-1, 1)
+    torch.testing.assert_close(merged["q_proj.weight"], weight)
+    assert torch.equal(merged["norm.scale"], before["norm.scale"])
+
+
+def test_adapter_only_epoch_checkpoint_has_no_merged_weights() -> None:
+    state_dict = _state_dict()
+    ckpt = lora_epoch_checkpoint(
+        state_dict, rank=RANK, alpha=ALPHA, target_modules=["q_proj"], adapter_only=True
+    )
+    assert sorted(ckpt) == sorted([training.ADAPTER_KEY, training.ADAPTER_CONFIG])
+    assert sorted(ckpt[training.ADAPTER_KEY]) == [
+        "q_proj.lora_a.weight",
+        "q_proj.lora_b.weight",
+    ]
+
+
+def test_resumed_adapter_is_the_epoch_checkpoints_and_none_otherwise() -> None:
+    base = {training.MODEL_KEY: {"w": torch.zeros(1)}}
+    adapter = {"w.lora_a.weight": torch.ones(1)}
+    # A new run, or a step checkpoint's resume, whose adapter resume() loads.
+    assert resumed_adapter(base) is None
+    epoch = base | {training.EPOCHS_KEY: 1, training.OPT_KEY: {}}
+    assert resumed_adapter(epoch | {training.ADAPTER_KEY: adapter}) is adapter
+    message = (
+        "resume_from_checkpoint=True, but no adapter weights were found. Set "
+        "checkpointer.adapter_checkpoint, or resume from an output_dir whose latest "
+        "epoch_* folder holds adapter_model.pt."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        resumed_adapter(epoch)
