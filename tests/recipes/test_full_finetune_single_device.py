@@ -55,8 +55,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import importlib.util
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,7 +74,6 @@ from tests.recipes.utils import (
     run_tune,
     run_tune_in_process,
     series,
-    snapshot_files,
     tiny_config,
 )
 
@@ -458,87 +455,3 @@ def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
     assert_weights_close(
         _final_weights(resumed), _final_weights(uninterrupted), **EXACT
     )
-
-
-PROFILER_REFUSAL = (
-    "profiler._component_=torch.profiler.profile is not supported: the recipe reads "
-    "the profiler's settings back from what torchtune.training.setup_torch_profiler "
-    "returns, so only it can build the profiler. Set "
-    "profiler._component_=torchtune.training.setup_torch_profiler, or null for the "
-    "same."
-)
-
-
-REFUSALS = {
-    "clip_grad_norm": (
-        ["clip_grad_norm=1.0"],
-        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
-        "gradient norm is only known after backward, when in-backward updates have "
-        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
-    ),
-    "gradient_accumulation_steps": (
-        ["gradient_accumulation_steps=4"],
-        "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
-        "each parameter is updated as soon as its gradient is ready, so gradients "
-        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
-        "or optimizer_in_bwd=False.",
-    ),
-    "compile.optimizer_step": (
-        ["~compile", "compile.optimizer_step=True"],
-        "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-        "in-backward updates run a bucket of parameters at a time inside autograd "
-        "hooks, where "
-        "a compiled whole-optimizer step cannot run. Set compile.optimizer_step=False "
-        "or optimizer_in_bwd=False.",
-    ),
-    "profiler._component_": (
-        ["profiler._component_=torch.profiler.profile"],
-        PROFILER_REFUSAL,
-    ),
-}
-
-
-@pytest.mark.parametrize("key", REFUSALS)
-def test_refused_config_fails_with_its_message_and_leaves_checkpoints_untouched(
-    key: str,
-    tiny_assets: TinyAssets,
-    adamw_runs: dict[str, TuneRun],
-    tmp_path: Path,
-) -> None:
-    # An output_dir that holds a finished run's checkpoints.
-    out = tmp_path / "out"
-    shutil.copytree(adamw_runs["bwd"].output_dir, out)
-    before = snapshot_files(out)
-    overrides, message = REFUSALS[key]
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        tune_run_here(
-            CONFIG,
-            [f"assets_dir={tiny_assets.root}", "optimizer_in_bwd=True", *overrides],
-            out,
-        )
-    assert snapshot_files(out) == before
-
-
-def test_a_null_profiler_component_means_the_torch_profiler(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    # As in 0.6.1: null (or no _component_) builds setup_torch_profiler's profiler.
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.profiler = {"_component_": None, "enabled": True, "output_dir": str(tmp_path)}
-    recipe = _load_recipe_class()(cfg)
-    assert isinstance(recipe._setup_profiler(cfg.profiler), torch.profiler.profile)
-
-
-def _load_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    import torchtune
-
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
-    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FullFinetuneRecipeSingleDevice

@@ -66,6 +66,7 @@ from torchtune.training.checkpointing._step_checkpointer import (
     restore_rng_state,
 )
 from torchtune.training.loop import (
+    StepLogger,
     clip_grads_with_norm_,
     compile_optimizer_step,
     epoch_batches,
@@ -172,6 +173,7 @@ __all__ = [
     "StepCheckpointer",
     "restore_rng_state",
     # training loop
+    "StepLogger",
     "clip_grads_with_norm_",
     "compile_optimizer_step",
     "epoch_batches",

@@ -1,6 +1,7 @@
 """What every recipe's training loop repeats, once: the batches of an epoch (with a
 mid-epoch resume, the profiler and the CUDA memory snapshot), the global gradient
-norm and clipping, the LR scheduler of a resumed run, and the profiler's setup.
+norm and clipping, the LR scheduler of a resumed run, the profiler's setup, and
+showing and logging each step (:class:`StepLogger`).
 
 The forward, loss and backward of a step stay in each recipe, where a user edits
 them after ``tune cp``; these helpers take plain Python values, so they can be
@@ -10,6 +11,7 @@ called and tested without a config.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from tqdm import tqdm
 
 from torchtune import utils
 from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
+from torchtune.training.memory import get_memory_stats
 
 log = utils.get_logger("DEBUG")
 
@@ -227,3 +231,101 @@ def epoch_batches(
             torch.cuda.memory._record_memory_history(enabled=None)
         if profiler is not None and (idx + 1) % gradient_accumulation_steps == 0:
             profiler.step()
+
+
+class StepLogger:
+    """What a recipe shows and logs after every optimizer step: a progress bar per
+    epoch (``epoch|step|Loss: loss``) and, every ``log_every_n_steps`` steps, the
+    step's metrics through the metric logger, with the token throughput since the
+    previous step and, when asked, the device's peak memory stats.
+
+    In a distributed run give every rank one, with ``metric_logger=None`` on all
+    but rank 0: those show and log nothing.
+
+    Args:
+        metric_logger (Any | None): a torchtune metric logger (``log_dict``,
+            ``close``), or ``None`` to show and log nothing.
+        log_every_n_steps (int): log every this many optimizer steps.
+        device (torch.device): whose peak memory stats to log.
+        log_peak_memory_stats (bool): add them to the logged metrics.
+            Default: ``False``
+        world_size (int): processes the tokens are counted over, for
+            ``tokens_per_second_per_gpu``. Default: ``1``
+
+    Example:
+        >>> step_logger = StepLogger(None, log_every_n_steps=1, device="cpu")
+        >>> step_logger.start_epoch(0, steps=2, steps_done=0)
+        >>> step_logger.log(1, loss=2.5, num_tokens=8, lr=1e-3)
+        >>> step_logger.close()
+    """
+
+    def __init__(
+        self,
+        metric_logger: Any | None,
+        *,
+        log_every_n_steps: int,
+        device: torch.device | str,
+        log_peak_memory_stats: bool = False,
+        world_size: int = 1,
+    ) -> None:
+        self._metric_logger = metric_logger
+        self._every_n_steps = log_every_n_steps
+        self._device = torch.device(device)
+        self._peak_memory_stats = log_peak_memory_stats
+        self._world_size = world_size
+        self._pbar = None
+        self._epoch = 0
+        self._t0 = time.perf_counter()
+
+    def start_epoch(self, epoch: int, *, steps: int, steps_done: int) -> None:
+        """Start the progress bar of ``epoch``: ``steps`` steps, ``steps_done``
+        already taken (a resumed run)."""
+        self._close_pbar()
+        self._epoch = epoch
+        self._pbar = tqdm(
+            total=steps, initial=steps_done, disable=self._metric_logger is None
+        )
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float,
+        num_tokens: int,
+        **metrics: float | torch.Tensor,
+    ) -> None:
+        """Show optimizer step ``step`` and log its metrics if due.
+
+        Args:
+            step (int): the optimizer steps taken so far.
+            loss (float): the step's loss.
+            num_tokens (int): the tokens the step trained on (this rank's, or all
+                ranks' in a distributed run: the throughput is per process).
+            **metrics (float | torch.Tensor): more metrics, e.g. ``lr`` and
+                ``grad_norm`` (a tensor is read only when logged).
+        """
+        if self._pbar is not None:
+            self._pbar.update(1)
+            self._pbar.set_description(f"{self._epoch + 1}|{step}|Loss: {loss}")
+        if self._metric_logger is not None and step % self._every_n_steps == 0:
+            elapsed = time.perf_counter() - self._t0
+            log_dict = {
+                "loss": loss,
+                **{name: float(value) for name, value in metrics.items()},
+                "tokens_per_second_per_gpu": num_tokens / (elapsed * self._world_size),
+            }
+            if self._peak_memory_stats:
+                log_dict |= get_memory_stats(device=self._device)
+            self._metric_logger.log_dict(log_dict, step=step)
+        self._t0 = time.perf_counter()
+
+    def _close_pbar(self) -> None:
+        if self._pbar is not None:
+            self._pbar.close()
+            self._pbar = None
+
+    def close(self) -> None:
+        """Close the progress bar and the metric logger."""
+        self._close_pbar()
+        if self._metric_logger is not None:
+            self._metric_logger.close()

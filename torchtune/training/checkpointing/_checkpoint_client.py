@@ -774,6 +774,16 @@ class CheckpointClient:
         self._epoch_model_state = epoch_model_state
         self._save_epoch = save_epoch
 
+    def global_step(self, steps_per_epoch: int) -> int:
+        """The optimizer steps a run has taken when training starts: 0 for a new
+        run, a step checkpoint's own count, or the epochs an epoch checkpoint
+        completed times ``steps_per_epoch``."""
+        if self._resumed is None:
+            return 0
+        if self._resumed.global_step is not None:
+            return self._resumed.global_step
+        return self._resumed.recipe_state[training.EPOCHS_KEY] * steps_per_epoch
+
     def restore_rng_state(self) -> None:
         """Put back the RNG state of a run resumed mid-run (from a step checkpoint),
         so that dropout draws what the uninterrupted run drew; a no-op otherwise.
