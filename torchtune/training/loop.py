@@ -49,7 +49,7 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         torch.Tensor: the norm, a scalar tensor (0 when no parameter has a gradient).
 
     Example:
-        >>> p = nn.Parameter(torch.ones(4))
+        >>> p = torch.nn.Parameter(torch.ones(4))
         >>> p.grad = torch.full((4,), 2.0)
         >>> grad_norm([p])
         tensor(4.)

@@ -200,21 +200,6 @@ class StepCheckpointer:
         self.every_n_steps = every_n_steps
         self.keep_last_n = keep_last_n
 
-    @classmethod
-    def from_config(cls, cfg: Any) -> StepCheckpointer:
-        """The step checkpointer a recipe config asks for: ``save_every_n_steps`` and
-        ``checkpointer.keep_last_n_checkpoints`` (both ``null`` by default) in
-        ``output_dir``.
-
-        Raises:
-            ValueError: if either is not a positive integer or ``null``.
-        """
-        return cls(
-            cfg.output_dir,
-            every_n_steps=cfg.get("save_every_n_steps", None),
-            keep_last_n=cfg.checkpointer.get("keep_last_n_checkpoints", None),
-        )
-
     @staticmethod
     def checkpointer_config(cfg_checkpointer: Any) -> Any:
         """``cfg_checkpointer`` without ``keep_last_n_checkpoints``, which is this
