@@ -29,14 +29,17 @@ def lora_epoch_checkpoint(
     the ``epoch_model_state`` of :meth:`CheckpointClient.track
     <torchtune.training.CheckpointClient.track>`.
 
-    ``state_dict`` and its tensors are left as they were: the base weights that the
-    merge adds the adapter into are copied first. A state dict on CPU may hold the
-    live model's own tensors (``.cpu()`` returns a CPU tensor as it is), and saving
-    must never merge the adapter into the model being trained.
+    No tensor of ``state_dict`` is written to: each base weight that the merge adds
+    an adapter into is copied first, since a state dict on CPU may hold the live
+    model's own tensors (``.cpu()`` returns a CPU tensor as it is) and saving must
+    never merge the adapter into the model being trained. The dict itself becomes
+    the merged weights: each copy replaces its original there at once, so a state
+    dict of CPU copies of an accelerator's weights holds at most one weight twice.
 
     Args:
         state_dict (dict[str, torch.Tensor]): the model's full (unsharded) state dict
-            on CPU; with ``adapter_only``, its adapter weights are enough.
+            on CPU, which the merge consumes; with ``adapter_only``, its adapter
+            weights are enough (and it is left as it is).
         rank (int): the adapters' rank (``lora_rank``).
         alpha (float): their scaling numerator (``lora_alpha``).
         target_modules (list[str]): the names of the adapted modules, as
@@ -56,13 +59,14 @@ def lora_epoch_checkpoint(
         ...     "w.lora_a.weight": torch.ones(1, 2),
         ...     "w.lora_b.weight": torch.ones(2, 1),
         ... }
+        >>> live_weight = state_dict["w.weight"]
         >>> ckpt = lora_epoch_checkpoint(
         ...     state_dict, rank=1, alpha=2, target_modules=["w"]
         ... )
         >>> ckpt["model"]["w.weight"]
         tensor([[2., 2.],
                 [2., 2.]])
-        >>> state_dict["w.weight"]
+        >>> live_weight
         tensor([[0., 0.],
                 [0., 0.]])
     """
@@ -78,12 +82,11 @@ def lora_epoch_checkpoint(
     if not adapter_only:
         # get_merged_lora_ckpt adds each adapter into its base weight in place and
         # deletes the adapter's entries from the dict it is given.
-        merged = dict(state_dict)
-        for name in state_dict:
+        for name in list(state_dict):
             if name.endswith("lora_a.weight"):
                 base = name.removesuffix("lora_a.weight") + "weight"
-                merged[base] = merged[base].clone()
-        checkpoint[MODEL_KEY] = get_merged_lora_ckpt(merged, rank=rank, alpha=alpha)
+                state_dict[base] = state_dict[base].clone()
+        checkpoint[MODEL_KEY] = get_merged_lora_ckpt(state_dict, rank=rank, alpha=alpha)
     return checkpoint
 
 

@@ -4,6 +4,7 @@ touching the state dict they come from, and the adapter a resumed run starts fro
 from __future__ import annotations
 
 import re
+import weakref
 
 import pytest
 import torch
@@ -33,19 +34,19 @@ def _state_dict(dora: bool = False) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_epoch_checkpoint_merges_without_changing_the_state_dict(dora: bool) -> None:
+def test_epoch_checkpoint_merges_without_writing_to_the_tensors_it_is_given(
+    dora: bool,
+) -> None:
     state_dict = _state_dict(dora)
+    # On CPU these are the live model's tensors.
+    live = dict(state_dict)
     before = {name: value.clone() for name, value in state_dict.items()}
-    tensors = dict(state_dict)
 
     ckpt = lora_epoch_checkpoint(
         state_dict, rank=RANK, alpha=ALPHA, target_modules=["q_proj"]
     )
 
-    # The caller's dict and its tensors (on CPU: the live model's) are unchanged.
-    assert list(state_dict) == list(before)
-    assert all(state_dict[k] is tensors[k] for k in state_dict)
-    assert all(torch.equal(state_dict[k], before[k]) for k in before)
+    assert all(torch.equal(live[k], before[k]) for k in before)
     adapter_names = ["q_proj.lora_a.weight", "q_proj.lora_b.weight"]
     adapter_names += ["q_proj.magnitude"] if dora else []
     assert sorted(ckpt[training.ADAPTER_KEY]) == sorted(adapter_names)
@@ -66,7 +67,19 @@ def test_epoch_checkpoint_merges_without_changing_the_state_dict(dora: bool) -> 
     if dora:
         weight = weight * (before["q_proj.magnitude"] / weight.norm(dim=1)).view(-1, 1)
     torch.testing.assert_close(merged["q_proj.weight"], weight)
-    assert torch.equal(merged["norm.scale"], before["norm.scale"])
+    assert merged["norm.scale"] is live["norm.scale"]
+
+
+def test_epoch_checkpoint_holds_no_weight_twice_after_the_merge() -> None:
+    # A state dict of CPU copies (an accelerator's weights): once a base weight is
+    # copied for the merge, the dict holds the copy only, and the original is freed.
+    state_dict = _state_dict()
+    original = weakref.ref(state_dict["q_proj.weight"])
+    ckpt = lora_epoch_checkpoint(
+        state_dict, rank=RANK, alpha=ALPHA, target_modules=["q_proj"]
+    )
+    assert original() is None
+    assert ckpt[training.MODEL_KEY] is state_dict
 
 
 def test_adapter_only_epoch_checkpoint_has_no_merged_weights() -> None:
