@@ -6,9 +6,7 @@ for features and config keys.
 """
 
 import contextlib
-import os
 import sys
-import time
 from contextlib import AbstractContextManager
 from functools import partial
 
@@ -18,7 +16,6 @@ from torch import nn
 from torch.distributed import destroy_process_group
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from tqdm import tqdm
 
 from torchtune import config, rlhf, training, utils
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
@@ -153,9 +150,17 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
+        metric_logger = None
         if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+            metric_logger = config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger(
+            metric_logger,
+            log_every_n_steps=self._opts.log_every_n_steps,
+            device=self._device,
+            log_peak_memory_stats=self._opts.log_peak_memory_stats,
+            world_size=self.world_size,
+        )
 
         checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
         # The reference always starts from the original weights, never from a
@@ -193,7 +198,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state; from a step or an asynchronous checkpoint
         # the trained weights too.
-        self.progress, self._resumed = self._checkpoint_client.resume_progress(
+        self.progress, _ = self._checkpoint_client.resume_progress(
             self._model, self._optimizer, checkpoint_dict, self.progress
         )
 
@@ -209,11 +214,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._opts.gradient_accumulation_steps,
             self.progress.max_steps_per_epoch,
         )
-        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        resumed_step = self._resumed and self._resumed.global_step
-        self.global_step = resumed_step or (
-            self.progress.epochs_run * self._steps_per_epoch
-        )
+        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
@@ -222,11 +223,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             global_step=self.global_step,
         )
         if self._opts.compile["optimizer_step"]:
-            # After the scheduler, which wraps the bound step() to check call order.
-            self._optimizer.step = torch.compile(
-                self._optimizer.step,
-                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
-            )
+            # After the scheduler, which wraps step() to check the call order.
+            training.compile_optimizer_step(self._optimizer)
         self._profiler, self._memory_window = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
@@ -327,23 +325,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resumed is not None and self._resumed.rng_state is not None:
-            # Resuming mid-run: draw what the interrupted run would have.
-            training.restore_rng_state(self._resumed.rng_state)
-        loader_state = self._resumed and self._resumed.dataloader_state
+        # Resuming mid-run: draw what the interrupted run would have.
+        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches (each already divided by the number of
         # batches in the step); averaged over ranks once per step.
         running = torch.zeros(1 + len(_PAIR_METRICS), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
-        t0 = time.perf_counter()
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            pbar = tqdm(
-                total=self._steps_per_epoch,
-                initial=steps_done,
-                disable=not self._is_rank_zero,
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
             )
             batches = training.epoch_batches(
                 self._dataloader,
@@ -351,11 +344,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                loader_state=loader_state,
                 profiler=self._profiler,
                 memory_window=self._memory_window if self._is_rank_zero else None,
             )
-            loader_state = None
             for idx, batch in batches:
                 batch = tuple(t.to(self._device) for t in batch)
                 # Padding included, chosen and rejected rows alike, as in 0.6.1.
@@ -424,34 +415,21 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 # gloo has no AVG reduction: sum, then divide.
                 torch.distributed.all_reduce(running)
                 torch.distributed.all_reduce(num_tokens)
-                step_metrics = dict(
-                    zip(
-                        ("loss", *_PAIR_METRICS),
-                        (running / self.world_size).tolist(),
-                        strict=True,
-                    )
+                step_loss, *pair_means = (running / self.world_size).tolist()
+                pair_metrics = dict(zip(_PAIR_METRICS, pair_means, strict=True))
+                pair_metrics["rewards/margins"] = (
+                    pair_metrics["rewards/chosen"] - pair_metrics["rewards/rejected"]
                 )
-                pbar.update(1)
-                pbar.set_description(
-                    f"{curr_epoch + 1}|{self.global_step}|Loss: {step_metrics['loss']}"
+                # num_tokens is summed over the ranks: the logger divides the
+                # throughput by world_size.
+                self._step_logger.log(
+                    self.global_step,
+                    loss=step_loss,
+                    num_tokens=num_tokens.item(),
+                    lr=training.get_lr(self._optimizer),
+                    grad_norm=grad_norm,
+                    **pair_metrics,
                 )
-                if (
-                    self._is_rank_zero
-                    and self.global_step % self._opts.log_every_n_steps == 0
-                ):
-                    log_dict = {
-                        "lr": training.get_lr(self._optimizer),
-                        "grad_norm": grad_norm.item(),
-                        "tokens_per_second_per_gpu": num_tokens.item()
-                        / ((time.perf_counter() - t0) * self.world_size),
-                        **step_metrics,
-                        "rewards/margins": step_metrics["rewards/chosen"]
-                        - step_metrics["rewards/rejected"],
-                    }
-                    if self._opts.log_peak_memory_stats:
-                        log_dict.update(training.get_memory_stats(device=self._device))
-                    self._metric_logger.log_dict(log_dict, step=self.global_step)
-
                 running.zero_()
                 num_tokens.zero_()
                 epoch_ends = (idx + 1) // gradient_accumulation_steps == (
@@ -460,7 +438,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 self._checkpoint_client.step_done(
                     self.global_step, self.progress, epoch_end=epoch_ends
                 )
-                t0 = time.perf_counter()
 
             # The policy's checkpoints; the reference is read from ref_checkpointer
             # again on resume.
@@ -473,8 +450,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
         self._checkpoint_client.close()
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        self._step_logger.close()
         destroy_process_group()
 
 

@@ -7,16 +7,15 @@ See :class:`QATRecipeDistributed` for features and config keys.
 
 import functools
 import sys
-import time
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig
+from torch import nn
 from torch.distributed import destroy_process_group
 from torchao.quantization.qat.linear import enable_linear_fake_quant
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from tqdm import tqdm
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
@@ -41,7 +40,8 @@ class QATRecipeDistributed(FTRecipeInterface):
         - QAT. ``quantizer`` names a QAT quantizer, e.g.
           ``torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer`` with its
           ``groupsize``; its ``prepare`` swaps the model's linear layers for
-          fake-quantized ones before the weights are loaded.
+          fake-quantized ones before the weights are loaded (a layer the model
+          builder froze stays frozen).
         - Delayed fake quantization. With ``fake_quant_after_n_steps: N`` the first
           N steps train without fake quantization (letting weights and activations
           settle first), every later step with it; a resumed run picks up where the
@@ -136,14 +136,16 @@ class QATRecipeDistributed(FTRecipeInterface):
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
 
-        # Public: updated from the checkpoint on resume. All ranks agree on the seed
-        # (set_seed broadcasts a random one if it is null).
-        self.seed = training.set_seed(
-            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        # Where training stands; a resumed run takes it from the checkpoint. All
+        # ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.progress = TrainingProgress(
+            seed=training.set_seed(
+                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+            ),
+            epochs_run=0,
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
 
     def _setup_quantizer(self, cfg_quantizer: DictConfig | None) -> Any:
@@ -169,14 +171,6 @@ class QATRecipeDistributed(FTRecipeInterface):
         quantizer.precision = self._dtype
         return quantizer
 
-    def _progress(self) -> TrainingProgress:
-        return TrainingProgress(
-            seed=self.seed,
-            epochs_run=self.epochs_run,
-            total_epochs=self.total_epochs,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
-
     def setup(self, cfg: DictConfig) -> None:
         """
         Builds, in order: metric logger, model (fake-quantized, sharded, with the base
@@ -186,9 +180,17 @@ class QATRecipeDistributed(FTRecipeInterface):
         if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
+        metric_logger = None
         if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+            metric_logger = config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger(
+            metric_logger,
+            log_every_n_steps=self._opts.log_every_n_steps,
+            device=self._device,
+            log_peak_memory_stats=self._opts.log_peak_memory_stats,
+            world_size=self.world_size,
+        )
 
         checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
         # The quantizer swaps in fake-quantized linear layers (on the meta device,
@@ -203,7 +205,7 @@ class QATRecipeDistributed(FTRecipeInterface):
             activation_checkpointing=self._opts.enable_activation_checkpointing,
             ac_mode=cfg.get("ac_mode", None),
             ac_option=cfg.get("ac_option", None),
-            prepare=self._quantizer.prepare,
+            prepare=self._prepare_model,
             custom_sharded_layers=cfg.get("custom_sharded_layers", None),
             cpu_offload=self._opts.fsdp_cpu_offload,
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
@@ -217,11 +219,9 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state; from a step or an asynchronous checkpoint
         # the trained weights too.
-        progress, resumed = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self._progress()
+        self.progress, _ = self._checkpoint_client.resume_progress(
+            self._model, self._optimizer, checkpoint_dict, self.progress
         )
-        self.seed, self.epochs_run = progress.seed, progress.epochs_run
-        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
@@ -238,18 +238,17 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.max_steps_per_epoch,
+            self.progress.max_steps_per_epoch,
         )
-        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        # Fake quantization follows it (_update_fake_quant, before each batch).
-        resumed_step = resumed and resumed.global_step
-        self.global_step = resumed_step or self.epochs_run * self._steps_per_epoch
+        # Fake quantization follows the resumed step (_update_fake_quant, before
+        # each batch).
+        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler
             and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
         )
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
@@ -260,6 +259,17 @@ class QATRecipeDistributed(FTRecipeInterface):
         self.ignore_labels_cache = torch.full(
             (cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device
         )
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """The quantizer's ``prepare``, keeping frozen what the model builder froze."""
+        # prepare() replaces linear layers with new ones whose weights are all
+        # trainable: put back by name what the model builder froze.
+        requires_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+        model = self._quantizer.prepare(model)
+        for name, param in model.named_parameters():
+            if name in requires_grad:
+                param.requires_grad_(requires_grad[name])
+        return model
 
     def _setup_optimizer(self, cfg_optimizer: DictConfig) -> torch.optim.Optimizer:
         """
@@ -358,15 +368,12 @@ class QATRecipeDistributed(FTRecipeInterface):
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
-        t0 = time.perf_counter()
 
         self._profiler.start()
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
+        for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            pbar = tqdm(
-                total=self._steps_per_epoch,
-                initial=steps_done,
-                disable=not self._is_rank_zero,
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
             )
             batches = training.epoch_batches(
                 self._dataloader,
@@ -431,48 +438,32 @@ class QATRecipeDistributed(FTRecipeInterface):
                 self.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
-                loss_to_log = running_loss.item() / num_tokens.item()
-                pbar.update(1)
-                pbar.set_description(
-                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                self._step_logger.log(
+                    self.global_step,
+                    loss=running_loss.item() / num_tokens.item(),
+                    num_tokens=num_tokens.item(),
+                    lr=training.get_lr(self._optimizer),
+                    grad_norm=grad_norm,
                 )
-                if (
-                    self._is_rank_zero
-                    and self.global_step % self._opts.log_every_n_steps == 0
-                ):
-                    time_per_step = time.perf_counter() - t0
-                    log_dict = {
-                        "loss": loss_to_log,
-                        "lr": training.get_lr(self._optimizer),
-                        "grad_norm": grad_norm.item(),
-                        "tokens_per_second_per_gpu": num_tokens.item()
-                        / (time_per_step * self.world_size),
-                    }
-                    if self._opts.log_peak_memory_stats:
-                        log_dict.update(training.get_memory_stats(device=self._device))
-                    self._metric_logger.log_dict(log_dict, step=self.global_step)
-
                 running_loss.zero_()
                 num_tokens.zero_()
                 epoch_ends = (idx + 1) // gradient_accumulation_steps == (
                     self._steps_per_epoch
                 )
                 self._checkpoint_client.step_done(
-                    self.global_step, self._progress(), epoch_end=epoch_ends
+                    self.global_step, self.progress, epoch_end=epoch_ends
                 )
-                t0 = time.perf_counter()
 
-            self.epochs_run += 1
+            self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self._progress()
+                curr_epoch, self.global_step, self.progress
             )
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
         self._checkpoint_client.close()
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        self._step_logger.close()
         destroy_process_group()
 
 

@@ -8,7 +8,6 @@ Run it with ``tune run --nproc_per_node N dev/early_exit_finetune_distributed
 
 import functools
 import sys
-import time
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from torch.distributed import destroy_process_group, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from tqdm import tqdm
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
@@ -163,23 +161,17 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
             )
 
-        # Public: updated from the checkpoint on resume. All ranks agree on the seed
-        # (set_seed broadcasts a random one if it is null).
-        self.seed = training.set_seed(
-            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        # Where training stands; a resumed run takes it from the checkpoint. All
+        # ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.progress = TrainingProgress(
+            seed=training.set_seed(
+                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+            ),
+            epochs_run=0,
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
-
-    def _progress(self) -> TrainingProgress:
-        return TrainingProgress(
-            seed=self.seed,
-            epochs_run=self.epochs_run,
-            total_epochs=self.total_epochs,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -190,9 +182,17 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
+        metric_logger = None
         if self._is_rank_zero:
-            self._metric_logger = config.instantiate(cfg.metric_logger)
-            self._metric_logger.log_config(cfg)
+            metric_logger = config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger(
+            metric_logger,
+            log_every_n_steps=self._opts.log_every_n_steps,
+            device=self._device,
+            log_peak_memory_stats=self._opts.log_peak_memory_stats,
+            world_size=self.world_size,
+        )
 
         checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
         self._model = self._setup_model(cfg, checkpoint_dict[training.MODEL_KEY])
@@ -200,11 +200,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state; from a step or an asynchronous checkpoint
         # the trained weights too.
-        progress, resumed = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self._progress()
+        self.progress, _ = self._checkpoint_client.resume_progress(
+            self._model, self._optimizer, checkpoint_dict, self.progress
         )
-        self.seed, self.epochs_run = progress.seed, progress.epochs_run
-        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._opts.compile["loss"]:
@@ -223,11 +221,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.max_steps_per_epoch,
+            self.progress.max_steps_per_epoch,
         )
-        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        resumed_step = resumed and resumed.global_step
-        self.global_step = resumed_step or self.epochs_run * self._steps_per_epoch
+        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
 
         # The curriculum knows the total steps and continues from the resumed one.
         self._early_exit_layers, self._early_exit_curriculum = (
@@ -241,11 +237,11 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             cfg_lr_scheduler
             and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
         )
         if self._opts.compile["optimizer_step"]:
-            # After the scheduler, which wraps the bound step() to check call order.
+            # After the scheduler, which wraps step() to check the call order.
             training.compile_optimizer_step(self._optimizer)
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
         self._profiler, self._memory_window = training.setup_profiler(
@@ -363,7 +359,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             return layers, None
         curriculum = _get_component_from_path(curriculum_path)(
             do_output_hidden_states=layers,
-            max_steps=self.total_epochs * self._steps_per_epoch,
+            max_steps=self.progress.total_epochs * self._steps_per_epoch,
             train_last_layer=include_last_layer,
             last_step=self.global_step,
             verbose=cfg_early_exit_loss.get("verbose", False),
@@ -416,7 +412,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         """
         for layer, dropout in enumerate(self._layer_dropouts):
             dropout.generator.manual_seed(
-                hash((self.seed, self.global_step, layer)) & (2**63 - 1)
+                hash((self.progress.seed, self.global_step, layer)) & (2**63 - 1)
             )
 
     def _setup_data(
@@ -474,16 +470,13 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
-        t0 = time.perf_counter()
 
         self._set_output_hidden_states()
         self._profiler.start()
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
+        for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            pbar = tqdm(
-                total=self._steps_per_epoch,
-                initial=steps_done,
-                disable=not self._is_rank_zero,
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
             )
             batches = training.epoch_batches(
                 self._dataloader,
@@ -567,48 +560,32 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     self._set_output_hidden_states()
 
                 torch.distributed.all_reduce(running_loss)
-                loss_to_log = running_loss.item() / num_tokens.item()
-                pbar.update(1)
-                pbar.set_description(
-                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                self._step_logger.log(
+                    self.global_step,
+                    loss=running_loss.item() / num_tokens.item(),
+                    num_tokens=num_tokens.item(),
+                    lr=training.get_lr(self._optimizer),
+                    grad_norm=grad_norm,
                 )
-                if (
-                    self._is_rank_zero
-                    and self.global_step % self._opts.log_every_n_steps == 0
-                ):
-                    time_per_step = time.perf_counter() - t0
-                    log_dict = {
-                        "loss": loss_to_log,
-                        "lr": training.get_lr(self._optimizer),
-                        "grad_norm": grad_norm.item(),
-                        "tokens_per_second_per_gpu": num_tokens.item()
-                        / (time_per_step * self.world_size),
-                    }
-                    if self._opts.log_peak_memory_stats:
-                        log_dict.update(training.get_memory_stats(device=self._device))
-                    self._metric_logger.log_dict(log_dict, step=self.global_step)
-
                 running_loss.zero_()
                 num_tokens.zero_()
                 epoch_ends = (idx + 1) // gradient_accumulation_steps == (
                     self._steps_per_epoch
                 )
                 self._checkpoint_client.step_done(
-                    self.global_step, self._progress(), epoch_end=epoch_ends
+                    self.global_step, self.progress, epoch_end=epoch_ends
                 )
-                t0 = time.perf_counter()
 
-            self.epochs_run += 1
+            self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self._progress()
+                curr_epoch, self.global_step, self.progress
             )
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
         self._checkpoint_client.close()
-        if self._is_rank_zero:
-            self._metric_logger.close()
+        self._step_logger.close()
         destroy_process_group()
 
 

@@ -14,7 +14,8 @@ Every claim is an equivalence between runs on the same seed and data:
 - fake quantization off for ``fake_quant_after_n_steps`` steps, then on.
 
 And a partly frozen model's checkpoint holds the optimizer state of every parameter,
-as 0.6.1's and the other recipes' do.
+as 0.6.1's and the other recipes' do; a linear layer the model builder froze stays
+frozen, although the quantizer's prepare replaces it.
 
 Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
 fake quantization from step 3), shared through module-scoped fixtures: six runs in
@@ -403,10 +404,10 @@ def _train_here(out: Path, assets: TinyAssets, data: Path, **overrides: Any) -> 
 
 
 # A partly frozen model: the embedding (in FSDP's root unit, beside trainable
-# weights) and the norms of a layer (in that layer's unit). Not linear layers: the
-# quantizer's prepare swaps them for fake-quantized layers with new, trainable
-# weights when the model is on the meta device, as the recipe builds it.
-FROZEN = ["tok_embeddings", "layers.0.sa_norm", "layers.0.mlp_norm"]
+# weights), the norms of a layer and one of its linear layers (in that layer's
+# unit). The quantizer's prepare swaps every linear layer for a fake-quantized one
+# with new, trainable weights; the recipe keeps the frozen one frozen.
+FROZEN = ["tok_embeddings", "layers.0.sa_norm", "layers.0.mlp_norm", "layers.0.mlp.w1"]
 
 
 def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
@@ -416,7 +417,8 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     qat_distributed and every other recipe build it: frozen ones get no state. So the
     checkpoint lists the same parameters as theirs; an optimizer over the trainable
     parameters only listed fewer, and its checkpoints did not interchange with
-    theirs."""
+    theirs. A frozen linear layer stays frozen through the quantizer's prepare:
+    its weight is the base checkpoint's, and it has no optimizer state."""
     run = _train_here(
         runs_dir / "partly_frozen",
         tiny_assets,
@@ -440,13 +442,22 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     (group,) = saved["param_groups"]
     assert group["params"] == names
     assert sorted(saved["state"]) == sorted(trainable)
+    assert "layers.0.mlp.w1.weight" in names
+    assert "layers.0.mlp.w1.weight" not in saved["state"]
     # And the frozen weights are the base checkpoint's, the others trained.
     base = load_file(tiny_assets.checkpoint_dir / tiny_assets.checkpoint_files[0])
     final = load_file(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
-    for key in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+    for key in (
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.mlp.gate_proj.weight",  # layers.0.mlp.w1, a linear layer
+    ):
         assert torch.equal(final[key], base[key]), key
-    key = "model.layers.0.mlp.down_proj.weight"
-    assert not torch.equal(final[key], base[key])
+    for key in (
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ):
+        assert not torch.equal(final[key], base[key]), key
 
 
 def _registered_configs() -> list[tuple[str, Path]]:
@@ -496,20 +507,6 @@ REFUSALS = {
     "fake_quant_after_n_steps": (
         ["fake_quant_after_n_steps=-1"],
         "fake_quant_after_n_steps must be null or an integer >= 0, got -1.",
-    ),
-    # Shared too, but this recipe once skipped the check: FSDP2 makes every
-    # parameter a DTensor, which bitsandbytes' kernels cannot step, so the run
-    # failed inside its first update instead of being refused up front.
-    "bitsandbytes_optimizer": (
-        ["optimizer._component_=bitsandbytes.optim.AdamW8bit"],
-        "optimizer._component_=bitsandbytes.optim.AdamW8bit cannot train a model "
-        "sharded with FSDP2, with or without optimizer_in_bwd: FSDP2 makes every "
-        "parameter a DTensor, and bitsandbytes' update kernels take plain tensors "
-        "only (8-bit ones fail with 'got mixed torch.Tensor and DTensor', 32-bit ones "
-        "with 'no sharding strategy registered'). Use torch.optim.AdamW or "
-        "torchao.optim._AdamW; for low-bit optimizer state torchao.optim.AdamW8bit or "
-        "torchao.optim.AdamW4bit with epochs=1; or this optimizer in a single-device "
-        "recipe.",
     ),
 }
 
