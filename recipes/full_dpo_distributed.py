@@ -15,7 +15,6 @@ from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.distributed import destroy_process_group
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torchtune import config, rlhf, training, utils
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
@@ -235,13 +234,12 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ``OptimizerInBackward`` has the plain optimizer's groups, state and state dict
         format, so the state of either mode loads into either.
         """
-        params = list(self._model.parameters())
-        make_optimizer = partial(config.instantiate, cfg_optimizer)
-        if self._optimizer_in_bwd:
-            return training.OptimizerInBackward(
-                params, make_optimizer, bucket_cap_mb=self._opts.bucket_cap_mb
-            )
-        return make_optimizer(params)
+        return training.build_optimizer(
+            self._model.parameters(),
+            partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
+        )
 
     def _setup_data(
         self, cfg_dataset: DictConfig, shuffle: bool, batch_size: int
@@ -257,22 +255,17 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             )
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle
-        )
-        return StatefulDataLoader(
-            dataset=ds,
+        return training.stateful_dataloader(
+            ds,
             batch_size=batch_size,
-            sampler=sampler,
+            shuffle=shuffle,
             collate_fn=partial(
                 padded_collate_dpo,
                 padding_idx=self._tokenizer.pad_id,
                 ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
             ),
-            # Full batches only: every batch holds batch_size pairs, so a step's mean
-            # over pairs is the mean of its batches' means (and no shape changes
-            # under compile).
-            drop_last=True,
+            num_replicas=self.world_size,
+            rank=self.rank,
         )
 
     def concatenated_forward(
@@ -432,12 +425,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 )
                 running.zero_()
                 num_tokens.zero_()
-                epoch_ends = (idx + 1) // gradient_accumulation_steps == (
-                    self._steps_per_epoch
-                )
-                self._checkpoint_client.step_done(
-                    self.global_step, self.progress, epoch_end=epoch_ends
-                )
+                self._checkpoint_client.step_done(self.global_step, self.progress)
 
             # The policy's checkpoints; the reference is read from ref_checkpointer
             # again on resume.

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
@@ -198,18 +197,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         Both kinds have the same param groups and state-dict format, so the state of
         either mode loads into either.
         """
-        make_optimizer = partial(config.instantiate, cfg_optimizer)
-        optimizer = (
-            training.OptimizerInBackward(
-                self._model.parameters(),
-                make_optimizer,
-                bucket_cap_mb=self._opts.bucket_cap_mb,
-            )
-            if self._optimizer_in_bwd
-            else make_optimizer(self._model.parameters())
+        return training.build_optimizer(
+            self._model.parameters(),
+            partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
         )
-        log.info(f"Optimizer is initialized: {type(optimizer).__name__}.")
-        return optimizer
 
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
@@ -232,17 +225,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 ignore_idx=self._loss_fn.ignore_index,
             )
         )
-        # The sampler's seed is fixed: the data order depends only on the epoch.
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0
-        )
-        # drop_last keeps every batch the same shape (compile, flex attention).
-        return StatefulDataLoader(
-            dataset=ds,
+        return training.stateful_dataloader(
+            ds,
             batch_size=batch_size,
-            sampler=sampler,
+            shuffle=shuffle,
             collate_fn=collate_fn,
-            drop_last=True,
         )
 
     def _loss_step(
@@ -329,12 +316,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     grad_norm=grad_norm,
                 )
                 running_loss, num_tokens = 0, 0
-                epoch_ends = (
-                    self.global_step == (curr_epoch + 1) * self._steps_per_epoch
-                )
-                self._checkpoint_client.step_done(
-                    self.global_step, self.progress, epoch_end=epoch_ends
-                )
+                self._checkpoint_client.step_done(self.global_step, self.progress)
 
             self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(

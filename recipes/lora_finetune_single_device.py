@@ -4,9 +4,7 @@ Run it with ``tune run lora_finetune_single_device --config <config>``; ``tune l
 lists the shipped configs.
 """
 
-import os
 import sys
-import time
 from functools import partial
 from typing import Any
 
@@ -15,8 +13,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-from tqdm import tqdm
 
 import torchtune.modules.common_utils as common_utils
 from torchtune import config, modules, training, utils
@@ -125,28 +121,28 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
         self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
 
-        # Public: updated from the checkpoint on resume, and read by tests.
-        self.seed = training.set_seed(
-            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        # Where training stands; a resumed run takes it from the checkpoint.
+        self.progress = TrainingProgress(
+            seed=training.set_seed(
+                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+            ),
+            epochs_run=0,
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.max_steps_per_epoch,
         )
-        self.epochs_run = 0
-        self.total_epochs = cfg.epochs
-        self.max_steps_per_epoch = cfg.max_steps_per_epoch
         self.global_step = 0
-
-    def _progress(self) -> TrainingProgress:
-        return TrainingProgress(
-            seed=self.seed,
-            epochs_run=self.epochs_run,
-            total_epochs=self.total_epochs,
-            max_steps_per_epoch=self.max_steps_per_epoch,
-        )
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and
         profiler, from the checkpoint's state when resuming."""
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
+        metric_logger = config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger(
+            metric_logger,
+            log_every_n_steps=self._opts.log_every_n_steps,
+            device=self._device,
+            log_peak_memory_stats=self._opts.log_peak_memory_stats,
+        )
 
         ckpt_dict = self._checkpoint_client.load_base_checkpoint()
         # Picks the variant of the hook that turns NF4 weights back to the training
@@ -158,11 +154,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state, and from a step checkpoint the adapter too.
-        progress, self._resumed = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, ckpt_dict, self._progress()
+        self.progress, _ = self._checkpoint_client.resume_progress(
+            self._model, self._optimizer, ckpt_dict, self.progress
         )
-        self.seed, self.epochs_run = progress.seed, progress.epochs_run
-        self.max_steps_per_epoch = progress.max_steps_per_epoch
 
         self._loss_fn = config.instantiate(cfg.loss)
         if self._opts.compile["loss"]:
@@ -197,24 +191,19 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.max_steps_per_epoch,
+            self.progress.max_steps_per_epoch,
         )
-        # A step checkpoint knows its step; an epoch checkpoint is at an epoch's end.
-        resumed_step = self._resumed and self._resumed.global_step
-        self.global_step = resumed_step or self.epochs_run * self._steps_per_epoch
+        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
-            num_training_steps=self.total_epochs * self._steps_per_epoch,
+            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
         )
         if self._opts.compile["optimizer_step"]:
             # After the scheduler, which wraps step() to check the call order.
-            self._optimizer.step = torch.compile(
-                self._optimizer.step,
-                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
-            )
+            training.compile_optimizer_step(self._optimizer)
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
         self._profiler, self._memory_window = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
@@ -281,17 +270,12 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         state (and no in-backward hook), and the param groups, hence the state dicts,
         are the same in both modes, so the state of either loads into either.
         """
-        params = list(self._model.parameters())
-        make_optimizer = partial(config.instantiate, cfg_optimizer)
-        optimizer = (
-            training.OptimizerInBackward(
-                params, make_optimizer, bucket_cap_mb=self._opts.bucket_cap_mb
-            )
-            if self._optimizer_in_bwd
-            else make_optimizer(params)
+        return training.build_optimizer(
+            self._model.parameters(),
+            partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
         )
-        log.info(f"Optimizer is initialized: {type(optimizer).__name__}.")
-        return optimizer
 
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
@@ -314,18 +298,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 ignore_idx=self._loss_fn.ignore_index,
             )
         )
-        # The shuffle depends only on the seed and the epoch (set_epoch), so a run
-        # resumed at an epoch boundary sees the batches the uninterrupted run saw.
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0
-        )
-        # drop_last keeps every batch the same shape (compile, flex attention).
-        return StatefulDataLoader(
+        return training.stateful_dataloader(
             ds,
             batch_size=batch_size,
-            sampler=sampler,
+            shuffle=shuffle,
             collate_fn=collate_fn,
-            drop_last=True,
         )
 
     def _loss_step(
@@ -349,28 +326,25 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info("The model compiles in its first forward: expect a slow step 1.")
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resumed is not None and self._resumed.rng_state is not None:
-            # Resuming mid-run: draw (dropout) what the interrupted run would have.
-            training.restore_rng_state(self._resumed.rng_state)
-        loader_state = self._resumed and self._resumed.dataloader_state
+        # Resuming mid-run: draw (dropout) what the interrupted run would have.
+        self._checkpoint_client.restore_rng_state()
         # Totals over the current step's batches.
         running_loss, num_tokens = 0, 0
-        t0 = time.perf_counter()
         self._profiler.start()
-        for curr_epoch in range(self.epochs_run, self.total_epochs):
+        for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            pbar = tqdm(total=self._steps_per_epoch, initial=steps_done)
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                loader_state=loader_state,
                 profiler=self._profiler,
                 memory_window=self._memory_window,
             )
-            loader_state = None
             for idx, batch in batches:
                 utils.batch_to_device(batch, self._device)
                 loss, batch_tokens = self._loss_step(batch)
@@ -407,42 +381,26 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     self._lr_scheduler.step()
                 self.global_step += 1
 
-                loss_to_log = (running_loss / num_tokens).item()
-                pbar.update(1)
-                pbar.set_description(
-                    f"{curr_epoch + 1}|{self.global_step}|Loss: {loss_to_log}"
+                self._step_logger.log(
+                    self.global_step,
+                    loss=(running_loss / num_tokens).item(),
+                    num_tokens=num_tokens.item(),
+                    lr=training.get_lr(self._optimizer),
+                    grad_norm=grad_norm,
                 )
-                if self.global_step % self._opts.log_every_n_steps == 0:
-                    log_dict = {
-                        "loss": loss_to_log,
-                        "lr": training.get_lr(self._optimizer),
-                        "tokens_per_second_per_gpu": num_tokens.item()
-                        / (time.perf_counter() - t0),
-                        "grad_norm": grad_norm.item(),
-                    }
-                    if self._opts.log_peak_memory_stats:
-                        log_dict |= training.get_memory_stats(device=self._device)
-                    self._metric_logger.log_dict(log_dict, step=self.global_step)
                 running_loss, num_tokens = 0, 0
-                epoch_ends = (
-                    self.global_step == (curr_epoch + 1) * self._steps_per_epoch
-                )
-                self._checkpoint_client.step_done(
-                    self.global_step, self._progress(), epoch_end=epoch_ends
-                )
-                t0 = time.perf_counter()
+                self._checkpoint_client.step_done(self.global_step, self.progress)
 
-            pbar.close()
-            self.epochs_run += 1
+            self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self._progress()
+                curr_epoch, self.global_step, self.progress
             )
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save may still be in flight.
         self._checkpoint_client.close()
-        self._metric_logger.close()
+        self._step_logger.close()
 
 
 @config.parse

@@ -344,17 +344,12 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         param groups and state-dict format, so the state of either mode loads into
         either, and so does a torchtune 0.6.1 in-backward state.
         """
-        make_optimizer = partial(config.instantiate, cfg_optimizer)
-        params = list(self._trainable_params())
-        optimizer = (
-            training.OptimizerInBackward(
-                params, make_optimizer, bucket_cap_mb=self._opts.bucket_cap_mb
-            )
-            if self._optimizer_in_bwd
-            else make_optimizer(params)
+        return training.build_optimizer(
+            self._trainable_params(),
+            partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
         )
-        log.info(f"Optimizer is initialized: {type(optimizer).__name__}.")
-        return optimizer
 
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int

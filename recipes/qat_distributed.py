@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed import destroy_process_group
 from torchao.quantization.qat.linear import enable_linear_fake_quant
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
@@ -282,19 +281,12 @@ class QATRecipeDistributed(FTRecipeInterface):
         partly frozen model hold the same parameters in both modes, in 0.6.1 and in
         the other recipes.
         """
-        params = list(self._model.parameters())
-        if self._optimizer_in_bwd:
-            optimizer = training.OptimizerInBackward(
-                params,
-                functools.partial(config.instantiate, cfg_optimizer),
-                bucket_cap_mb=self._opts.bucket_cap_mb,
-            )
-        else:
-            optimizer = config.instantiate(cfg_optimizer, params)
-        utils.log_rank_zero(
-            log, f"Optimizer is initialized: {type(optimizer).__name__}."
+        return training.build_optimizer(
+            self._model.parameters(),
+            functools.partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
         )
-        return optimizer
 
     def _setup_data(
         self,
@@ -313,12 +305,10 @@ class QATRecipeDistributed(FTRecipeInterface):
         else:
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
-        return StatefulDataLoader(
-            dataset=ds,
+        return training.stateful_dataloader(
+            ds,
             batch_size=batch_size,
-            sampler=StatefulDistributedSampler(
-                ds, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle
-            ),
+            shuffle=shuffle,
             collate_fn=(
                 padded_collate_packed
                 if packed
@@ -328,8 +318,8 @@ class QATRecipeDistributed(FTRecipeInterface):
                     ignore_idx=self._loss_fn.ignore_index,
                 )
             ),
-            # Full batches only: avoids shape changes under flex attention.
-            drop_last=True,
+            num_replicas=self.world_size,
+            rank=self.rank,
         )
 
     def _update_fake_quant(self) -> None:
@@ -447,12 +437,7 @@ class QATRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                epoch_ends = (idx + 1) // gradient_accumulation_steps == (
-                    self._steps_per_epoch
-                )
-                self._checkpoint_client.step_done(
-                    self.global_step, self.progress, epoch_end=epoch_ends
-                )
+                self._checkpoint_client.step_done(self.global_step, self.progress)
 
             self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(

@@ -47,14 +47,20 @@ def code_lines(path: Path) -> list[tuple[int, str]]:
             has_code.update(range(tok.start[0], tok.end[0] + 1))
     lines = source.splitlines()
     return [
-        (n, lines[n - 1].strip())
-        for n in sorted(has_code - skipped)
-        if n <= len(lines)
+        (n, lines[n - 1].strip()) for n in sorted(has_code - skipped) if n <= len(lines)
     ]
 
 
-def measure(files: list[Path], window: int) -> dict[Path, tuple[int, int]]:
-    """{file: (code lines, code lines in a run repeated in another file)}."""
+def measure(
+    files: list[Path],
+    window: int,
+    same_step: list[tuple[str, str]] = (),
+) -> dict[Path, tuple[int, int]]:
+    """{file: (code lines, code lines in a run repeated in another file)}.
+
+    A run shared only with a file of a ``same_step`` pair (two recipes that keep
+    the same step on purpose) does not count as repeated."""
+    exempt = {frozenset(pair) for pair in same_step}
     per_file = {f: code_lines(f) for f in files}
     owners: dict[tuple[str, ...], set[Path]] = defaultdict(set)
     for f, lines in per_file.items():
@@ -66,7 +72,8 @@ def measure(files: list[Path], window: int) -> dict[Path, tuple[int, int]]:
         texts = [t for _, t in lines]
         repeated = set()
         for i in range(len(texts) - window + 1):
-            if len(owners[tuple(texts[i : i + window])]) > 1:
+            others = owners[tuple(texts[i : i + window])] - {f}
+            if any(frozenset((f.stem, o.stem)) not in exempt for o in others):
                 repeated.update(range(i, i + window))
         result[f] = (len(texts), len(repeated))
     return result
@@ -76,17 +83,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="*", default=["recipes"])
     parser.add_argument("--window", type=int, default=5)
+    parser.add_argument(
+        "--same-step",
+        action="append",
+        default=[],
+        metavar="A,B",
+        help="two recipes (file stems) whose shared lines do not count",
+    )
     args = parser.parse_args()
     files = sorted(
         p for d in args.dirs for p in Path(d).rglob("*.py") if p.name != "__init__.py"
     )
-    result = measure(files, args.window)
+    same_step = [tuple(pair.split(",")) for pair in args.same_step]
+    result = measure(files, args.window, same_step)
     total = repeated = 0
     for f, (n, r) in result.items():
         total += n
         repeated += r
         print(f"{str(f):60s} {n:5d} code lines, {r / max(n, 1):4.0%} repeated")
-    print(f"{'all':60s} {total:5d} code lines, {repeated / max(total, 1):4.0%} repeated")
+    print(
+        f"{'all':60s} {total:5d} code lines, {repeated / max(total, 1):4.0%} repeated"
+    )
 
 
 if __name__ == "__main__":

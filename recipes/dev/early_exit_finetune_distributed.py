@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed import destroy_process_group, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
@@ -320,19 +319,12 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         frozen ones get no state (and no in-backward hook), and the state dicts of a
         partly frozen model hold the same parameters in both modes and in 0.6.1.
         """
-        params = list(self._model.parameters())
-        if self._optimizer_in_bwd:
-            optimizer = training.OptimizerInBackward(
-                params,
-                functools.partial(config.instantiate, cfg_optimizer),
-                bucket_cap_mb=self._opts.bucket_cap_mb,
-            )
-        else:
-            optimizer = config.instantiate(cfg_optimizer, params)
-        utils.log_rank_zero(
-            log, f"Optimizer is initialized: {type(optimizer).__name__}."
+        return training.build_optimizer(
+            self._model.parameters(),
+            functools.partial(config.instantiate, cfg_optimizer),
+            in_backward=self._optimizer_in_bwd,
+            bucket_cap_mb=self._opts.bucket_cap_mb,
         )
-        return optimizer
 
     def _setup_early_exit_loss(
         self, cfg_early_exit_loss: DictConfig | None
@@ -435,13 +427,10 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             ds = config.instantiate(cfg_dataset, self._tokenizer)
             packed = cfg_dataset.get("packed", False)
         collate = _get_component_from_path(collate_fn)
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle
-        )
-        return StatefulDataLoader(
-            dataset=ds,
+        return training.stateful_dataloader(
+            ds,
             batch_size=batch_size,
-            sampler=sampler,
+            shuffle=shuffle,
             collate_fn=(
                 padded_collate_packed
                 if packed
@@ -451,8 +440,8 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     ignore_idx=self._loss_fn.ignore_index,
                 )
             ),
-            # Full batches only: avoids shape changes under compile + flex attention.
-            drop_last=True,
+            num_replicas=self.dp_size,
+            rank=self.dp_rank,
         )
 
     def train(self) -> None:
@@ -569,12 +558,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                epoch_ends = (idx + 1) // gradient_accumulation_steps == (
-                    self._steps_per_epoch
-                )
-                self._checkpoint_client.step_done(
-                    self.global_step, self.progress, epoch_end=epoch_ends
-                )
+                self._checkpoint_client.step_done(self.global_step, self.progress)
 
             self.progress.epochs_run += 1
             self._checkpoint_client.epoch_done(

@@ -247,9 +247,7 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
             recipe.setup(cfg)
             recipe.train()
             before = _local_params(recipe._model)
-            recipe._checkpoint_client.epoch_done(
-                0, recipe.global_step, recipe._progress()
-            )
+            recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe.progress)
             after = _local_params(recipe._model)
             recipe.cleanup()
         finally:

@@ -551,7 +551,7 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
             param.normal_(1.0, 0.5, generator=generator)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe._progress())
+    recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe.progress)
 
     after = model.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]

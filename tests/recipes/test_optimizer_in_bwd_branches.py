@@ -17,7 +17,8 @@ is read only
 
 A statement branching on the flag (rules 3 and 4) must not step, zero, schedule,
 log, checkpoint or build anything (see ``_FORBIDDEN_CALLS``): those treat both modes
-alike. ``OptimizerInBackward`` itself may only be named in ``_setup_optimizer``.
+alike. ``OptimizerInBackward`` itself (or ``training.build_optimizer``, which builds
+either kind) may only be named in ``_setup_optimizer``.
 Aliases are followed: a name or attribute assigned from the flag is the flag.
 """
 
@@ -38,6 +39,9 @@ FLAG_NAMES = frozenset({"optimizer_in_bwd", "_optimizer_in_bwd"})
 CONSTRUCTOR = "_setup_optimizer"
 VALIDATOR = "check_optimizer_in_bwd_options"
 OPTIMIZER_CLASS = "OptimizerInBackward"
+# ``training.build_optimizer(..., in_backward=flag)`` builds either kind: it counts as
+# naming the class.
+OPTIMIZER_BUILDERS = frozenset({OPTIMIZER_CLASS, "build_optimizer"})
 _NORMALIZATION_CALLS = frozenset(
     {
         "backward",
@@ -271,7 +275,7 @@ class _Checker:
             for node in ast.walk(self.tree)
             if isinstance(node, ast.Name | ast.Attribute)
             and isinstance(node.ctx, ast.Load)
-            and _identifier(node) == OPTIMIZER_CLASS
+            and _identifier(node) in OPTIMIZER_BUILDERS
         ]
 
 
@@ -288,7 +292,7 @@ def find_violations(source: str) -> list[Violation]:
                 Violation(
                     use.lineno,
                     function,
-                    f"names {OPTIMIZER_CLASS} outside {CONSTRUCTOR}",
+                    f"names {_identifier(use)} outside {CONSTRUCTOR}",
                 )
             )
     return sorted(set(found), key=lambda v: v.line)

@@ -73,11 +73,13 @@ from torchtune.training.loop import (
     grad_norm,
     setup_lr_scheduler,
     setup_profiler,
+    stateful_dataloader,
     steps_per_epoch,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
     OptimizerInBackward,
+    build_optimizer,
     cleanup_before_training,
     get_memory_stats,
     log_memory_stats,
@@ -180,12 +182,14 @@ __all__ = [
     "grad_norm",
     "setup_lr_scheduler",
     "setup_profiler",
+    "stateful_dataloader",
     "steps_per_epoch",
     # learning rate
     "get_cosine_schedule_with_warmup",
     "get_lr",
     # memory and optimizer in backward
     "OptimizerInBackward",
+    "build_optimizer",
     "RecipeOptions",
     "check_fsdp_optimizer",
     "check_optimizer_in_bwd_options",

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
 from torchtune import utils
@@ -233,6 +235,46 @@ def epoch_batches(
             profiler.step()
 
 
+def stateful_dataloader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    collate_fn: Callable[..., Any],
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> StatefulDataLoader:
+    """A loader that a step checkpoint can save and resume mid-epoch, over this
+    rank's share of a map-style dataset.
+
+    The order depends only on the epoch (``sampler.set_epoch``; the sampler's seed is
+    fixed), so a run resumed at an epoch boundary sees the batches the uninterrupted
+    run saw. Only full batches are drawn (``drop_last``), so every batch has one
+    shape (``torch.compile``, flex attention).
+
+    Args:
+        dataset (Any): a map-style dataset.
+        batch_size (int): samples per batch and rank.
+        shuffle (bool): shuffle each epoch.
+        collate_fn (Callable[..., Any]): turns a list of samples into a batch.
+        num_replicas (int): the data parallel ranks. Default: ``1``
+        rank (int): this rank among them. Default: ``0``
+
+    Returns:
+        StatefulDataLoader: the loader.
+    """
+    sampler = StatefulDistributedSampler(
+        dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=0
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,
+    )
+
+
 class StepLogger:
     """What a recipe shows and logs after every optimizer step: a progress bar per
     epoch (``epoch|step|Loss: loss``) and, every ``log_every_n_steps`` steps, the
@@ -282,6 +324,8 @@ class StepLogger:
         already taken (a resumed run)."""
         self._close_pbar()
         self._epoch = epoch
+        # Throughput counts training only, not the setup or the epoch's checkpoint.
+        self._t0 = time.perf_counter()
         self._pbar = tqdm(
             total=steps, initial=steps_done, disable=self._metric_logger is None
         )

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torchtune.utils import get_device_support, get_logger
+from torchtune.utils import get_device_support, get_logger, log_rank_zero
 
 _log: logging.Logger = get_logger()
 
@@ -994,6 +994,52 @@ class OptimizerInBackward(Optimizer):
         self._hooks_enabled = False
 
 
+def build_optimizer(
+    params: Iterable[torch.Tensor],
+    make_optimizer: Callable[[list[torch.Tensor]], Optimizer],
+    *,
+    in_backward: bool = False,
+    bucket_cap_mb: float | None = None,
+) -> Optimizer:
+    """The optimizer a recipe trains with: ``make_optimizer(params)``, or with
+    ``in_backward`` an :class:`OptimizerInBackward` that runs the same class inside
+    backward.
+
+    Give it every parameter of the model, frozen ones too, as torchtune 0.6.1 did:
+    a frozen parameter gets no state (and no in-backward hook), and the state dicts
+    of either mode, and 0.6.1's, then hold the same parameters, so each loads into
+    the other.
+
+    Args:
+        params (Iterable[torch.Tensor]): the parameters, in model order.
+        make_optimizer (Callable[[list[torch.Tensor]], Optimizer]): builds the plain
+            optimizer over a list of parameters, e.g.
+            ``functools.partial(config.instantiate, cfg.optimizer)``.
+        in_backward (bool): update inside backward. Default: ``False``
+        bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer
+            call; ``None``: the default.
+
+    Returns:
+        Optimizer: the optimizer.
+
+    Example:
+        >>> optimizer = build_optimizer(
+        ...     model.parameters(), torch.optim.AdamW, in_backward=True
+        ... )
+        >>> type(optimizer).__name__
+        'OptimizerInBackward'
+    """
+    params = list(params)
+    if in_backward:
+        optimizer = OptimizerInBackward(
+            params, make_optimizer, bucket_cap_mb=bucket_cap_mb
+        )
+    else:
+        optimizer = make_optimizer(params)
+    log_rank_zero(_log, f"Optimizer is initialized: {type(optimizer).__name__}.")
+    return optimizer
+
+
 # Names importable from here that live in the 0.6.1 compatibility modules: the
 # deprecated 0.6.1 API (defined here in 0.6.1) and the converter of its checkpoints.
 # They are imported on first use: those modules import this one, so importing them at
@@ -1017,6 +1063,7 @@ __all__ = [
     "ACWrapPolicyType",
     "DEFAULT_LOG_MESSAGE",
     "OptimizerInBackward",
+    "build_optimizer",
     "cleanup_before_training",
     "get_memory_stats",
     "log_memory_stats",

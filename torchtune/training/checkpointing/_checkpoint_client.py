@@ -302,6 +302,8 @@ class CheckpointClient:
         # resume() read.
         self._step_checkpoint: Path | None = None
         self._resumed: ResumedState | None = None
+        # From global_step(): tells the last step of an epoch in step_done().
+        self._steps_per_epoch: int | None = None
         # What the run saves, from track().
         self._model: nn.Module | Mapping[str, nn.Module] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -778,6 +780,7 @@ class CheckpointClient:
         """The optimizer steps a run has taken when training starts: 0 for a new
         run, a step checkpoint's own count, or the epochs an epoch checkpoint
         completed times ``steps_per_epoch``."""
+        self._steps_per_epoch = steps_per_epoch
         if self._resumed is None:
             return 0
         if self._resumed.global_step is not None:
@@ -813,7 +816,7 @@ class CheckpointClient:
         global_step: int,
         recipe_state: TrainingProgress | Mapping[str, Any],
         *,
-        epoch_end: bool = False,
+        epoch_end: bool | None = None,
         due_step: int | None = None,
     ) -> None:
         """Say that optimizer step ``global_step`` is done; saves a step checkpoint
@@ -823,14 +826,20 @@ class CheckpointClient:
             global_step (int): the optimizer steps taken so far.
             recipe_state (TrainingProgress | Mapping[str, Any]): where training
                 stands (``epochs_run`` counts the epochs completed).
-            epoch_end (bool): whether this was the epoch's last step, whose
-                checkpoint :meth:`epoch_done` writes. Default: ``False``
+            epoch_end (bool | None): whether this was the epoch's last step, whose
+                checkpoint :meth:`epoch_done` writes. Default: whether
+                ``global_step`` is a multiple of the ``steps_per_epoch`` given to
+                :meth:`global_step` (``False`` if it was not called).
             due_step (int | None): the count ``save_every_n_steps`` counts, for a
                 recipe whose steps are not optimizer steps (a PPO step takes
                 several); the checkpoint is still named by ``global_step``.
                 Default: ``global_step``
         """
         due_step = global_step if due_step is None else due_step
+        if epoch_end is None:
+            epoch_end = bool(self._steps_per_epoch) and (
+                global_step % self._steps_per_epoch == 0
+            )
         if epoch_end or not self._step_checkpointer.is_due(due_step):
             return
         if isinstance(recipe_state, TrainingProgress):
