@@ -17,8 +17,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import CheckpointClient, TrainingProgress
 
@@ -264,28 +262,18 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         Map-style dataset (or a list of them, concatenated) split over the data
         parallel ranks; tensor parallel ranks of one replica read the same batches.
         """
-        if isinstance(cfg_dataset, ListConfig):
-            ds = ConcatDataset(
-                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            )
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        collate = _get_component_from_path(collate_fn)
-        return training.stateful_dataloader(
+        ds = (
+            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            if isinstance(cfg_dataset, ListConfig)
+            else config.instantiate(cfg_dataset, self._tokenizer)
+        )
+        return training.sft_dataloader(
             ds,
+            collate_fn=_get_component_from_path(collate_fn),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=(
-                padded_collate_packed
-                if packed
-                else functools.partial(
-                    collate,
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-            ),
             num_replicas=self.dp_size,
             rank=self.dp_rank,
         )

@@ -16,8 +16,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.checkpointing._checkpoint_client import (
     CheckpointClient,
@@ -208,28 +206,18 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
     ) -> StatefulDataLoader:
         """Build the map-style dataset (a list is concatenated) and its loader."""
-        if isinstance(cfg_dataset, ListConfig):
-            ds = ConcatDataset(
-                [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            )
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        collate_fn = (
-            padded_collate_packed
-            if packed
-            else partial(
-                _get_component_from_path(self._collate_fn),
-                padding_idx=self._tokenizer.pad_id,
-                ignore_idx=self._loss_fn.ignore_index,
-            )
+        ds = (
+            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            if isinstance(cfg_dataset, ListConfig)
+            else config.instantiate(cfg_dataset, self._tokenizer)
         )
-        return training.stateful_dataloader(
+        return training.sft_dataloader(
             ds,
+            collate_fn=_get_component_from_path(self._collate_fn),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=collate_fn,
         )
 
     def _loss_step(

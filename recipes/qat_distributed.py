@@ -18,8 +18,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import CheckpointClient, TrainingProgress
 
@@ -297,27 +295,18 @@ class QATRecipeDistributed(FTRecipeInterface):
         collate_fn: str,
     ) -> StatefulDataLoader:
         """Map-style dataset (or a list of them, concatenated) split over the ranks."""
-        if isinstance(cfg_dataset, ListConfig):
-            ds = ConcatDataset(
-                datasets=[config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            )
-            packed = getattr(ds, "packed", False)
-        else:
-            ds = config.instantiate(cfg_dataset, self._tokenizer)
-            packed = cfg_dataset.get("packed", False)
-        return training.stateful_dataloader(
+        ds = (
+            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            if isinstance(cfg_dataset, ListConfig)
+            else config.instantiate(cfg_dataset, self._tokenizer)
+        )
+        return training.sft_dataloader(
             ds,
+            collate_fn=_get_component_from_path(collate_fn),
+            padding_idx=self._tokenizer.pad_id,
+            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=(
-                padded_collate_packed
-                if packed
-                else functools.partial(
-                    _get_component_from_path(collate_fn),
-                    padding_idx=self._tokenizer.pad_id,
-                    ignore_idx=self._loss_fn.ignore_index,
-                )
-            ),
             num_replicas=self.world_size,
             rank=self.rank,
         )

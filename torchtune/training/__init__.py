@@ -73,6 +73,7 @@ from torchtune.training.loop import (
     grad_norm,
     setup_lr_scheduler,
     setup_profiler,
+    sft_dataloader,
     stateful_dataloader,
     steps_per_epoch,
 )
@@ -182,6 +183,7 @@ __all__ = [
     "grad_norm",
     "setup_lr_scheduler",
     "setup_profiler",
+    "sft_dataloader",
     "stateful_dataloader",
     "steps_per_epoch",
     # learning rate

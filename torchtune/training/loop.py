@@ -14,6 +14,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
 from torchtune import utils
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
 from torchtune.training.memory import get_memory_stats
 
@@ -272,6 +275,52 @@ def stateful_dataloader(
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=True,
+    )
+
+
+def sft_dataloader(
+    dataset: Any,
+    *,
+    collate_fn: Callable[..., Any],
+    padding_idx: int,
+    ignore_idx: int,
+    batch_size: int,
+    shuffle: bool,
+    num_replicas: int = 1,
+    rank: int = 0,
+) -> StatefulDataLoader:
+    """:func:`stateful_dataloader` over a fine-tuning dataset, or the concatenation of
+    a list of them, batched as torchtune's SFT recipes batch: packed datasets with
+    ``padded_collate_packed``, others with ``collate_fn(padding_idx=...,
+    ignore_idx=...)`` (``padded_collate_sft``, say).
+
+    Args:
+        dataset (Any): a map-style dataset, or a list of them.
+        collate_fn (Callable[..., Any]): the collate function for unpacked data.
+        padding_idx (int): the tokenizer's pad id.
+        ignore_idx (int): the label the loss ignores.
+        batch_size (int): samples per batch and rank.
+        shuffle (bool): shuffle each epoch.
+        num_replicas (int): the data parallel ranks. Default: ``1``
+        rank (int): this rank among them. Default: ``0``
+
+    Returns:
+        StatefulDataLoader: the loader.
+    """
+    if isinstance(dataset, list):
+        dataset = ConcatDataset(dataset)
+    packed = isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False)
+    return stateful_dataloader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        collate_fn=(
+            padded_collate_packed
+            if packed
+            else partial(collate_fn, padding_idx=padding_idx, ignore_idx=ignore_idx)
+        ),
+        num_replicas=num_replicas,
+        rank=rank,
     )
 
 

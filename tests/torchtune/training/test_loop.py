@@ -161,3 +161,99 @@ def test_setup_profiler_is_a_no_op_without_a_section_and_torchs_with_one(
     assert isinstance(profiler, torch.profiler.profile)
     # The CUDA memory snapshot is for CUDA devices only.
     assert window is None
+
+
+def test_stateful_dataloader_draws_full_batches_in_an_order_set_by_the_epoch() -> None:
+    loader = training.stateful_dataloader(
+        list(range(7)), batch_size=2, shuffle=True, collate_fn=torch.tensor
+    )
+    loader.sampler.set_epoch(3)
+    first = [b.tolist() for b in loader]
+    assert [len(b) for b in first] == [2, 2, 2]  # the 7th sample is dropped
+    loader.sampler.set_epoch(3)
+    assert [b.tolist() for b in loader] == first
+    # Two ranks split an epoch between them.
+    halves = [
+        training.stateful_dataloader(
+            list(range(8)),
+            batch_size=2,
+            shuffle=False,
+            collate_fn=torch.tensor,
+            num_replicas=2,
+            rank=rank,
+        )
+        for rank in (0, 1)
+    ]
+    seen = sorted(x for half in halves for b in half for x in b.tolist())
+    assert seen == list(range(8))
+
+
+def _collate(batch, padding_idx, ignore_idx):
+    return {"n": len(batch), "pad": padding_idx, "ignore": ignore_idx}
+
+
+def test_sft_dataloader_concatenates_a_list_and_passes_the_padding_ids() -> None:
+    loader = training.sft_dataloader(
+        [list(range(3)), list(range(3))],
+        collate_fn=_collate,
+        padding_idx=0,
+        ignore_idx=-100,
+        batch_size=2,
+        shuffle=False,
+    )
+    assert len(loader.dataset) == 6
+    assert next(iter(loader)) == {"n": 2, "pad": 0, "ignore": -100}
+
+
+class _RecordingLogger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict]] = []
+        self.closed = False
+
+    def log_dict(self, payload: dict, step: int) -> None:
+        self.logged.append((step, payload))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_step_logger_logs_every_n_steps_with_throughput_and_reads_tensors() -> None:
+    metric_logger = _RecordingLogger()
+    step_logger = training.StepLogger(
+        metric_logger, log_every_n_steps=2, device="cpu", world_size=2
+    )
+    step_logger.start_epoch(0, steps=4, steps_done=0)
+    for step in range(1, 5):
+        step_logger.log(
+            step, loss=1.0 / step, num_tokens=10, grad_norm=torch.tensor(3.0)
+        )
+    step_logger.close()
+    assert [step for step, _ in metric_logger.logged] == [2, 4]
+    payload = metric_logger.logged[0][1]
+    assert payload["loss"] == 0.5 and payload["grad_norm"] == 3.0
+    assert isinstance(payload["grad_norm"], float)
+    assert payload["tokens_per_second_per_gpu"] > 0
+    assert metric_logger.closed
+    # Ranks other than 0 get no metric logger: nothing is shown or logged.
+    silent = training.StepLogger(None, log_every_n_steps=1, device="cpu")
+    silent.start_epoch(0, steps=1, steps_done=0)
+    silent.log(1, loss=1.0, num_tokens=1)
+    silent.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_build_optimizer_builds_either_kind_over_every_parameter(
+    in_backward: bool,
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    optimizer = training.build_optimizer(
+        model.parameters(),
+        partial(torch.optim.AdamW, lr=0.1),
+        in_backward=in_backward,
+        bucket_cap_mb=0,
+    )
+    assert isinstance(optimizer, training.OptimizerInBackward) == in_backward
+    # Frozen parameters are in the group too, as in 0.6.1.
+    assert len(optimizer.param_groups[0]["params"]) == 4
+    assert optimizer.param_groups[0]["lr"] == 0.1

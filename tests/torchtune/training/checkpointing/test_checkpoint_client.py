@@ -354,3 +354,23 @@ def test_step_checkpoints_of_a_partly_frozen_model_hold_its_trainable_part(
     other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, 3))
     with pytest.raises(training.CheckpointError, match=r"missing trainable .*3\.bias"):
         client.resume(other, make_optimizer(True, other), {})
+
+
+def test_step_done_leaves_an_epochs_last_step_to_epoch_done(tmp_path: Path) -> None:
+    model = make_model()
+    optimizer = make_optimizer(True, model)
+    client = CheckpointClient(
+        _loop_config(tmp_path, resume=False, save_every_n_steps=2)
+    )
+    client.track(model, optimizer, _data_loader())
+    assert client.global_step(steps_per_epoch=4) == 0  # a new run
+    progress = TrainingProgress(
+        seed=7, epochs_run=0, total_epochs=2, max_steps_per_epoch=4
+    )
+    for step in (2, 4, 6):
+        client.step_done(step, progress)
+    # Step 4 ends epoch 0: epoch_done saves it, with the next epoch's fresh loader.
+    assert sorted(p.name for p in (tmp_path / "out").glob("step_*")) == [
+        "step_2",
+        "step_6",
+    ]
