@@ -512,7 +512,7 @@ DISTRIBUTED_RUNS = {
     },
 }
 CPU_OFFLOAD_IGNORED = (
-    "fsdp_cpu_offload is ignored on CPU, where it has nothing to move."
+    "fsdp_cpu_offload=True is ignored on CPU, which has nothing to move."
 )
 
 

@@ -425,13 +425,13 @@ class RecipeOptions:
         fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
         log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
         if device.type == "cpu":
-            for key, value in (
-                ("fsdp_cpu_offload", fsdp_cpu_offload),
-                ("log_peak_memory_stats", log_peak_memory_stats),
+            for key, value, reason in (
+                ("fsdp_cpu_offload", fsdp_cpu_offload, "has nothing to move"),
+                ("log_peak_memory_stats", log_peak_memory_stats, "has no such stats"),
             ):
                 if value is True:
                     utils.log_rank_zero(
-                        log, f"{key}=True is ignored on CPU, where it means nothing."
+                        log, f"{key}=True is ignored on CPU, which {reason}."
                     )
             # Left as they are when not bools, for the class to refuse.
             if fsdp_cpu_offload is True:

@@ -254,8 +254,12 @@ def test_recipe_options_from_config_turn_off_what_means_nothing_on_cpu(caplog) -
             _cfg(fsdp_cpu_offload=True, log_peak_memory_stats=True), distributed=True
         )
     assert not options.fsdp_cpu_offload and not options.log_peak_memory_stats
-    assert "fsdp_cpu_offload=True is ignored on CPU" in caplog.text
-    assert "log_peak_memory_stats=True is ignored on CPU" in caplog.text
+    assert "fsdp_cpu_offload=True is ignored on CPU, which has nothing to move" in (
+        caplog.text
+    )
+    assert "log_peak_memory_stats=True is ignored on CPU, which has no such" in (
+        caplog.text
+    )
     assert options.process_group_backend == "gloo"
 
 
