@@ -209,18 +209,20 @@ def resumed_runs(
     return runs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["bwd", "plain"])
 def resumed_from_0_6_1(
+    request: pytest.FixtureRequest,
     tiny_assets: TinyAssets,
     adamw_runs: dict[str, TuneRun],
     tmp_path_factory: pytest.TempPathFactory,
-) -> TuneRun:
+) -> tuple[str, TuneRun]:
     """The plain run's epoch 0, its optimizer state rewritten the way torchtune 0.6.1
-    saved in-backward runs, resumed in-backward."""
+    saved in-backward runs, resumed in-backward and plain (the checkpoint client
+    converts the format for either optimizer)."""
     from torchtune import training
     from torchtune.models.llama2 import llama2
 
-    out = tmp_path_factory.mktemp("resume_0_6_1_to_bwd")
+    out = tmp_path_factory.mktemp(f"resume_0_6_1_to_{request.param}")
     shutil.copytree(adamw_runs["plain"].output_dir / "epoch_0", out / "epoch_0")
     recipe_state = adamw_runs["plain"].output_dir / "recipe_state" / "recipe_state.pt"
     state = torch.load(recipe_state, weights_only=False)
@@ -239,7 +241,7 @@ def resumed_from_0_6_1(
     }
     (out / "recipe_state").mkdir()
     torch.save(state, out / "recipe_state" / "recipe_state.pt")
-    return tune_run_here(
+    run = tune_run_here(
         CONFIG,
         {
             "assets_dir": tiny_assets.root,
@@ -248,10 +250,11 @@ def resumed_from_0_6_1(
             "resume_from_checkpoint": True,
             "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
             "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
-            **_mode_overrides(True),
+            **_mode_overrides(request.param == "bwd"),
         },
         out,
     )
+    return request.param, run
 
 
 def _final_weights(run: TuneRun, epoch: int = 1) -> dict[str, torch.Tensor]:
@@ -325,25 +328,27 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     )
 
 
-def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint(
-    adamw_runs: dict[str, TuneRun], resumed_from_0_6_1: TuneRun
+def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint(
+    adamw_runs: dict[str, TuneRun], resumed_from_0_6_1: tuple[str, TuneRun]
 ) -> None:
+    mode, resumed = resumed_from_0_6_1
     plain = adamw_runs["plain"]
     assert_steps(plain, ALL_STEPS)
-    steps = assert_steps(resumed_from_0_6_1, EPOCH_1)
-    assert_series_close(resumed_from_0_6_1, plain, "lr", steps, **EXACT)
-    # Saved by a plain run, resumed in-backward: across modes.
+    steps = assert_steps(resumed, EPOCH_1)
+    assert_series_close(resumed, plain, "lr", steps, **EXACT)
+    # Saved by a plain run: resumed plain, the same kernels on the same state
+    # (bitwise); resumed in-backward, across modes.
     assert_series_close(
-        resumed_from_0_6_1,
+        resumed,
         plain,
         "loss",
         steps,
-        **LOSS_ACROSS_MODES["adamw_cosine_warmup"],
+        **(EXACT if mode == "plain" else LOSS_ACROSS_MODES["adamw_cosine_warmup"]),
     )
     assert_weights_close(
-        _final_weights(resumed_from_0_6_1),
+        _final_weights(resumed),
         _final_weights(plain),
-        **RESUMED_WEIGHTS_ACROSS_MODES,
+        **(EXACT if mode == "plain" else RESUMED_WEIGHTS_ACROSS_MODES),
     )
 
 
