@@ -130,14 +130,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._is_rank_zero = self.rank == 0
         # Updated from the checkpoint on resume. All ranks agree on the seed
         # (set_seed broadcasts a random one if it is null).
-        self.progress = TrainingProgress(
-            seed=training.set_seed(
-                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
-            ),
-            epochs_run=0,
-            total_epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
-        )
+        self.progress = TrainingProgress.from_config(cfg)
         self.global_step = 0
 
     def setup(self, cfg: DictConfig) -> None:
@@ -153,12 +146,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         if self._is_rank_zero:
             metric_logger = config.instantiate(cfg.metric_logger)
             metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger(
-            metric_logger,
-            log_every_n_steps=self._opts.log_every_n_steps,
-            device=self._device,
-            log_peak_memory_stats=self._opts.log_peak_memory_stats,
-            world_size=self.world_size,
+        self._step_logger = training.StepLogger.from_options(
+            metric_logger, self._opts, world_size=self.world_size
         )
 
         checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
@@ -201,9 +190,12 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._model, self._optimizer, checkpoint_dict, self.progress
         )
 
-        self._loss_fn = config.instantiate(cfg.loss)
-        if self._opts.compile["loss"]:
-            training.compile_loss(self._loss_fn, verbose=self._is_rank_zero)
+        # Compiled if asked; a chunked output loss sets the model's logit chunks.
+        self._loss_fn = training.setup_loss(
+            config.instantiate(cfg.loss),
+            self._model,
+            compile=self._opts.compile["loss"],
+        )
         self._dataloader = self._setup_data(
             cfg_dataset=cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size
         )
@@ -220,10 +212,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
-        )
-        if self._opts.compile["optimizer_step"]:
             # After the scheduler, which wraps step() to check the call order.
-            training.compile_optimizer_step(self._optimizer)
+            compile_step=self._opts.compile["optimizer_step"],
+        )
         self._profiler, self._memory_window = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
@@ -328,9 +319,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            self._step_logger.start_epoch(
-                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
-            )
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -339,6 +327,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 profiler=self._profiler,
                 memory_window=self._memory_window if self._is_rank_zero else None,
+                step_logger=self._step_logger,
             )
             for idx, batch in batches:
                 batch = tuple(t.to(self._device) for t in batch)

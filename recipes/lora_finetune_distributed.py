@@ -161,14 +161,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._is_rank_zero = self.rank == 0
 
         # Where training stands; a resumed run takes it from the checkpoint.
-        self.progress = TrainingProgress(
-            seed=training.set_seed(
-                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
-            ),
-            epochs_run=0,
-            total_epochs=cfg.epochs,
-            max_steps_per_epoch=cfg.max_steps_per_epoch,
-        )
+        self.progress = TrainingProgress.from_config(cfg)
         self.global_step = 0
 
     def setup(self, cfg: DictConfig) -> None:
@@ -181,12 +174,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         if self._is_rank_zero:
             metric_logger = config.instantiate(cfg.metric_logger)
             metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger(
-            metric_logger,
-            log_every_n_steps=self._opts.log_every_n_steps,
-            device=self._device,
-            log_peak_memory_stats=self._opts.log_peak_memory_stats,
-            world_size=self.world_size,
+        self._step_logger = training.StepLogger.from_options(
+            metric_logger, self._opts, world_size=self.world_size
         )
 
         # Every rank reads the full checkpoint (memory-mapped).
@@ -202,15 +191,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._model, self._optimizer, ckpt_dict, self.progress
         )
 
-        self._loss_fn = config.instantiate(cfg.loss)
-        if self._opts.compile["loss"]:
-            # Compiles in place for chunked losses, returns a new module for others.
-            self._loss_fn = training.compile_loss(
-                self._loss_fn, verbose=self._is_rank_zero
-            )
-        # A chunked output loss needs the model to return its logits in chunks.
-        if hasattr(self._loss_fn, "num_output_chunks"):
-            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
+        # Compiled if asked; a chunked output loss sets the model's logit chunks.
+        self._loss_fn = training.setup_loss(
+            config.instantiate(cfg.loss),
+            self._model,
+            compile=self._opts.compile["loss"],
+        )
 
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
@@ -248,10 +234,9 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.global_step,
-        )
-        if self._opts.compile["optimizer_step"]:
             # After the scheduler, which wraps step() to check the call order.
-            training.compile_optimizer_step(self._optimizer)
+            compile_step=self._opts.compile["optimizer_step"],
+        )
         # With profile_memory on CUDA, rank 0 also records a memory snapshot of the
         # profiled steps.
         self._profiler, self._memory_window = training.setup_profiler(
@@ -367,9 +352,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             steps_done = self.global_step - curr_epoch * self._steps_per_epoch
-            self._step_logger.start_epoch(
-                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
-            )
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -378,6 +360,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 profiler=self._profiler,
                 memory_window=self._memory_window if self._is_rank_zero else None,
+                step_logger=self._step_logger,
             )
             for idx, batch in batches:
                 utils.batch_to_device(batch, self._device)

@@ -27,10 +27,17 @@ from tqdm import tqdm
 from torchtune import utils
 from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset, PackedDataset
+from torchtune.training._compile import compile_loss
 from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
 from torchtune.training.memory import get_memory_stats
 
 log = utils.get_logger("DEBUG")
+
+
+def _rank() -> int:
+    """This process's rank, 0 outside a distributed run."""
+    return utils.get_world_size_and_rank()[1]
+
 
 # (first, last) batch index of the profiler's active steps in epoch 0, or None.
 MemoryWindow = tuple[int, int] | None
@@ -106,6 +113,7 @@ def setup_lr_scheduler(
     *,
     num_training_steps: int,
     global_step: int,
+    compile_step: bool = False,
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Build the LR scheduler where a run that has taken ``global_step`` steps needs
     it.
@@ -124,17 +132,49 @@ def setup_lr_scheduler(
         optimizer (torch.optim.Optimizer): the optimizer, plain or in-backward.
         num_training_steps (int): the run's optimizer steps, all epochs.
         global_step (int): the steps already taken (0 for a new run).
+        compile_step (bool): then compile the optimizer's ``step``
+            (``compile.optimizer_step``; see :func:`compile_optimizer_step`), which
+            must come after the scheduler. Default: ``False``
 
     Returns:
         LRScheduler | None: the scheduler, or ``None``.
     """
-    if make_scheduler is None:
-        return None
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", optimizer.defaults["lr"])
-    return make_scheduler(
-        optimizer, num_training_steps=num_training_steps, last_epoch=global_step - 1
-    )
+    scheduler = None
+    if make_scheduler is not None:
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", optimizer.defaults["lr"])
+        scheduler = make_scheduler(
+            optimizer,
+            num_training_steps=num_training_steps,
+            last_epoch=global_step - 1,
+        )
+    if compile_step:
+        compile_optimizer_step(optimizer)
+    return scheduler
+
+
+def setup_loss(
+    loss_fn: nn.Module, model: nn.Module, *, compile: bool = False
+) -> nn.Module:
+    """The loss as a recipe trains with it: compiled if asked, and, for a chunked
+    output loss, the model set to return its logits in as many chunks.
+
+    Use the returned loss: :func:`~torchtune.training.compile_loss` compiles a
+    chunked loss in place but returns a new module for any other.
+
+    Args:
+        loss_fn (nn.Module): the loss, as built from the config.
+        model (nn.Module): the model whose logits it takes.
+        compile (bool): compile it (``compile.loss``). Default: ``False``
+
+    Returns:
+        nn.Module: the loss to train with.
+    """
+    if compile:
+        loss_fn = compile_loss(loss_fn, verbose=_rank() == 0)
+    if hasattr(loss_fn, "num_output_chunks"):
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+    return loss_fn
 
 
 def compile_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -196,6 +236,7 @@ def epoch_batches(
     loader_state: dict[str, Any] | None = None,
     profiler: torch.profiler.profile | DummyProfiler | None = None,
     memory_window: MemoryWindow = None,
+    step_logger: StepLogger | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """The ``(batch index, batch)`` pairs of one epoch that are left to train on.
 
@@ -217,11 +258,15 @@ def epoch_batches(
         profiler (torch.profiler.profile | DummyProfiler | None): stepped once per
             optimizer step. Default: ``None``
         memory_window (MemoryWindow): from :func:`setup_profiler`. Default: ``None``
+        step_logger (StepLogger | None): starts the epoch's progress bar.
+            Default: ``None``
 
     Yields:
         tuple[int, Any]: the batch's index in the epoch and the batch.
     """
     dataloader.sampler.set_epoch(epoch)
+    if step_logger is not None:
+        step_logger.start_epoch(epoch, steps=steps_per_epoch, steps_done=steps_done)
     if loader_state:
         dataloader.load_state_dict(loader_state)
     record = epoch == 0 and memory_window is not None
@@ -367,6 +412,21 @@ class StepLogger:
         self._pbar = None
         self._epoch = 0
         self._t0 = time.perf_counter()
+
+    @classmethod
+    def from_options(
+        cls, metric_logger: Any | None, options: Any, *, world_size: int = 1
+    ) -> StepLogger:
+        """A step logger with a recipe's ``log_every_n_steps``, device and
+        ``log_peak_memory_stats`` (from its
+        :class:`~torchtune.training.RecipeOptions`)."""
+        return cls(
+            metric_logger,
+            log_every_n_steps=options.log_every_n_steps,
+            device=options.device,
+            log_peak_memory_stats=options.log_peak_memory_stats,
+            world_size=world_size,
+        )
 
     def start_epoch(self, epoch: int, *, steps: int, steps_done: int) -> None:
         """Start the progress bar of ``epoch``: ``steps`` steps, ``steps_done``

@@ -257,3 +257,31 @@ def test_build_optimizer_builds_either_kind_over_every_parameter(
     # Frozen parameters are in the group too, as in 0.6.1.
     assert len(optimizer.param_groups[0]["params"]) == 4
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+class _ChunkedModel(nn.Module):
+    def set_num_output_chunks(self, n: int) -> None:
+        self.chunks = n
+
+
+def test_setup_loss_returns_the_compiled_loss_and_sets_the_models_chunks(
+    monkeypatch,
+) -> None:
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "eager")
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    # A loss other than a chunked one is compiled as a new module: the recipes
+    # must train with the returned one (some used to drop it, leaving it eager).
+    loss = training.setup_loss(nn.CrossEntropyLoss(), _ChunkedModel(), compile=True)
+    assert isinstance(loss, torch._dynamo.eval_frame.OptimizedModule)
+    logits, labels = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    torch.testing.assert_close(
+        loss(logits, labels), nn.functional.cross_entropy(logits, labels)
+    )
+    # A chunked loss is compiled in place and tells the model its chunk count.
+    model = _ChunkedModel()
+    chunked = CEWithChunkedOutputLoss(num_output_chunks=4)
+    assert training.setup_loss(chunked, model) is chunked
+    assert model.chunks == 4
+    uncompiled = nn.CrossEntropyLoss()
+    assert training.setup_loss(uncompiled, _ChunkedModel()) is uncompiled

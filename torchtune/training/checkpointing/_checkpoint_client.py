@@ -70,6 +70,28 @@ class TrainingProgress:
     dataloader_state_dict: dict[str, Any] | None = None
 
     @classmethod
+    def from_config(cls, cfg: DictConfig) -> TrainingProgress:
+        """A new run's progress: none yet, the config's ``epochs`` and
+        ``max_steps_per_epoch``, and its ``seed``, set for this process with
+        :func:`~torchtune.training.set_seed` (``cudnn_deterministic_mode`` too); in a
+        distributed run every rank agrees on it, a null seed drawing one.
+
+        Args:
+            cfg (DictConfig): the recipe config.
+
+        Returns:
+            TrainingProgress: the progress at the start of training.
+        """
+        return cls(
+            seed=training.set_seed(
+                seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+            ),
+            epochs_run=0,
+            total_epochs=cfg.epochs,
+            max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
+        )
+
+    @classmethod
     def from_checkpoint(
         cls,
         ckpt_dict: dict[str, Any],
