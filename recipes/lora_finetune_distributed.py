@@ -20,12 +20,11 @@ from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules.peft import (
     get_adapter_params,
-    get_lora_module_names,
     set_trainable_params,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training import CheckpointClient, TrainingProgress
-from torchtune.training.lora_checkpoint import lora_epoch_checkpoint, resumed_adapter
+from torchtune.training.lora_checkpoint import lora_epoch_model_state, resumed_adapter
 
 log = utils.get_logger("DEBUG")
 
@@ -208,16 +207,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer,
             self._dataloader,
             adapter_only=self._save_adapter_weights_only,
-            epoch_model_state=partial(
-                lora_epoch_checkpoint,
-                rank=cfg.model.lora_rank,
-                alpha=cfg.model.lora_alpha,
-                target_modules=get_lora_module_names(
-                    list(cfg.model.lora_attn_modules),
-                    cfg.model.apply_lora_to_mlp,
-                    cfg.model.get("apply_lora_to_output", False),
-                ),
-                adapter_only=self._save_adapter_weights_only,
+            epoch_model_state=lora_epoch_model_state(
+                cfg.model, adapter_only=self._save_adapter_weights_only
             ),
         )
 

@@ -4,11 +4,17 @@ from: :func:`lora_epoch_checkpoint` and :func:`resumed_adapter`, for
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
-from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
+from torchtune.modules.peft import (
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+)
 from torchtune.training.checkpointing._utils import (
     ADAPTER_CONFIG,
     ADAPTER_KEY,
@@ -88,6 +94,36 @@ def lora_epoch_checkpoint(
                 state_dict[base] = state_dict[base].clone()
         checkpoint[MODEL_KEY] = get_merged_lora_ckpt(state_dict, rank=rank, alpha=alpha)
     return checkpoint
+
+
+def lora_epoch_model_state(
+    lora_model_kwargs: Mapping[str, Any], *, adapter_only: bool = False
+) -> Callable[[dict[str, torch.Tensor]], dict[str, Any]]:
+    """:func:`lora_epoch_checkpoint` for a LoRA model built with
+    ``lora_model_kwargs`` (its ``lora_rank``, ``lora_alpha``, ``lora_attn_modules``,
+    ``apply_lora_to_mlp`` and ``apply_lora_to_output``, e.g. a recipe's ``model``
+    config), ready to pass as ``epoch_model_state`` to
+    :meth:`CheckpointClient.track <torchtune.training.CheckpointClient.track>`.
+
+    Args:
+        lora_model_kwargs (Mapping[str, Any]): the LoRA model builder's arguments.
+        adapter_only (bool): leave out the merged weights. Default: ``False``
+
+    Returns:
+        Callable[[dict[str, torch.Tensor]], dict[str, Any]]: the epoch checkpoint's
+        model entries from the model's full state dict.
+    """
+    return partial(
+        lora_epoch_checkpoint,
+        rank=lora_model_kwargs["lora_rank"],
+        alpha=lora_model_kwargs["lora_alpha"],
+        target_modules=get_lora_module_names(
+            list(lora_model_kwargs["lora_attn_modules"]),
+            lora_model_kwargs["apply_lora_to_mlp"],
+            lora_model_kwargs.get("apply_lora_to_output", False),
+        ),
+        adapter_only=adapter_only,
+    )
 
 
 def resumed_adapter(checkpoint_dict: dict[str, Any]) -> dict[str, Any] | None:

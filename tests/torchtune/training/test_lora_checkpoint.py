@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from torchtune import training
-from torchtune.training.lora_checkpoint import lora_epoch_checkpoint, resumed_adapter
+from torchtune.training.lora_checkpoint import (
+    lora_epoch_checkpoint,
+    lora_epoch_model_state,
+    resumed_adapter,
+)
 
 RANK, ALPHA = 2, 4.0
 
@@ -108,3 +112,29 @@ def test_resumed_adapter_is_the_epoch_checkpoints_and_none_otherwise() -> None:
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         resumed_adapter(epoch)
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_epoch_model_state_of_a_model_config_is_its_epoch_checkpoint(
+    adapter_only: bool,
+) -> None:
+    kwargs = {
+        "lora_rank": RANK,
+        "lora_alpha": ALPHA,
+        "lora_attn_modules": ["q_proj", "v_proj"],
+        "apply_lora_to_mlp": True,
+    }
+    epoch_model_state = lora_epoch_model_state(kwargs, adapter_only=adapter_only)
+    expected = lora_epoch_checkpoint(
+        _state_dict(),
+        rank=RANK,
+        alpha=ALPHA,
+        # The modules the config adapts, as the PEFT adapter config names them.
+        target_modules=["q_proj", "v_proj", "w1", "w2", "w3"],
+        adapter_only=adapter_only,
+    )
+    got = epoch_model_state(_state_dict())
+    assert got[training.ADAPTER_CONFIG] == expected[training.ADAPTER_CONFIG]
+    assert sorted(got) == sorted(expected)
+    for key in set(got) - {training.ADAPTER_CONFIG}:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
