@@ -623,12 +623,10 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._opts.compile["model"]:
             log.info("The models compile in their first forward: expect a slow step 1.")
         self._optimizer.zero_grad(set_to_none=True)
-        if self._resumed is not None and self._resumed.rng_state is not None:
-            # Resuming from a step checkpoint: the global RNG as the run left it
-            # (sampling and minibatch order draw from self._rng, restored with the
-            # recipe state).
-            training.restore_rng_state(self._resumed.rng_state)
-        loader_state = self._resumed and self._resumed.dataloader_state
+        # Resuming from a step checkpoint: the global RNG as the run left it
+        # (sampling and minibatch order draw from self._rng, restored with the
+        # recipe state); track() already put the loader back where it was.
+        self._checkpoint_client.restore_rng_state()
         self._profiler.start()
         pbar = tqdm(total=self._total_steps, initial=self._steps_run)
         for curr_epoch in range(self._epochs_run, self._total_epochs):
@@ -640,11 +638,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 curr_epoch,
                 steps_done=self._steps_run - epoch_start,
                 steps_per_epoch=epoch_steps,
-                loader_state=loader_state,
                 profiler=self._profiler,
                 memory_window=self._memory_window,
             )
-            loader_state = None
             for idx, batch in batches:
                 input_ids = batch["tokens"].to(self._device)
                 num_tokens = input_ids.numel()

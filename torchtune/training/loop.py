@@ -1,5 +1,5 @@
-"""What every recipe's training loop repeats, once: the batches of an epoch (with a
-mid-epoch resume, the profiler and the CUDA memory snapshot), the global gradient
+"""What every recipe's training loop repeats, once: the batches of an epoch (with
+the profiler and the CUDA memory snapshot), the global gradient
 norm and clipping, the LR scheduler of a resumed run, the profiler's setup, and
 showing and logging each step (:class:`StepLogger`).
 
@@ -32,11 +32,6 @@ from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
 from torchtune.training.memory import get_memory_stats
 
 log = utils.get_logger("DEBUG")
-
-
-def _rank() -> int:
-    """This process's rank, 0 outside a distributed run."""
-    return utils.get_world_size_and_rank()[1]
 
 
 # (first, last) batch index of the profiler's active steps in epoch 0, or None.
@@ -171,7 +166,7 @@ def setup_loss(
         nn.Module: the loss to train with.
     """
     if compile:
-        loss_fn = compile_loss(loss_fn, verbose=_rank() == 0)
+        loss_fn = compile_loss(loss_fn, verbose=utils.get_world_size_and_rank()[1] == 0)
     if hasattr(loss_fn, "num_output_chunks"):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     return loss_fn
@@ -233,7 +228,6 @@ def epoch_batches(
     steps_done: int,
     steps_per_epoch: int,
     gradient_accumulation_steps: int = 1,
-    loader_state: dict[str, Any] | None = None,
     profiler: torch.profiler.profile | DummyProfiler | None = None,
     memory_window: MemoryWindow = None,
     step_logger: StepLogger | None = None,
@@ -241,8 +235,9 @@ def epoch_batches(
     """The ``(batch index, batch)`` pairs of one epoch that are left to train on.
 
     It sets the sampler's epoch (the data order depends only on the seed and the
-    epoch), resumes the loader mid-epoch from ``loader_state`` when given, numbers
-    batches from where the epoch stands, and stops after the epoch's last full
+    epoch), numbers batches from where the epoch stands (a loader resumed mid-epoch,
+    e.g. by :meth:`CheckpointClient.track <torchtune.training.CheckpointClient.track>`,
+    continues from its saved position), and stops after the epoch's last full
     optimizer step (batches past it are left unused). After each optimizer step's
     last batch it steps the profiler; in epoch 0 it records a CUDA memory snapshot
     over ``memory_window``.
@@ -253,8 +248,6 @@ def epoch_batches(
         steps_done (int): optimizer steps of this epoch already taken.
         steps_per_epoch (int): optimizer steps in the epoch.
         gradient_accumulation_steps (int): batches per optimizer step. Default: ``1``
-        loader_state (dict[str, Any] | None): the loader's state saved mid-epoch, to
-            continue from. Default: ``None``
         profiler (torch.profiler.profile | DummyProfiler | None): stepped once per
             optimizer step. Default: ``None``
         memory_window (MemoryWindow): from :func:`setup_profiler`. Default: ``None``
@@ -267,8 +260,6 @@ def epoch_batches(
     dataloader.sampler.set_epoch(epoch)
     if step_logger is not None:
         step_logger.start_epoch(epoch, steps=steps_per_epoch, steps_done=steps_done)
-    if loader_state:
-        dataloader.load_state_dict(loader_state)
     record = epoch == 0 and memory_window is not None
     first_batch = steps_done * gradient_accumulation_steps
     for idx, batch in enumerate(dataloader, start=first_batch):

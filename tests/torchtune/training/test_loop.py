@@ -99,10 +99,11 @@ def test_epoch_batches_resume_mid_epoch_where_the_saved_loader_was() -> None:
     batches = training.epoch_batches(loader, 1, steps_done=0, steps_per_epoch=6)
     first = [next(batches)[1].tolist() for _ in range(2)]
     state = loader.state_dict()
+    # A loader resumed mid-epoch (as CheckpointClient.track does) continues there.
+    resumed_loader = _loader()
+    resumed_loader.load_state_dict(state)
     resumed = list(
-        training.epoch_batches(
-            _loader(), 1, steps_done=2, steps_per_epoch=6, loader_state=state
-        )
+        training.epoch_batches(resumed_loader, 1, steps_done=2, steps_per_epoch=6)
     )
     assert [idx for idx, _ in resumed] == [2, 3, 4, 5]
     assert first + [b.tolist() for _, b in resumed] == uninterrupted

@@ -230,11 +230,11 @@ def _run(
     resumed=None,
     epochs: int = 2,
 ) -> int:
-    """A recipe's loop: 4 steps an epoch, the client told after each step and epoch."""
+    """A recipe's loop: 4 steps an epoch, the client told after each step and epoch.
+    Resuming, track() puts the loader back where the saved one was."""
     loader = _data_loader()
     client.track(model, optimizer, loader)
     global_step = 0 if resumed is None else resumed.global_step
-    loader_state = None if resumed is None else resumed.dataloader_state
     first_epoch = global_step // 4
     for epoch in range(first_epoch, epochs):
         batches = training.epoch_batches(
@@ -242,9 +242,7 @@ def _run(
             epoch,
             steps_done=global_step - epoch * 4,
             steps_per_epoch=4,
-            loader_state=loader_state,
         )
-        loader_state = None
         for idx, batch in batches:
             model(batch).square().mean().backward()
             optimizer.step()
