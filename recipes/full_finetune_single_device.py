@@ -115,7 +115,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state, and mid-epoch the trained weights too.
-        self.progress, _ = self._checkpoint_client.resume_progress(
+        self.progress = self._checkpoint_client.resume_progress(
             self._model, self._optimizer, ckpt_dict, self.progress
         )
 

@@ -186,7 +186,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state, and from a step checkpoint (each rank its
         # shards) the adapter too.
-        self.progress, _ = self._checkpoint_client.resume_progress(
+        self.progress = self._checkpoint_client.resume_progress(
             self._model, self._optimizer, ckpt_dict, self.progress
         )
 

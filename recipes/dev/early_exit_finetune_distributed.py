@@ -186,7 +186,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self._optimizer = self._setup_optimizer(cfg.optimizer)
         # On resume: the optimizer state; from a step or an asynchronous checkpoint
         # the trained weights too.
-        self.progress, _ = self._checkpoint_client.resume_progress(
+        self.progress = self._checkpoint_client.resume_progress(
             self._model, self._optimizer, checkpoint_dict, self.progress
         )
 

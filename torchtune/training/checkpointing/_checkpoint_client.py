@@ -643,9 +643,11 @@ class CheckpointClient:
         optimizer: torch.optim.Optimizer,
         checkpoint_dict: dict[str, Any],
         progress: TrainingProgress,
-    ) -> tuple[TrainingProgress, ResumedState | None]:
+    ) -> TrainingProgress:
         """:meth:`resume`, with the resumed progress reconciled with the config's
-        (see :meth:`TrainingProgress.from_checkpoint`).
+        (see :meth:`TrainingProgress.from_checkpoint`). Where the resumed run stands
+        within an epoch, :meth:`global_step`, :meth:`track` and
+        :meth:`restore_rng_state` take from what :meth:`resume` read.
 
         Args:
             model (nn.Module): as for :meth:`resume`.
@@ -654,20 +656,17 @@ class CheckpointClient:
             progress (TrainingProgress): the config's progress (a new run's).
 
         Returns:
-            tuple: the progress to continue from (``progress`` itself for a new run)
-            and the :class:`ResumedState` (``None`` for a new run).
+            TrainingProgress: the progress to continue from (``progress`` itself for
+            a new run).
         """
         resumed = self.resume(model, optimizer, checkpoint_dict)
         if resumed is None:
-            return progress, None
-        return (
-            TrainingProgress.from_checkpoint(
-                resumed.recipe_state,
-                seed=progress.seed,
-                total_epochs=progress.total_epochs,
-                max_steps_per_epoch=progress.max_steps_per_epoch,
-            ),
-            resumed,
+            return progress
+        return TrainingProgress.from_checkpoint(
+            resumed.recipe_state,
+            seed=progress.seed,
+            total_epochs=progress.total_epochs,
+            max_steps_per_epoch=progress.max_steps_per_epoch,
         )
 
     def _load_optimizer_state(
