@@ -72,7 +72,10 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         - Precision: fp32 or bf16 (``dtype``). fp16 is refused.
         - Gradient accumulation: the global batch is
           ``batch_size * ranks * gradient_accumulation_steps`` pairs.
-        - Gradient clipping (``clip_grad_norm``). ``grad_norm`` is logged in every mode.
+        - Gradient clipping (``clip_grad_norm``; ``inf`` measures and never clips),
+          in every mode: in-backward clipping is exact, at the price of a second
+          backward pass. ``grad_norm``, logged in every mode, is the norm before
+          clipping.
         - ``compile``: ``True`` compiles both models and the loss; a mapping with keys
           ``model``, ``loss`` and ``optimizer_step`` chooses each.
         - Checkpointing at the end of every epoch (policy weights only), written by
@@ -105,8 +108,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with clipping, gradient accumulation or
-            ``compile.optimizer_step``; fp16; a flag that is not a bool; an optimizer
+            (``optimizer_in_bwd=True`` with gradient accumulation,
+            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a flag that is not a bool; an optimizer
             FSDP2 cannot train or checkpoint, such as bitsandbytes', see
             ``training.check_fsdp_optimizer``; ...) or by
             :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
@@ -230,6 +233,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             partial(config.instantiate, cfg_optimizer),
             in_backward=self._optimizer_in_bwd,
             bucket_cap_mb=self._opts.bucket_cap_mb,
+            max_norm=self._opts.clip_grad_norm,
         )
 
     def _setup_data(
@@ -303,8 +307,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ``gradient_accumulation_steps``; FSDP averages the gradients over ranks. Every
         batch holds ``batch_size`` pairs, so the step's gradient is the mean over its
         global batch of pairs, and that normalization is known before backward: both
-        modes backpropagate the same loss. Only the gradient norm (read from the
-        in-backward optimizer, or measured and clipped after backward) differs.
+        modes backpropagate the same loss. Only where the gradients are measured and
+        clipped differs: inside backward with an in-backward optimizer, after it
+        otherwise.
         """
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
@@ -369,24 +374,22 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                     ]
                 )
                 running += batch_metrics / gradient_accumulation_steps
-                # Updates the policy's parameters on the way with an in-backward
-                # optimizer.
-                loss.backward()
+                if self._optimizer_in_bwd:
+                    # Clips and applies the policy's gradients inside backward.
+                    self._optimizer.backward(loss)
+                else:
+                    loss.backward()
                 if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
                     # Updates already happened; the optimizer measured the gradients
-                    # it consumed (a collective: every rank reads it).
+                    # it used (a collective: every rank reads it).
                     grad_norm = self._optimizer.grad_norm
                 else:
-                    grad_norm = training.grad_norm(self._model.parameters())
-                    if self._opts.clip_grad_norm is not None:
-                        training.clip_grads_with_norm_(
-                            self._model.parameters(),
-                            self._opts.clip_grad_norm,
-                            grad_norm,
-                        )
+                    grad_norm = training.scale_and_clip_grads_(
+                        self._model.parameters(), max_norm=self._opts.clip_grad_norm
+                    )
                 # No-ops after an in-backward backward; the plain update otherwise.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

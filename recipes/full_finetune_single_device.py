@@ -43,14 +43,15 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
       ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
       update in backward takes (default 4; 0: each parameter on its own).
     - Loss normalization: a step's update is the gradient of the mean loss over every
-      target token of the step. Plain runs backpropagate the token sum of each batch
-      and divide the accumulated gradients by the step's token count; in-backward runs
-      backpropagate the batch's mean loss (there is one batch per step). Both compute
-      the same update, up to float rounding.
-    - Gradient accumulation (``gradient_accumulation_steps``) and clipping
-      (``clip_grad_norm``; null means no clipping). ``grad_norm`` is logged in both
-      modes: the pre-clipping norm in plain runs, the norm the optimizer recorded in
-      in-backward runs.
+      target token of the step. Both modes backpropagate each batch's token sum and
+      divide the gradients by the step's token count: plain runs after accumulation,
+      in-backward runs inside backward (there is one batch per step), with the same
+      operations, so both compute the same numbers.
+    - Gradient accumulation (``gradient_accumulation_steps``, plain runs) and
+      clipping (``clip_grad_norm``; null means no clipping; ``inf`` measures and never
+      clips), in both modes: in-backward clipping is exact, at the price of a second
+      backward pass (see :meth:`~torchtune.training.OptimizerInBackward.backward`).
+      ``grad_norm``, logged in both modes, is the norm before clipping.
     - LR scheduling (``lr_scheduler``, optional).
     - Memory (``enable_activation_checkpointing``, ``enable_activation_offloading``).
     - ``torch.compile`` (``compile``): a bool compiles the model and the loss, as in
@@ -80,8 +81,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with clipping, gradient accumulation or
-            ``compile.optimizer_step``; fp16; a flag that is not a bool; ...) or by
+            (``optimizer_in_bwd=True`` with gradient accumulation,
+            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a flag that is not a bool; ...) or by
             :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``).
         RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
@@ -187,6 +188,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             partial(config.instantiate, cfg_optimizer),
             in_backward=self._optimizer_in_bwd,
             bucket_cap_mb=self._opts.bucket_cap_mb,
+            max_norm=self._opts.clip_grad_norm,
         )
 
     def _setup_data(
@@ -250,30 +252,29 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 loss, batch_tokens = self._loss_step(batch)
                 running_loss += loss.detach() * batch_tokens
                 num_tokens += batch_tokens
+                # Backward the token sum; the gradients are divided by the step's
+                # token count once it is known.
                 if self._optimizer_in_bwd:
-                    # Parameters are updated as their gradients arrive, so those must
-                    # already be means over the step's tokens: backward the batch mean.
-                    loss.backward()
+                    # One batch per step: its count is the step's. The optimizer
+                    # scales, clips and applies each gradient inside backward.
+                    self._optimizer.backward(
+                        loss * batch_tokens, grad_scale=1 / num_tokens
+                    )
                 else:
-                    # Backward the token sum; the gradients are divided by the step's
-                    # token count after accumulation, when that count is known.
                     (loss * batch_tokens).backward()
                 del loss
                 if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
-                    # The update already happened; backward recorded the norm.
+                    # The update already happened; backward measured the gradients.
                     grad_norm = self._optimizer.grad_norm
                 else:
-                    training.scale_grads(self._model, 1 / num_tokens)
-                    grad_norm = training.grad_norm(self._model.parameters())
-                    if self._opts.clip_grad_norm is not None:
-                        training.clip_grads_with_norm_(
-                            self._model.parameters(),
-                            self._opts.clip_grad_norm,
-                            grad_norm,
-                        )
+                    grad_norm = training.scale_and_clip_grads_(
+                        self._model.parameters(),
+                        1 / num_tokens,
+                        self._opts.clip_grad_norm,
+                    )
                 # A no-op after an in-backward backward.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

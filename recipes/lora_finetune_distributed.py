@@ -84,15 +84,16 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
       update in backward takes (default 4; 0: each parameter on its own).
     - Loss normalization: a step's update is the gradient of the mean loss over every
       target token the step sees on all processes. Each process backpropagates its
-      token sum; plain runs divide the accumulated gradients by the all-reduced token
-      count, in-backward runs divide the loss by it before backward (there is one
-      batch per step). Both multiply by the world size, which undoes FSDP's average
-      over processes, and compute the same update up to float rounding.
-    - Gradient accumulation (``gradient_accumulation_steps``; the global batch is
-      ``batch_size * processes * gradient_accumulation_steps``) and clipping
-      (``clip_grad_norm``; null means no clipping). ``grad_norm`` is logged in both
-      modes: the pre-clipping norm in plain runs, the norm the optimizer recorded in
-      in-backward runs.
+      token sum, and the gradients are multiplied by ``world_size / all-reduced token
+      count`` (the world size undoes FSDP's average over processes): after
+      accumulation in plain runs, inside backward in in-backward runs (one batch per
+      step), with the same operations, so both compute the same numbers.
+    - Gradient accumulation (``gradient_accumulation_steps``, plain runs; the global
+      batch is ``batch_size * processes * gradient_accumulation_steps``) and clipping
+      (``clip_grad_norm``; null means no clipping; ``inf`` measures and never clips),
+      in both modes: in-backward clipping is exact, at the price of a second backward
+      pass (see :meth:`~torchtune.training.OptimizerInBackward.backward`).
+      ``grad_norm``, logged in both modes, is the norm before clipping.
     - LR scheduling (``lr_scheduler``, optional).
     - Memory (``enable_activation_checkpointing``, ``enable_activation_offloading``).
     - ``torch.compile`` (``compile``): a bool compiles the model and the loss, as in
@@ -131,8 +132,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with clipping, gradient accumulation or
-            ``compile.optimizer_step``; fp16; a flag that is not a bool; an optimizer
+            (``optimizer_in_bwd=True`` with gradient accumulation,
+            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a flag that is not a bool; an optimizer
             FSDP2 cannot train or checkpoint, see ``training.check_fsdp_optimizer``;
             ...) or by :class:`~torchtune.training.CheckpointClient`
             (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``).
@@ -288,6 +289,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             partial(config.instantiate, cfg_optimizer),
             in_backward=self._optimizer_in_bwd,
             bucket_cap_mb=self._opts.bucket_cap_mb,
+            max_norm=self._opts.clip_grad_norm,
         )
 
     def _setup_data(
@@ -361,30 +363,29 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 running_loss += loss.detach()
                 num_tokens += batch_tokens
                 if self._optimizer_in_bwd:
-                    # Parameters are updated as their gradients arrive, so those must
-                    # already be means over the step's tokens on all ranks; world_size
-                    # undoes FSDP's average of the gradients over ranks.
+                    # One batch per step: its global token count is the step's. The
+                    # optimizer scales, clips and applies each gradient in backward.
                     torch.distributed.all_reduce(num_tokens)
-                    loss = loss * (self.world_size / num_tokens)
-                loss.backward()
+                    self._optimizer.backward(
+                        loss, grad_scale=self.world_size / num_tokens
+                    )
+                else:
+                    loss.backward()
                 del loss
                 if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
-                    # The update already happened; backward recorded the norm (a
-                    # collective: every rank reads it).
+                    # The update already happened; backward measured the gradients
+                    # (a collective: every rank reads it).
                     grad_norm = self._optimizer.grad_norm
                 else:
                     torch.distributed.all_reduce(num_tokens)
-                    training.scale_grads(self._model, self.world_size / num_tokens)
-                    grad_norm = training.grad_norm(self._model.parameters())
-                    if self._opts.clip_grad_norm is not None:
-                        training.clip_grads_with_norm_(
-                            self._model.parameters(),
-                            self._opts.clip_grad_norm,
-                            grad_norm,
-                        )
+                    grad_norm = training.scale_and_clip_grads_(
+                        self._model.parameters(),
+                        self.world_size / num_tokens,
+                        self._opts.clip_grad_norm,
+                    )
                 # A no-op after an in-backward backward.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

@@ -73,6 +73,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
       passes (plain runs only). The loss backpropagated is the mean over each backward
       pass's trajectories divided by ``gradient_accumulation_steps``, the same in both
       modes, so the two compute the same updates.
+    - Gradient clipping (``clip_grad_norm``, over both models' gradients together;
+      null, the default, means no clipping), in both modes: in-backward clipping is
+      exact, at the price of a second backward pass.
     - Generation (``max_generated_tokens``, ``temperature``, ``top_k``,
       ``enable_kv_cache``, ``stop_token_ids``), reward shaping
       (``min_response_length``, ``penalise_no_eos``, ``reward_penalty``, ``kl_coeff``),
@@ -349,6 +352,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             partial(config.instantiate, cfg_optimizer),
             in_backward=self._optimizer_in_bwd,
             bucket_cap_mb=self._opts.bucket_cap_mb,
+            max_norm=self._opts.clip_grad_norm,
         )
 
     def _setup_data(
@@ -746,10 +750,14 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 )
 
                 if self._optimizer_in_bwd:
-                    # The update already happened; backward recorded the norm.
+                    # The update already happened; backward measured the gradients.
                     grad_norms.append(self._optimizer.grad_norm)
                 else:
-                    grad_norms.append(training.grad_norm(self._trainable_params()))
+                    grad_norms.append(
+                        training.scale_and_clip_grads_(
+                            self._trainable_params(), max_norm=self._opts.clip_grad_norm
+                        )
+                    )
                 # A no-op after an in-backward backward.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -813,8 +821,11 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             padding_masks=~trajectory.response_padding_masks,
             value_padding_masks=~trajectory.value_padding_masks,
         )
-        # With optimizer_in_bwd this updates both models' parameters.
-        (loss / self._gradient_accumulation_steps).backward()
+        if self._optimizer_in_bwd:
+            # Clips and applies both models' gradients inside backward.
+            self._optimizer.backward(loss / self._gradient_accumulation_steps)
+        else:
+            (loss / self._gradient_accumulation_steps).backward()
 
         with torch.no_grad():
             approx_policy_kls = (

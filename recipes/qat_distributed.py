@@ -62,7 +62,10 @@ class QATRecipeDistributed(FTRecipeInterface):
         - Precision: fp32 or bf16 (``dtype``). fp16 is refused.
         - Gradient accumulation: the global batch is
           ``batch_size * ranks * gradient_accumulation_steps``.
-        - Gradient clipping (``clip_grad_norm``). ``grad_norm`` is logged in every mode.
+        - Gradient clipping (``clip_grad_norm``; ``inf`` measures and never clips),
+          in every mode: in-backward clipping is exact, at the price of a second
+          backward pass. ``grad_norm``, logged in every mode, is the norm before
+          clipping.
         - An optional ``lr_scheduler``; without one the lr stays constant.
         - Checkpointing at the end of every epoch, written by rank 0 through the
           configured checkpointer; intermediate checkpoints carry the optimizer and
@@ -89,7 +92,8 @@ class QATRecipeDistributed(FTRecipeInterface):
 
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with clipping or gradient accumulation; fp16;
+            (``optimizer_in_bwd=True`` with gradient accumulation, or clipping and
+            activation offloading; fp16;
             a flag that is not a bool; an optimizer FSDP2 cannot train or
             checkpoint, see ``training.check_fsdp_optimizer``; ...) or by
             :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
@@ -272,6 +276,7 @@ class QATRecipeDistributed(FTRecipeInterface):
             functools.partial(config.instantiate, cfg_optimizer),
             in_backward=self._optimizer_in_bwd,
             bucket_cap_mb=self._opts.bucket_cap_mb,
+            max_norm=self._opts.clip_grad_norm,
         )
 
     def _setup_data(
@@ -323,9 +328,9 @@ class QATRecipeDistributed(FTRecipeInterface):
     def train(self) -> None:
         """
         The training loop. Each step sums ``token-mean loss * tokens`` over its
-        batches and normalizes by the step's global token count: before backward with
-        an in-backward optimizer (it updates during backward), on the gradients after
-        accumulation otherwise.
+        batches and multiplies the gradients by ``world_size / global token count``
+        (FSDP averages them over ranks): inside backward with an in-backward
+        optimizer (it updates during backward), after accumulation otherwise.
         """
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
@@ -372,29 +377,28 @@ class QATRecipeDistributed(FTRecipeInterface):
                 del logits  # frees the logits before backward's peak
                 running_loss += loss.detach()
                 if self._optimizer_in_bwd:
-                    # Parameters are updated inside backward, so the loss must already
-                    # be divided by the step's global token count. FSDP averages the
-                    # gradients over ranks; world_size undoes that average.
+                    # One batch per step: its global token count is the step's. The
+                    # optimizer scales, clips and applies each gradient in backward.
                     torch.distributed.all_reduce(num_tokens)
-                    loss = loss * (self.world_size / num_tokens)
-                loss.backward()
+                    self._optimizer.backward(
+                        loss, grad_scale=self.world_size / num_tokens
+                    )
+                else:
+                    loss.backward()
                 if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
                     # Updates already happened; the optimizer measured the gradients
-                    # it consumed (a collective: every rank reads it).
+                    # it used (a collective: every rank reads it).
                     grad_norm = self._optimizer.grad_norm
                 else:
                     torch.distributed.all_reduce(num_tokens)
-                    training.scale_grads(self._model, self.world_size / num_tokens)
-                    grad_norm = training.grad_norm(self._model.parameters())
-                    if self._opts.clip_grad_norm is not None:
-                        training.clip_grads_with_norm_(
-                            self._model.parameters(),
-                            self._opts.clip_grad_norm,
-                            grad_norm,
-                        )
+                    grad_norm = training.scale_and_clip_grads_(
+                        self._model.parameters(),
+                        self.world_size / num_tokens,
+                        self._opts.clip_grad_norm,
+                    )
                 # No-ops after an in-backward backward; the plain update otherwise.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

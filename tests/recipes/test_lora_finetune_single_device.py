@@ -20,34 +20,20 @@ Tolerances:
   mode, fp32 or bf16, and a resumed run's first step in any mode): the same CPU
   kernels see the same values, so losses, grad norms and adapters must be bitwise
   equal: ``rtol=0, atol=0``.
-- In-backward against plain in fp32 (and a resume that switches mode): the
-  gradients differ by float rounding only. In-backward backpropagates the batch's
-  mean loss; plain backpropagates ``mean * tokens`` and multiplies the gradients by
-  ``1 / tokens`` (and, with accumulation, sums two half batches): about one ulp per
-  gradient entry. Measured: losses 2.3e-7 (AdamW) and 8.2e-8 (SGD) relative,
-  checked at ``rtol=2e-6`` and ``1e-6``; grad norms (summed per bucket in backward,
-  against ``get_total_norm``) 2.2e-7, ``rtol=2e-6``. A real error is far larger:
-  0.6.1 backpropagated ``mean * tokens`` in-backward, a learning rate ~100x too
-  high for SGD, which moves the second loss by more than 1e-2 relative.
-- The final adapters of the two modes: AdamW divides each entry by its own
-  sqrt(second moment), so the rounding of a small gradient entry moves its weight by
-  more than the loss moves. Measured at most 5.7e-7 (AdamW, six steps) and 1.0e-7
-  (SGD) absolute on weights up to 1.5e-2: ``atol=5e-6`` and ``1e-6``; 3.0e-8 after
-  the three steps that follow a mode-switching resume: ``atol=3e-7``.
-- DoRA and QLoRA with activation checkpointing, in-backward against plain (4
-  steps): losses 7.7e-8 and 1.7e-7, grad norms 1.2e-7 and 1.0e-6 relative, checked
-  at about ten times that. In their adapters a single entry whose gradient is a
-  near-cancelling sum carries a rounding far above an ulp, which AdamW passes on at
-  full size (measured: one DoRA magnitude of 0.21 off by 1.4e-5; one QLoRA ``lora_b``
-  entry of at most 1.2e-2 off by 2.2e-4, the same without activation
-  checkpointing), so the adapters are compared in norm: they differ by 2.1e-6
-  (DoRA) and 7.3e-5 (QLoRA) of their norm, checked at ``2e-5`` and ``7e-4``.
-- In-backward against plain in bf16: the same arithmetic rounded to bf16 (8
-  significant bits), so the gradient entries differ by a bf16 ulp, not an fp32 one.
-  Measured over four steps: losses 2.2e-5 relative (``rtol=2e-4``), grad norms
-  2.4e-3 (``rtol=2e-2``); single adapter entries move by whole AdamW updates the
-  other way (a gradient entry near zero takes its sign from rounding), so the
-  adapters are compared in norm: they differ by 0.4% of their norm, checked at 4%.
+- In-backward against plain, fp32 and bf16, DoRA and QLoRA with activation
+  checkpointing, and a resume that switches mode: both backpropagate
+  ``mean * tokens``, multiply the gradients by ``1 / tokens``, measure them and clip
+  them with the same operations (in-backward inside backward, per bucket), so
+  losses, grad norms and adapters are bitwise equal. The AdamW runs clip at
+  ``CLIP``, which their grad norm crosses (some steps clip, some do not); the bf16,
+  DoRA and QLoRA runs do not clip.
+- SGD with gradient accumulation (plain: two half batches of 4 per step) against
+  in-backward (one batch of 8): the same examples, but the half batches' token sums
+  are added before the division, so the gradients differ by float rounding, about an
+  ulp per entry. Measured: losses 8.2e-8 relative, ``rtol=1e-6``; grad norms
+  2.2e-7, ``rtol=2e-6``; adapters 1.0e-7 absolute, ``atol=1e-6``. A real error is
+  far larger: 0.6.1 backpropagated ``mean * tokens`` in-backward, a learning rate
+  ~100x too high for SGD, which moves the second loss by more than 1e-2 relative.
 - The merged checkpoint against the adapter model it came from: ``x (W + s B A)^T``
   against ``x W^T + s (x A^T) B^T`` is the same sum in a different order, a few fp32
   ulps per layer: measured 3.0e-7 at most on logits up to 0.61, ``atol=3e-6``.
@@ -73,7 +59,6 @@ from tests.recipes.utils import (
     REPO_ROOT,
     TuneRun,
     assert_same_steps,
-    assert_same_update,
     assert_series_close,
     assert_steps,
     assert_weights_close,
@@ -95,34 +80,17 @@ ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
 EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
 EXACT = {"rtol": 0.0, "atol": 0.0}
-# In-backward vs plain, measured differences in comments (module docstring).
-LOSS_ACROSS_MODES = {
-    "adamw_cosine_warmup": {"rtol": 2e-6, "atol": 0.0},  # 2.3e-7
-    "sgd_momentum": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
-}
-GRAD_NORM_ACROSS_MODES = {"rtol": 2e-6, "atol": 0.0}  # 2.2e-7
-ADAPTER_ACROSS_MODES = {
-    "adamw_cosine_warmup": {"rtol": 0.0, "atol": 5e-6},  # 5.7e-7
-    "sgd_momentum": {"rtol": 0.0, "atol": 1e-6},  # 1.0e-7
-}
-RESUMED_ADAPTER_ACROSS_MODES = {"rtol": 0.0, "atol": 3e-7}  # 3.0e-8
-BF16_LOSS_ACROSS_MODES = {"rtol": 2e-4, "atol": 0.0}  # 2.2e-5
-BF16_GRAD_NORM_ACROSS_MODES = {"rtol": 2e-2, "atol": 0.0}  # 2.4e-3
-BF16_ADAPTER_ACROSS_MODES = 0.04  # 0.004 of the adapter's norm
-# DoRA and QLoRA with activation checkpointing, in-backward vs plain: loss and
-# grad_norm relative; the adapters in norm, relative to their own norm.
-VARIANT_ACROSS_MODES = {
-    "dora": {
-        "loss": {"rtol": 8e-7, "atol": 0.0},  # 7.7e-8
-        "grad_norm": {"rtol": 1.2e-6, "atol": 0.0},  # 1.2e-7
-        "adapter": 2e-5,  # 2.1e-6
-    },
-    "qlora": {
-        "loss": {"rtol": 2e-6, "atol": 0.0},  # 1.7e-7
-        "grad_norm": {"rtol": 1e-5, "atol": 0.0},  # 1.0e-6
-        "adapter": 7e-4,  # 7.3e-5
+# In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
+ACROSS_MODES = {
+    "adamw_cosine_warmup": {"loss": EXACT, "grad_norm": EXACT, "adapter": EXACT},
+    "sgd_momentum": {
+        "loss": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
+        "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.2e-7
+        "adapter": {"rtol": 0.0, "atol": 1e-6},  # 1.0e-7
     },
 }
+# The grad norm the AdamW and SGD runs clip at: the tiny adapters' norms cross it.
+CLIP = 0.8
 SHARD = "model-00001-of-00001.safetensors"
 # The tiny config's adapters.
 LORA_KWARGS = {
@@ -147,10 +115,10 @@ def tune_run_here(
     return run_tune_in_process(RECIPE, config, overrides, output_dir)
 
 
-def _mode_overrides(optimizer_in_bwd: bool) -> dict[str, object]:
-    # clip_grad_norm=null is given on the command line on purpose: it must mean
-    # "no clipping", which in-backward runs accept.
-    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": None}
+def _mode_overrides(
+    optimizer_in_bwd: bool, clip_grad_norm: float | None = CLIP
+) -> dict[str, object]:
+    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": clip_grad_norm}
 
 
 def _name(optimizer_in_bwd: bool) -> str:
@@ -225,7 +193,7 @@ def sgd_runs(
         "optimizer_in_bwd": False,
         "batch_size": 4,
         "gradient_accumulation_steps": 2,
-        "clip_grad_norm": 1e6,
+        "clip_grad_norm": CLIP,
     }
     bwd = {"batch_size": 8, **_mode_overrides(True)}
     return {
@@ -279,17 +247,21 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
     steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
     # The loss must move, or equal losses would prove nothing.
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "loss", steps, **LOSS_ACROSS_MODES[optimizer])
+    tolerances = ACROSS_MODES[optimizer]
+    assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
     assert_series_close(bwd, plain, "lr", steps, **EXACT)
     # Both modes log the norm of the same normalized gradients (in-backward: the one
     # the optimizer recorded during backward, read before step(): 0 had no update
-    # run inside backward); the norm sums squares in a different order.
+    # run inside backward).
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **GRAD_NORM_ACROSS_MODES)
+    assert_series_close(bwd, plain, "grad_norm", steps, **tolerances["grad_norm"])
+    if adamw:
+        norms = series(plain, "grad_norm", steps)
+        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
     # The adapters each mode ends with, after the last update too.
     epoch = 1 if adamw else 0
     assert_weights_close(
-        _adapter(bwd, epoch), _adapter(plain, epoch), **ADAPTER_ACROSS_MODES[optimizer]
+        _adapter(bwd, epoch), _adapter(plain, epoch), **tolerances["adapter"]
     )
     for run in (plain, bwd):
         for values in run.metrics.values():
@@ -320,17 +292,10 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
     # The first step's forward runs on the same weights whatever the mode.
     assert_series_close(resumed, uninterrupted, "loss", steps[:1], **EXACT)
-    same_mode = source == target
-    across = LOSS_ACROSS_MODES["adamw_cosine_warmup"]
-    assert_series_close(
-        resumed, uninterrupted, "loss", steps, **(EXACT if same_mode else across)
-    )
+    # Bitwise in either mode (module docstring).
+    assert_series_close(resumed, uninterrupted, "loss", steps, **EXACT)
     # And it ends with the uninterrupted run's adapter, after all three updates.
-    assert_weights_close(
-        _adapter(resumed, 1),
-        _adapter(uninterrupted, 1),
-        **(EXACT if same_mode else RESUMED_ADAPTER_ACROSS_MODES),
-    )
+    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
 
 
 def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
@@ -604,7 +569,7 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
                     # Recomputing activations in backward must not upset the
                     # in-backward updates, which run as each gradient is accumulated.
                     "enable_activation_checkpointing": True,
-                    **_mode_overrides(bwd),
+                    **_mode_overrides(bwd, clip_grad_norm=None),
                     **_variant_overrides(variant, qlora_checkpoint_dir),
                 },
                 tmp_path / _name(bwd),
@@ -620,10 +585,9 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
     assert all(n > 0 and left == 0 for n, left in left_for_step), left_for_step
     # The norm in-backward logs was recorded as the hooks updated the parameters,
     # before step(): it is the plain run's norm only if every update ran in backward.
-    tolerances = VARIANT_ACROSS_MODES[variant]
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **tolerances["grad_norm"])
-    assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
+    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
+    assert_series_close(bwd, plain, "loss", steps, **EXACT)
     num_layers = (
         QLORA_MODEL_KWARGS["num_layers"]
         if variant == "qlora"
@@ -635,8 +599,7 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
         lora_b = [v for k, v in adapter.items() if "lora_b" in k]
         assert len(lora_b) == _num_lora_b(num_layers), sorted(adapter)
         assert all(v.abs().max() > 0 for v in lora_b)
-    # In norm (module docstring): single entries differ by far more than an ulp.
-    assert_same_update(adapters["bwd"], adapters["plain"], rtol=tolerances["adapter"])
+    assert_weights_close(adapters["bwd"], adapters["plain"], **EXACT)
 
 
 BF16_STEPS_PER_EPOCH = 2
@@ -659,7 +622,7 @@ def bf16_runs(
     runs = {
         _name(bwd): tune_run_here(
             CONFIG,
-            overrides | _mode_overrides(bwd),
+            overrides | _mode_overrides(bwd, clip_grad_norm=None),
             tmp_path_factory.mktemp(f"bf16_{_name(bwd)}"),
         )
         for bwd in (False, True)
@@ -669,27 +632,27 @@ def bf16_runs(
         shutil.copytree(runs["bwd"].output_dir / part, out / part)
     runs["resumed"] = tune_run_here(
         CONFIG,
-        overrides | _mode_overrides(True) | {"resume_from_checkpoint": True},
+        overrides
+        | _mode_overrides(True, clip_grad_norm=None)
+        | {"resume_from_checkpoint": True},
         out,
     )
     return runs
 
 
-def test_bf16_in_backward_trains_as_plain_within_bf16_rounding(
+def test_bf16_in_backward_trains_as_plain_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
     steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
     assert_series_close(bwd, plain, "lr", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **BF16_LOSS_ACROSS_MODES)
+    assert_series_close(bwd, plain, "loss", steps, **EXACT)
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **BF16_GRAD_NORM_ACROSS_MODES)
+    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
     adapter = _adapter(bwd, 1)
     assert all(w.dtype == torch.bfloat16 for w in adapter.values())
-    # Compared in norm (module docstring): lora_b starts at zero, so for it this is
-    # the update itself.
-    assert_same_update(adapter, _adapter(plain, 1), rtol=BF16_ADAPTER_ACROSS_MODES)
+    assert_weights_close(adapter, _adapter(plain, 1), **EXACT)
 
 
 def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(

@@ -69,12 +69,20 @@ REFUSALS = {
         "optimizer_in_bwd=2 is not a bool: set optimizer_in_bwd=True or "
         "optimizer_in_bwd=False.",
     ),
-    "in-backward with clipping": (
-        IN_BWD | {"clip_grad_norm": 1.0},
+    "in-backward clipping with activation offloading": (
+        IN_BWD
+        | {
+            "clip_grad_norm": 1.0,
+            "enable_activation_checkpointing": True,
+            "enable_activation_offloading": True,
+        },
         ValueError,
-        "optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: the global "
-        "gradient norm is only known after backward, when in-backward updates have "
-        "already happened. Set clip_grad_norm=null or optimizer_in_bwd=False.",
+        "optimizer_in_bwd=True with clip_grad_norm=1.0 cannot be combined with "
+        "enable_activation_offloading=True: clipping inside backward runs backward "
+        "twice over the same graph (once to measure the global norm, once to update), "
+        "and activation offloading frees each activation after its first use. Set "
+        "enable_activation_offloading=False, clip_grad_norm=null, or "
+        "optimizer_in_bwd=False.",
     ),
     "in-backward with gradient accumulation": (
         IN_BWD | {"gradient_accumulation_steps": 4},

@@ -65,12 +65,15 @@ from torchtune.training.checkpointing._step_checkpointer import (
     StepCheckpointer,
     restore_rng_state,
 )
+from torchtune.training.gradients import (
+    clip_grads_with_norm_,
+    grad_norm,
+    scale_and_clip_grads_,
+)
 from torchtune.training.loop import (
     StepLogger,
-    clip_grads_with_norm_,
     compile_optimizer_step,
     epoch_batches,
-    grad_norm,
     setup_loss,
     setup_lr_scheduler,
     setup_profiler,
@@ -182,6 +185,7 @@ __all__ = [
     "compile_optimizer_step",
     "epoch_batches",
     "grad_norm",
+    "scale_and_clip_grads_",
     "setup_loss",
     "setup_lr_scheduler",
     "setup_profiler",

@@ -1,7 +1,7 @@
 """What every recipe's training loop repeats, once: the batches of an epoch (with
-the profiler and the CUDA memory snapshot), the global gradient
-norm and clipping, the LR scheduler of a resumed run, the profiler's setup, and
-showing and logging each step (:class:`StepLogger`).
+the profiler and the CUDA memory snapshot), the LR scheduler of a resumed run, the
+profiler's setup, and showing and logging each step (:class:`StepLogger`). The
+gradient norm and clipping are in :mod:`torchtune.training.gradients`.
 
 The forward, loss and backward of a step stay in each recipe, where a user edits
 them after ``tune cp``; these helpers take plain Python values, so they can be
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
@@ -36,61 +34,6 @@ log = utils.get_logger("DEBUG")
 
 # (first, last) batch index of the profiler's active steps in epoch 0, or None.
 MemoryWindow = tuple[int, int] | None
-
-
-def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the parameters' gradients, as ``clip_grad_norm_``
-    measures it, also for a model that mixes DTensors of several device meshes
-    with plain tensors (tensor parallelism leaves some parameters unsharded, and
-    ``clip_grad_norm_`` refuses such a mix).
-
-    DTensor gradients are reduced per mesh; a plain tensor's local norm is already
-    global (it is replicated). With plain tensors only, the result is bitwise
-    ``torch.nn.utils.get_total_norm`` of the gradients.
-
-    Args:
-        parameters (Iterable[nn.Parameter]): the parameters; those without a gradient
-            are left out.
-
-    Returns:
-        torch.Tensor: the norm, a scalar tensor (0 when no parameter has a gradient).
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.ones(4))
-        >>> p.grad = torch.full((4,), 2.0)
-        >>> grad_norm([p])
-        tensor(4.)
-    """
-    grads_by_mesh = defaultdict(list)
-    for p in parameters:
-        if p.grad is not None:
-            grads_by_mesh[getattr(p.grad, "device_mesh", None)].append(p.grad)
-    if not grads_by_mesh:
-        return torch.zeros(())
-    norms = [nn.utils.get_total_norm(grads) for grads in grads_by_mesh.values()]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    if len(norms) == 1:
-        return norms[0]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def clip_grads_with_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor
-) -> None:
-    """Scale the gradients in place so that their global norm is at most
-    ``max_norm``, given that norm (from :func:`grad_norm`): ``clip_grad_norm_``'s
-    rule, ``clamp(max_norm / (total_norm + 1e-6), max=1)``, for DTensor and plain
-    gradients alike.
-
-    Args:
-        parameters (Iterable[nn.Parameter]): the parameters whose gradients to scale.
-        max_norm (float): the largest norm allowed.
-        total_norm (torch.Tensor): the gradients' global norm.
-    """
-    clip_coef = (float(max_norm) / (total_norm + 1e-6)).clamp(max=1.0)
-    for p in parameters:
-        if p.grad is not None:
-            p.grad *= clip_coef.to(p.grad.device)
 
 
 def steps_per_epoch(

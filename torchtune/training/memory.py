@@ -18,18 +18,24 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from typing import Any, TypeAlias
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torchtune.training.gradients import (
+    GradNorm,
+    clip_coefficient,
+    scale_grads_,
+    tensor_norms,
+    total_norm,
+)
 from torchtune.utils import get_device_support, get_logger, log_rank_zero
 
 _log: logging.Logger = get_logger()
@@ -417,14 +423,22 @@ class OptimizerInBackward(Optimizer):
     twice or left with an optimizer that never runs. :meth:`remove_hooks` detaches
     an instance from backward altogether.
 
+    Scaling and clipping gradients, which a plain loop does between ``backward()``
+    and ``step()``, happen inside :meth:`backward`: ``optimizer.backward(loss,
+    grad_scale=s)`` multiplies every gradient by ``s`` before it is used, and with
+    ``max_norm`` set it clips them by their global norm, exactly as
+    ``clip_grad_norm_`` does, at the price of a second backward pass. The result is
+    bitwise what the plain optimizer computes after ``loss.backward()``,
+    :func:`~torchtune.training.scale_and_clip_grads_` and ``step()``.
+
     .. warning::
         After ``backward()`` the ``.grad`` of every parameter this optimizer updates is
-        ``None``: the gradient was used and freed inside backward. Gradient clipping
-        cannot be combined with it (the global norm is only known once backward is
-        over, after the updates), and neither can gradient accumulation over several
-        backward passes (every backward pass updates the parameters). Scale the loss
-        before ``backward()`` instead of scaling gradients after it. If backward
-        raises, the buckets it updated before the error stay updated.
+        ``None``: the gradient was used and freed inside backward. Gradient
+        accumulation over several backward passes cannot be combined with it (every
+        backward pass updates the parameters). With ``max_norm`` set, a plain
+        ``loss.backward()`` raises before anything is updated: only
+        :meth:`backward` knows the norm in time. If backward raises, the buckets it
+        updated before the error stay updated.
 
     .. note::
         :meth:`step` and :meth:`zero_grad` can be called in the training loop exactly
@@ -447,12 +461,15 @@ class OptimizerInBackward(Optimizer):
             is a bucket of its own. ``0`` updates each parameter on its own, for the
             lowest memory. ``None`` means :data:`DEFAULT_BUCKET_CAP_MB`.
             Default: ``None``
+        max_norm (float | None): clip gradients to this global L2 norm in
+            :meth:`backward` (also settable later as :attr:`max_norm`). ``None`` or
+            ``inf``: no clipping. Default: ``None``
         **optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
 
     Raises:
         TypeError: if ``optimizer_cls`` does not return a ``torch.optim.Optimizer``.
-        ValueError: if ``params`` is empty, or ``bucket_cap_mb`` is not a number
-            ``>= 0``.
+        ValueError: if ``params`` is empty, ``bucket_cap_mb`` is not a number
+            ``>= 0``, or ``max_norm`` is not a positive number.
 
     Example:
         >>> optimizer = OptimizerInBackward(
@@ -489,12 +506,21 @@ class OptimizerInBackward(Optimizer):
         optimizer_cls: Callable[..., Optimizer],
         *,
         bucket_cap_mb: float | None = None,
+        max_norm: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         params = list(params)
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
         cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
+        if max_norm is not None and not (
+            isinstance(max_norm, int | float)
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+        ):
+            raise ValueError(
+                f"max_norm must be a positive number or None, got {max_norm!r}"
+            )
         optimizer = optimizer_cls(params, **optimizer_kwargs)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -504,6 +530,7 @@ class OptimizerInBackward(Optimizer):
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = optimizer_kwargs
         self._wrap(optimizer, bucket_cap_bytes=cap_bytes)
+        self.max_norm = max_norm
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names this object does not have. Public ones are the
@@ -558,10 +585,20 @@ class OptimizerInBackward(Optimizer):
         self._flush_task: int | None = None
         # Parameter -> the param group that holds it.
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
-        # The norm of every gradient used since zero_grad() (of its local shard for a
-        # DTensor), keyed by how to reduce them across ranks (None for plain
-        # tensors, (mesh, mesh dims) for DTensors) and by device.
-        self._grad_norms: dict[Any, list[torch.Tensor]] = {}
+        # The norm of every gradient used since zero_grad(), by parameter, in the
+        # order they arrived; grad_norm combines them in parameter order.
+        self._grad_norms: dict[torch.Tensor, list[GradNorm]] = {}
+        #: The largest global gradient norm: with a number, :meth:`backward` clips
+        #: the gradients to it, exactly as ``clip_grad_norm_`` would, before they
+        #: are used. ``None``: no clipping.
+        self.max_norm: float | None = None
+        # What backward() is doing: None outside it, "measure" in the pass that only
+        # measures the gradients, "update" in the pass that updates.
+        self._phase: str | None = None
+        # Inside backward(): the factor every gradient is multiplied by first, and the
+        # clip coefficient of the measuring pass, applied in the updating pass.
+        self._grad_scale: torch.Tensor | float | None = None
+        self._clip_coef: torch.Tensor | None = None
         #: Whether updates record their gradients' norms for :attr:`grad_norm`. A
         #: training loop that logs only every few steps can turn it off before the
         #: backward passes of the others, to skip one read of every gradient.
@@ -702,6 +739,16 @@ class OptimizerInBackward(Optimizer):
         bucket = self._bucket_of.get(param)
         if param.grad is None or bucket is None:
             return
+        if self._phase is None and self._clips:
+            raise RuntimeError(
+                f"This OptimizerInBackward clips gradients (max_norm={self.max_norm}), "
+                "so it cannot update inside a plain loss.backward(): the global norm "
+                "is not known yet. Call optimizer.backward(loss) instead, or set "
+                "optimizer.max_norm = None to train without clipping."
+            )
+        if self._phase == "measure":
+            self._measure(param)
+            return
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params):
             self._update(bucket)
@@ -725,15 +772,35 @@ class OptimizerInBackward(Optimizer):
                 self._update(bucket)
 
     @torch.no_grad()
+    def _measure(self, param: torch.Tensor) -> None:
+        """In the measuring pass of a clipped :meth:`backward`: scale the gradient,
+        record its norm and free it."""
+        grad = param.grad
+        if self._grad_scale is not None:
+            scale_grads_([grad], self._grad_scale)
+        self._grad_norms.setdefault(param, []).extend(tensor_norms([grad]))
+        param.grad = None
+
+    @torch.no_grad()
     def _update(self, bucket: _Bucket) -> None:
         """Step ``bucket``'s optimizer on the parameters that hold a gradient, then
-        free those gradients."""
+        free those gradients.
+
+        Each gradient gets what a plain step does to it after backward, with the
+        same operations: it is multiplied by the scale :meth:`backward` was given,
+        its norm is recorded, and it is multiplied by the clip coefficient."""
         bucket.ready.clear()
         params = [p for p in bucket.params if p.grad is not None]
         if not params:
             return
-        if self.record_grad_norm:
-            self._accumulate_grad_norm([p.grad for p in params])
+        grads = [p.grad for p in params]
+        if self._grad_scale is not None:
+            scale_grads_(grads, self._grad_scale)
+        if self._clip_coef is not None:
+            # The measuring pass recorded the norms.
+            scale_grads_(grads, self._clip_coef)
+        elif self.record_grad_norm:
+            self._record_norms(params)
         else:
             self._grad_norm_missing = True
         inner = bucket.optimizer
@@ -744,33 +811,20 @@ class OptimizerInBackward(Optimizer):
         for param in params:
             param.grad = None
 
-    def _accumulate_grad_norm(self, grads: list[torch.Tensor]) -> None:
-        by_key: dict[Any, list[torch.Tensor]] = {}
-        for grad in grads:
-            key = None
-            if isinstance(grad, DTensor):
-                if any(p.is_partial() for p in grad.placements):
-                    grad = grad.redistribute(
-                        placements=[
-                            Replicate() if p.is_partial() else p
-                            for p in grad.placements
-                        ]
-                    )
-                # Every mesh dim that is not replicated holds a different slice of
-                # the gradient. Test "not replicate" rather than is_shard(): FSDP
-                # over a tensor-parallel weight places a _StridedShard, whose
-                # is_shard() is False.
-                shard_dims = tuple(
-                    i for i, p in enumerate(grad.placements) if not p.is_replicate()
-                )
-                key = (grad.device_mesh, shard_dims) if shard_dims else None
-                grad = grad.to_local()
-            by_key.setdefault((key, grad.device), []).append(grad)
-        for key, local in by_key.items():
-            # One kernel over the bucket's gradients, in float32 whatever their
-            # dtype; the norms are combined only when grad_norm is read.
-            norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
-            self._grad_norms.setdefault(key, []).extend(norms)
+    def _record_norms(self, params: list[torch.Tensor]) -> None:
+        norms = tensor_norms([p.grad for p in params])
+        for param, norm in zip(params, norms, strict=True):
+            self._grad_norms.setdefault(param, []).append(norm)
+
+    def _total_norm(self, norms: Mapping[torch.Tensor, list[GradNorm]]) -> torch.Tensor:
+        """The global norm of the recorded gradients, combined in parameter order
+        as :func:`~torchtune.training.grad_norm` combines them."""
+        return total_norm(
+            norm
+            for group in self.param_groups
+            for p in group["params"]
+            for norm in norms.get(p, ())
+        )
 
     # -- torch.optim.Optimizer API -------------------------------------------------
 
@@ -830,8 +884,32 @@ class OptimizerInBackward(Optimizer):
                     self._attach([param])
                 bucket = self._bucket_of[param]
                 due[id(bucket)] = bucket
-        for bucket in due.values():
-            self._update(bucket)
+        if not self._clips or self._phase is not None:
+            for bucket in due.values():
+                self._update(bucket)
+            return
+        # Clip the gradients present, by their global norm, as clip_grad_norm_ would.
+        ours = {id(p) for bucket in due.values() for p in bucket.params}
+        params = [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None and id(p) in ours
+        ]
+        norms = {
+            p: [norm]
+            for p, norm in zip(
+                params, tensor_norms([p.grad for p in params]), strict=True
+            )
+        }
+        for param, entries in norms.items():
+            self._grad_norms.setdefault(param, []).extend(entries)
+        self._clip_coef = clip_coefficient(self.max_norm, self._total_norm(norms))
+        try:
+            for bucket in due.values():
+                self._update(bucket)
+        finally:
+            self._clip_coef = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and restart
@@ -848,15 +926,74 @@ class OptimizerInBackward(Optimizer):
         for bucket in self._buckets():
             bucket.ready.clear()
 
+    def backward(
+        self, loss: torch.Tensor, *, grad_scale: torch.Tensor | float | None = None
+    ) -> None:
+        """Backpropagate ``loss`` and update every parameter inside backward, with
+        each gradient first multiplied by ``grad_scale`` and, when :attr:`max_norm`
+        is set, clipped: the very numbers a plain optimizer computes after
+        ``loss.backward()``, ``training.scale_and_clip_grads_(params, grad_scale,
+        max_norm)`` and ``step()``.
+
+        Without clipping this is one backward pass. With clipping it is two over the
+        same graph: the first measures each gradient and frees it at once, so that
+        the global norm is known before any update; the second computes the
+        gradients again and updates each bucket with them scaled by
+        ``clamp(max_norm / (norm + 1e-6), max=1)``, ``clip_grad_norm_``'s rule. The
+        graph is kept between the two, so activations stay alive until the second
+        pass frees them, and the backward work doubles. A graph that cannot be run
+        twice (its saved tensors freed by a custom hook, as activation offloading
+        does) cannot be clipped this way.
+
+        Args:
+            loss (torch.Tensor): a scalar to backpropagate.
+            grad_scale (torch.Tensor | float | None): the factor every gradient is
+                multiplied by before it is measured and used, e.g. ``1 /
+                num_tokens`` when ``loss`` is a sum over tokens. ``None``: ``1``.
+                Default: ``None``
+
+        Raises:
+            RuntimeError: if called from inside another :meth:`backward`.
+        """
+        if self._phase is not None:
+            raise RuntimeError("OptimizerInBackward.backward() is already running")
+        self._grad_scale = grad_scale
+        try:
+            if not self._clips:
+                self._phase = "update"
+                loss.backward()
+                return
+            earlier, self._grad_norms = self._grad_norms, {}
+            self._phase = "measure"
+            loss.backward(retain_graph=True)
+            self._clip_coef = clip_coefficient(
+                self.max_norm, self._total_norm(self._grad_norms)
+            )
+            for param, norms in earlier.items():
+                self._grad_norms[param] = norms + self._grad_norms.get(param, [])
+            self._phase = "update"
+            loss.backward()
+        finally:
+            self._phase = None
+            self._grad_scale = None
+            self._clip_coef = None
+
+    @property
+    def _clips(self) -> bool:
+        # clip_grad_norm_ with an infinite max_norm multiplies by 1: nothing to do.
+        return self.max_norm is not None and self.max_norm != float("inf")
+
     @property
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of all gradients this optimizer used since the last
-        :meth:`zero_grad`, as a 0-dim float32 tensor (on the gradients' device; ``0.``
-        if there were none).
+        :meth:`zero_grad` (after ``grad_scale``, before clipping), as a 0-dim tensor
+        (``0.`` if there were none): bitwise what
+        :func:`~torchtune.training.grad_norm` returns on the same gradients after a
+        plain backward, as long as this optimizer's parameters are in the model's
+        order. Gradients are measured in their own dtype.
 
-        For DTensor parameters (FSDP2, tensor parallel) each rank adds up the squares of
-        its local shards and reading this property all-reduces them, so it must be read
-        on every rank, like any collective.
+        For DTensor parameters (FSDP2, tensor parallel) reading this property reduces
+        the norms across ranks, so it must be read on every rank, like any collective.
 
         Raises:
             RuntimeError: if some of those gradients were used while
@@ -868,21 +1005,7 @@ class OptimizerInBackward(Optimizer):
                 "while record_grad_norm was False. Set optimizer.record_grad_norm = "
                 "True before the backward passes of a step whose grad_norm you read."
             )
-        total: torch.Tensor | None = None
-        for (key, _), norms in self._grad_norms.items():
-            # As torch.nn.utils.get_total_norm: the norm of the stacked norms.
-            norm = torch.linalg.vector_norm(torch.stack(norms))
-            if key is None and len(self._grad_norms) == 1:
-                return norm
-            squared = norm.square()
-            if key is not None:
-                mesh, shard_dims = key
-                for mesh_dim in shard_dims:
-                    dist.all_reduce(squared, group=mesh.get_group(mesh_dim))
-            total = squared if total is None else total + squared.to(total.device)
-        if total is None:
-            return torch.zeros((), dtype=torch.float32)
-        return total.sqrt()
+        return self._total_norm(self._grad_norms)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's own ``state_dict()``: exactly what the plain
@@ -1000,6 +1123,7 @@ def build_optimizer(
     *,
     in_backward: bool = False,
     bucket_cap_mb: float | None = None,
+    max_norm: float | None = None,
 ) -> Optimizer:
     """The optimizer a recipe trains with: ``make_optimizer(params)``, or with
     ``in_backward`` an :class:`OptimizerInBackward` that runs the same class inside
@@ -1018,6 +1142,9 @@ def build_optimizer(
         in_backward (bool): update inside backward. Default: ``False``
         bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer
             call; ``None``: the default.
+        max_norm (float | None): with ``in_backward``, the global gradient norm
+            :meth:`OptimizerInBackward.backward` clips to; a plain optimizer's loop
+            clips after backward itself. Default: ``None``
 
     Returns:
         Optimizer: the optimizer.
@@ -1032,7 +1159,7 @@ def build_optimizer(
     params = list(params)
     if in_backward:
         optimizer = OptimizerInBackward(
-            params, make_optimizer, bucket_cap_mb=bucket_cap_mb
+            params, make_optimizer, bucket_cap_mb=bucket_cap_mb, max_norm=max_norm
         )
     else:
         optimizer = make_optimizer(params)

@@ -65,6 +65,7 @@ def check_optimizer_in_bwd_options(
     gradient_accumulation_steps: int = 1,
     compile_optimizer_step: bool = False,
     bucket_cap_mb: float | None = None,
+    enable_activation_offloading: bool = False,
 ) -> None:
     """Refuse recipe options that cannot work with ``optimizer_in_bwd=True``.
 
@@ -80,28 +81,33 @@ def check_optimizer_in_bwd_options(
             Default: ``False``
         bucket_cap_mb (float | None): the ``optimizer_in_bwd_bucket_cap_mb`` option;
             ``None`` means the default. Default: ``None``
+        enable_activation_offloading (bool): the ``enable_activation_offloading``
+            option. Default: ``False``
 
     Raises:
-        ValueError: if ``clip_grad_norm`` is set (the global gradient norm is only
-            known after backward, when the in-backward updates have happened), if
-            ``gradient_accumulation_steps != 1`` (each gradient is consumed as soon as
+        ValueError: if ``clip_grad_norm`` is set together with
+            ``enable_activation_offloading`` (clipping in backward runs backward
+            twice over one graph, and offloading frees its activations after the
+            first), if ``gradient_accumulation_steps != 1`` (each gradient is consumed as soon as
             it is ready), if ``compile_optimizer_step`` (in-backward updates run a
             bucket at a time inside autograd hooks), or if ``bucket_cap_mb`` is not
             a number ``>= 0``.
 
     Example:
-        >>> check_optimizer_in_bwd_options(clip_grad_norm=None)
         >>> check_optimizer_in_bwd_options(clip_grad_norm=1.0)
+        >>> check_optimizer_in_bwd_options(gradient_accumulation_steps=4)
         Traceback (most recent call last):
         ...
-        ValueError: optimizer_in_bwd=True cannot be combined with clip_grad_norm=1.0: ...
+        ValueError: optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: ...
     """
-    if clip_grad_norm is not None:
+    if clip_grad_norm is not None and enable_activation_offloading:
         raise ValueError(
-            "optimizer_in_bwd=True cannot be combined with "
-            f"clip_grad_norm={clip_grad_norm}: the global gradient norm is only known "
-            "after backward, when in-backward updates have already happened. Set "
-            "clip_grad_norm=null or optimizer_in_bwd=False."
+            f"optimizer_in_bwd=True with clip_grad_norm={clip_grad_norm} cannot be "
+            "combined with enable_activation_offloading=True: clipping inside "
+            "backward runs backward twice over the same graph (once to measure the "
+            "global norm, once to update), and activation offloading frees each "
+            "activation after its first use. Set enable_activation_offloading=False, "
+            "clip_grad_norm=null, or optimizer_in_bwd=False."
         )
     if gradient_accumulation_steps != 1:
         raise ValueError(
@@ -254,14 +260,25 @@ def _check_positive_int(key: str, value: object) -> None:
         raise ValueError(f"{key}={value!r} is not a positive integer.")
 
 
+def _clip_grad_norm_value(value: object) -> object:
+    # torchtune documents clip_grad_norm='inf' (measure and log the norm, never
+    # clip): a string that reads as a number is that number.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _check_clip_grad_norm(value: object) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(
             f"clip_grad_norm={value!r} is not a positive number: it is the largest "
-            "global gradient norm a step may use. Set it to a number > 0, or null "
-            "for no clipping."
+            "global gradient norm a step may use. Set it to a number > 0, inf to "
+            "measure the norm and never clip, or null for no clipping."
         )
 
 
@@ -357,6 +374,7 @@ class RecipeOptions:
                 gradient_accumulation_steps=self.gradient_accumulation_steps,
                 compile_optimizer_step=self.compile["optimizer_step"],
                 bucket_cap_mb=self.bucket_cap_mb,
+                enable_activation_offloading=self.enable_activation_offloading,
             )
         elif self.bucket_cap_mb is not None:
             log.warning(
@@ -444,7 +462,7 @@ class RecipeOptions:
             optimizer_in_bwd=cfg.get("optimizer_in_bwd", False),
             bucket_cap_mb=cfg.get("optimizer_in_bwd_bucket_cap_mb", None),
             gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
-            clip_grad_norm=cfg.get("clip_grad_norm", None),
+            clip_grad_norm=_clip_grad_norm_value(cfg.get("clip_grad_norm", None)),
             compile=parse_compile_config(cfg.get("compile", False)),
             enable_activation_checkpointing=cfg.get(
                 "enable_activation_checkpointing", False

@@ -8,10 +8,10 @@ on those reports. Run by hand with ``torchrun --nproc-per-node 2 -m
 tests.torchtune.training.optimizer_in_backward_scenarios OUT_DIR`` from the repo root.
 
 Tolerances: the in-backward and plain runs call the same kernels on the same values,
-in the same order per parameter, with the same reduce-scatter: parameters must agree
-bitwise (``rtol=0, atol=0``). Only ``grad_norm`` is compared with ``rtol=1e-6``: it
-adds up the squared norms of each rank's shards in the order the gradients arrive,
-which rounds differently from torch's order by a few float32 ulps.
+in the same order per parameter, with the same reduce-scatter, and the in-backward
+``grad_norm`` combines its per-parameter norms as the plain one does (in parameter
+order, reduced across ranks by DTensor): parameters and norms must agree bitwise
+(``rtol=0, atol=0``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def build_model(kind: str, seed: int = 0, width: int = 8) -> nn.Module:
+def build_model(
+    kind: str, seed: int = 0, width: int = 8, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """A small MLP, identical on every rank; FSDP2-sharded (one unit per linear) or
     a plain replica on each rank. ``width=64`` gives 64x128 weights, whose local
     shards (4096 elements on 2 ranks) are big enough for 8-bit optimizer state."""
@@ -77,7 +79,7 @@ def build_model(kind: str, seed: int = 0, width: int = 8) -> nn.Module:
         nn.Linear(hidden, hidden),
         nn.ReLU(),
         nn.Linear(hidden, width if width > 8 else 4),
-    )
+    ).to(dtype)
     if kind == "fsdp":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model:
@@ -199,8 +201,63 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
         assert_same_params(reference, model)
         assert len(in_bwd_norms) == len(plain_norms) == 4
         torch.testing.assert_close(
-            torch.stack(in_bwd_norms), torch.stack(plain_norms), rtol=1e-6, atol=0
+            torch.stack(in_bwd_norms), torch.stack(plain_norms), **BITWISE
         )
+
+
+def train_scaled_and_clipped(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    steps: range,
+) -> list[torch.Tensor]:
+    """A recipe's step: backward a token-sum loss, multiply the gradients by
+    ``world_size / tokens``, clip them, update. Returns the grad norms."""
+    norms = []
+    width = next(model.parameters()).shape[1]
+    for step in steps:
+        x = batch(step, "fsdp", width).to(next(model.parameters()).dtype)
+        loss = model(x).float().square().sum()
+        scale = dist.get_world_size() / torch.tensor(6 * 4 * 2)
+        if isinstance(optimizer, OptimizerInBackward):
+            optimizer.backward(loss, grad_scale=scale)
+            norms.append(optimizer.grad_norm)
+        else:
+            loss.backward()
+            norms.append(
+                training.scale_and_clip_grads_(model.parameters(), scale, max_norm)
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+@scenario
+def fsdp_clipped_training_matches_plain_bitwise(tmp: Path) -> None:
+    """Clipping inside backward (measure, then update in a second pass) against
+    plain scale + clip + step: in fp32 and bf16, with a max_norm that clips every
+    step and one that never clips, per parameter and per unit buckets."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for max_norm in (0.05, 1e6):
+            reference = build_model("fsdp", dtype=dtype)
+            plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+            plain_norms = train_scaled_and_clipped(reference, plain, max_norm, range(3))
+            for bucket_cap_mb in (0, None):
+                model = build_model("fsdp", dtype=dtype)
+                in_bwd = OptimizerInBackward(
+                    model.parameters(),
+                    torch.optim.AdamW,
+                    bucket_cap_mb=bucket_cap_mb,
+                    max_norm=max_norm,
+                    **ADAMW,
+                )
+                norms = train_scaled_and_clipped(model, in_bwd, max_norm, range(3))
+                assert_same_params(reference, model)
+                torch.testing.assert_close(
+                    torch.stack(norms), torch.stack(plain_norms), **BITWISE
+                )
+            clipped = torch.stack(plain_norms).float() > max_norm
+            assert bool(clipped.all()) == (max_norm == 0.05), (max_norm, plain_norms)
 
 
 @scenario

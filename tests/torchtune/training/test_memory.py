@@ -2,11 +2,10 @@
 
 Tolerances. An in-backward run and a plain run apply the same optimizer kernels to
 the same values, parameter by parameter, so they must agree bitwise (``rtol=0,
-atol=0``); this holds for SGD and AdamW with and without foreach on CPU. The one
-exception is ``grad_norm``, compared with ``rtol=1e-6``: like ``clip_grad_norm_`` it
-takes the norm of the stacked per-parameter norms, but stacks them in the order the
-gradients arrive (and per device or mesh), so the sum can round differently by a few
-float32 ulps (float32 eps is 1.2e-7).
+atol=0``); this holds for SGD and AdamW with and without foreach on CPU. So does
+``grad_norm``: like ``clip_grad_norm_`` it takes the norm of the stacked
+per-parameter norms, stacked in parameter order whatever order the gradients
+arrive in.
 """
 
 from __future__ import annotations
@@ -559,8 +558,7 @@ def test_grad_norm_equals_clip_grad_norm_total_norm_of_a_plain_run() -> None:
         plain.step()
         plain.zero_grad()
         loss_fn(model, step).backward()
-        # rtol: sum of squared norms vs norm of stacked norms (see module docstring).
-        torch.testing.assert_close(in_bwd.grad_norm, expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(in_bwd.grad_norm, expected, **BITWISE)
         in_bwd.step()
         in_bwd.zero_grad()
 
@@ -582,8 +580,7 @@ def test_grad_norm_not_recorded_is_refused_never_wrong() -> None:
     loss_fn(reference, 2).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     loss_fn(model, 2).backward()
-    # rtol: norms stacked in arrival order (see the module docstring).
-    torch.testing.assert_close(in_bwd.grad_norm, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(in_bwd.grad_norm, expected, **BITWISE)
 
 
 def test_grad_norm_is_zero_before_backward_and_after_zero_grad() -> None:
@@ -692,7 +689,7 @@ def test_bucket_whose_param_gets_no_gradient_updates_at_the_end_of_backward(
         # Every update happened inside backward, none is left for step().
         assert all(p.grad is None for p in model.parameters())
         torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-        torch.testing.assert_close(in_bwd.grad_norm, expected_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(in_bwd.grad_norm, expected_norm, **BITWISE)
         in_bwd.step()
         in_bwd.zero_grad()
     assert in_bwd.state[model[2].weight]["step"] == 2

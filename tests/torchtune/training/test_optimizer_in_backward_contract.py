@@ -5,9 +5,10 @@ runs in one process.
 
 Tolerances: every comparison of parameters or optimizer state is bitwise
 (``rtol=0, atol=0``), for the reason given in test_memory.py (the same optimizer
-kernels on the same values). ``grad_norm`` is compared with ``rtol=1e-6``: it is the
-norm of per-parameter norms in float32, and the reference is computed in another
-order, which can round differently by a few ulps (float32 eps is 1.2e-7).
+kernels on the same values). ``grad_norm`` is bitwise the plain path's
+``training.grad_norm``; where it is compared with a norm computed another way (all
+squares summed at once) the tolerance is ``rtol=1e-6``, a few float32 ulps (eps is
+1.2e-7).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
 from torch.optim.lr_scheduler import StepLR
 
+from torchtune import training
 from torchtune.training import OptimizerInBackward
 from torchtune.training.memory import (
     DEFAULT_BUCKET_CAP_MB,
@@ -445,61 +447,35 @@ def gloo_world_of_one() -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
-def test_grad_norm_all_reduces_sharded_gradients_only(
-    gloo_world_of_one, monkeypatch
+def test_grad_norm_of_dtensor_and_plain_gradients_is_the_plain_paths_bitwise(
+    gloo_world_of_one,
 ) -> None:
-    """A sharded gradient's squared norm is summed over the ranks of its mesh dim; a
-    replicated one's is not (every rank holds all of it); plain tensors add theirs.
-    The one-process group makes every all-reduce the identity, so the reductions are
-    counted, and the value is the norm of all gradients together."""
+    """Sharded, replicated and partial DTensor gradients and plain ones, alone and
+    mixed: the in-backward norm is bitwise ``training.grad_norm`` of the same
+    gradients (DTensor reduces each mesh's norms), and it is the norm of all the
+    gradients together. How the reduction runs across ranks is checked on 2
+    processes by the FSDP scenarios."""
     mesh = gloo_world_of_one
     torch.manual_seed(0)
     sharded = nn.Parameter(DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]))
     replicated = nn.Parameter(DTensor.from_local(torch.randn(3), mesh, [Replicate()]))
     plain = nn.Parameter(torch.randn(2))
-    reduced = []
-    real_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        reduced.append(tensor.detach().clone())
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", counting_all_reduce)
-
-    for params in ([sharded], [replicated], [sharded, replicated, plain]):
+    partial = nn.Parameter(DTensor.from_local(torch.randn(3), mesh, [Replicate()]))
+    cases = ([sharded], [replicated], [sharded, replicated, plain], [partial, plain])
+    for params in cases:
         optimizer = OptimizerInBackward(params, torch.optim.SGD, lr=0.0)
         grads = []
         for i, p in enumerate(params):
             grad = torch.full(p.shape, float(i + 1))
-            if isinstance(p, DTensor):
+            if p is partial:
+                grad = DTensor.from_local(grad, mesh, [Partial()])
+            elif isinstance(p, DTensor):
                 grad = DTensor.from_local(grad, mesh, p.placements)
             p.grad = grad
             grads.append(grad.full_tensor() if isinstance(grad, DTensor) else grad)
-        reduced.clear()
+        expected = training.grad_norm(params)
         optimizer.step()
-        norm = optimizer.grad_norm
-        expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
-        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
-        # One all-reduce, of the sharded gradient's squared norm.
-        if params[0] is sharded:
-            assert len(reduced) == 1, params
-            torch.testing.assert_close(reduced[0], torch.tensor(12.0), **BITWISE)
-        else:
-            assert reduced == [], params
-
-
-def test_grad_norm_reduces_a_partial_gradient_before_taking_its_norm(
-    gloo_world_of_one, monkeypatch
-) -> None:
-    """A partial (pending-sum) gradient is summed across ranks first, and its norm is
-    then that of a replicated one: no further all-reduce of its squared norm."""
-    mesh = gloo_world_of_one
-    optimizer = OptimizerInBackward(
-        [nn.Parameter(torch.zeros(3))], torch.optim.SGD, lr=0.0
-    )
-    reduced = []
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: reduced.append(1))
-    partial = DTensor.from_local(torch.tensor([3.0, 0.0, 4.0]), mesh, [Partial()])
-    optimizer._accumulate_grad_norm([partial])
-    torch.testing.assert_close(optimizer.grad_norm, torch.tensor(5.0), **BITWISE)
-    assert reduced == []
+        torch.testing.assert_close(optimizer.grad_norm, expected, **BITWISE)
+        # rtol: the reference sums all squares at once, not per parameter.
+        everything = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        torch.testing.assert_close(optimizer.grad_norm, everything, rtol=1e-6, atol=0)

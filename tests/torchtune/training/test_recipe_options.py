@@ -37,7 +37,6 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
         ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
         ({"compile_optimizer_step": True}, "compile.optimizer_step=True"),
     ],
@@ -58,6 +57,28 @@ def test_check_optimizer_in_bwd_options_accepts_compatible_options():
     training.check_optimizer_in_bwd_options(
         clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
     )
+    # Clipping happens inside OptimizerInBackward.backward().
+    training.check_optimizer_in_bwd_options(clip_grad_norm=1.0)
+
+
+def test_check_optimizer_in_bwd_options_refuses_clipping_with_activation_offloading():
+    # The second backward pass of clipping needs the activations offloading frees.
+    with pytest.raises(ValueError) as info:
+        training.check_optimizer_in_bwd_options(
+            clip_grad_norm=1.0, enable_activation_offloading=True
+        )
+    message = str(info.value)
+    assert message.startswith(
+        "optimizer_in_bwd=True with clip_grad_norm=1.0 cannot be combined with "
+        "enable_activation_offloading=True"
+    )
+    for fix in (
+        "enable_activation_offloading=False",
+        "clip_grad_norm=null",
+        "optimizer_in_bwd=False",
+    ):
+        assert fix in message
+    training.check_optimizer_in_bwd_options(enable_activation_offloading=True)
 
 
 @pytest.mark.parametrize(
@@ -196,8 +217,7 @@ def test_recipe_options_refuse_a_clip_grad_norm_that_is_not_positive(value) -> N
 
 def test_recipe_options_apply_the_in_backward_refusals_only_in_backward() -> None:
     _options(clip_grad_norm=1.0, gradient_accumulation_steps=4)
-    with pytest.raises(ValueError, match="clip_grad_norm=1.0"):
-        _options(optimizer_in_bwd=True, clip_grad_norm=1.0)
+    _options(optimizer_in_bwd=True, clip_grad_norm=1.0)  # clipped inside backward
     with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
         _options(optimizer_in_bwd=True, gradient_accumulation_steps=4)
 
@@ -246,6 +266,20 @@ def test_recipe_options_from_config_take_0_6_1_defaults_for_missing_keys() -> No
     options = training.RecipeOptions.from_config(_cfg())
     assert options == _options()
     assert options.compile == {"model": False, "loss": False, "optimizer_step": False}
+
+
+def test_recipe_options_from_config_read_a_clip_grad_norm_string_as_its_number():
+    # torchtune documents clip_grad_norm='inf': measure the norm, never clip.
+    options = training.RecipeOptions.from_config(_cfg(clip_grad_norm="inf"))
+    assert options.clip_grad_norm == float("inf")
+    assert (
+        training.RecipeOptions.from_config(_cfg(clip_grad_norm="0.5")).clip_grad_norm
+        == 0.5
+    )
+    with pytest.raises(ValueError, match="^clip_grad_norm='big' is not a positive"):
+        training.RecipeOptions.from_config(_cfg(clip_grad_norm="big"))
+    with pytest.raises(ValueError, match="^clip_grad_norm=nan is not a positive"):
+        training.RecipeOptions.from_config(_cfg(clip_grad_norm="nan"))
 
 
 def test_recipe_options_from_config_turn_off_what_means_nothing_on_cpu(caplog) -> None:
