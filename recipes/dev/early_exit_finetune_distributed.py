@@ -499,7 +499,12 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     # optimizer scales, clips and applies each gradient in backward.
                     torch.distributed.all_reduce(num_tokens)
                     self._optimizer.backward(
-                        loss, grad_scale=self.world_size / num_tokens
+                        loss,
+                        grad_scale=self.world_size / num_tokens,
+                        # Clipping backpropagates twice; the early-exit loss reads
+                        # out hidden states with the root unit's norm and output
+                        # outside its forward: gather them again for the second.
+                        before_update_pass=self._model.unshard,
                     )
                 else:
                     loss.backward()

@@ -927,7 +927,11 @@ class OptimizerInBackward(Optimizer):
             bucket.ready.clear()
 
     def backward(
-        self, loss: torch.Tensor, *, grad_scale: torch.Tensor | float | None = None
+        self,
+        loss: torch.Tensor,
+        *,
+        grad_scale: torch.Tensor | float | None = None,
+        before_update_pass: Callable[[], Any] | None = None,
     ) -> None:
         """Backpropagate ``loss`` and update every parameter inside backward, with
         each gradient first multiplied by ``grad_scale`` and, when :attr:`max_norm`
@@ -951,6 +955,13 @@ class OptimizerInBackward(Optimizer):
                 multiplied by before it is measured and used, e.g. ``1 /
                 num_tokens`` when ``loss`` is a sum over tokens. ``None``: ``1``.
                 Default: ``None``
+            before_update_pass (Callable[[], Any] | None): with clipping, called
+                between the two passes. FSDP2 frees a unit's gathered parameters
+                at the end of each backward and gathers them again when the next
+                backward reaches the unit's outputs; parameters used outside the
+                unit's forward (e.g. the root's output projection applied to
+                intermediate hidden states) must be gathered again by hand:
+                ``before_update_pass=model.unshard``. Default: ``None``
 
         Raises:
             RuntimeError: if called from inside another :meth:`backward`.
@@ -971,6 +982,8 @@ class OptimizerInBackward(Optimizer):
             )
             for param, norms in earlier.items():
                 self._grad_norms[param] = norms + self._grad_norms.get(param, [])
+            if before_update_pass is not None:
+                before_update_pass()
             self._phase = "update"
             loss.backward()
         finally:
