@@ -22,14 +22,10 @@ fp32), made here with a random checkpoint: its gradients take long enough to cop
 half written. The tiny model of the CPU tests, whose largest gradient is 128 KiB,
 could hide that. Runs are fp32, 4 steps, on the tiny instruct data.
 
-Tolerances. In fp32, in-backward and plain differ by float rounding: in-backward
-scales the loss before backward, plain scales the gradients after it, an fp32 ulp
-per gradient entry. These very runs on the CPU (with ``device=cpu``) measured, in
-the losses, grad norms and final weights' updates: 1.1e-7, 9.6e-8 and 9.1e-7 of the
-update's norm (``assert_series_close`` and ``assert_same_update`` print them;
-``pytest -s``). On CUDA some kernels also sum in another order from run to run (the
-fp32 attention backward accumulates with atomics), about another ulp per gradient
-entry; in fp32 that cannot flip the sign of an AdamW update (a gradient entry that
+Tolerances. In-backward and plain scale, measure and clip the gradients with the
+same operations, so on the CPU they are bitwise equal. On CUDA some kernels sum in
+another order from run to run (the fp32 attention backward accumulates with
+atomics), about an ulp per gradient entry; in fp32 that cannot flip the sign of an AdamW update (a gradient entry that
 small is far below AdamW's ``eps``). Not measured on a GPU when they were written,
 the tolerances are about 100 times the CPU measurement: ``rtol=1e-5`` for losses
 and grad norms, and the two runs' updates from the initial checkpoint agree within

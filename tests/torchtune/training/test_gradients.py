@@ -339,3 +339,25 @@ def test_grad_norm_of_a_sparse_gradient_is_that_of_its_dense_values() -> None:
     assert_close(
         training.grad_norm([p]), torch.linalg.vector_norm(sparse.to_dense()), **BITWISE
     )
+
+
+def test_before_update_pass_runs_once_between_the_passes_of_a_clipped_backward():
+    """It sees every gradient measured and no parameter updated yet; without
+    clipping there is one pass and it is not called."""
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    optimizer = OptimizerInBackward(model.parameters(), _adamw, max_norm=CLIPS)
+    seen = []
+
+    def between() -> None:
+        assert_close(model.state_dict(), before, **BITWISE)
+        seen.append(optimizer.grad_norm.clone())
+
+    optimizer.backward(_loss_sum(model, 0)[0], before_update_pass=between)
+    assert len(seen) == 1
+    assert_close(seen[0], optimizer.grad_norm, **BITWISE)
+    assert not torch.equal(model.out.weight, before["out.weight"])
+    optimizer.zero_grad()
+    optimizer.max_norm = None
+    optimizer.backward(_loss_sum(model, 1)[0], before_update_pass=between)
+    assert len(seen) == 1

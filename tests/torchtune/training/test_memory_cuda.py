@@ -25,16 +25,13 @@ Tolerances:
   raise rather than blur the comparison. ``test_plain_training_is_bitwise_reproducible``
   checks that premise on its own, so a failure there points at the device, not at
   ``OptimizerInBackward``.
-- ``grad_norm``: ``rtol=1e-5``. Plain training has no norm of its own; the reference
-  is ``torch.nn.utils.get_total_norm`` over the plain run's gradients in float32.
-  Both take each gradient's norm with ``torch._foreach_norm`` accumulating in float32,
-  then the norm of the stacked norms, but stack them in another order (arrival vs
-  parameter order: about an ulp, 1.2e-7, per norm combined, 6 here); for bf16
-  gradients the in-backward norm upcasts inside the kernel rather than before it,
-  which may also sum a 2**20-element tensor in another blocking (a float32 tree sum
-  of n terms rounds by about log2(n) = 20 ulps, 2.4e-6). A wrong norm is far off:
-  leaving out the smallest parameter's gradient (the first bias) lowers it by
-  2.1e-4, any weight's by more than 0.1 (measured on this model on the CPU).
+- ``grad_norm``: bitwise. The reference is ``training.grad_norm`` over the plain
+  run's gradients, in their dtype, as the recipes log it. Both take each gradient's
+  norm with ``torch._foreach_norm`` (whose CUDA kernel reduces each tensor on its own,
+  whatever else is in the list) and combine the norms in parameter order. A wrong
+  norm is far off: leaving out the smallest parameter's gradient (the first bias)
+  lowers it by 2.1e-4, any weight's by more than 0.1 (measured on this model on the
+  CPU).
 - Peak memory: bounds derived from the model's sizes in
   ``test_in_backward_frees_each_gradient_inside_backward_on_cuda``.
 """
@@ -56,6 +53,7 @@ from tests.torchtune.training.test_memory_optimizer_matrix import (
     assert_same_params,
     assert_same_state_dict,
 )
+from torchtune import training
 from torchtune.modules import RMSNorm
 from torchtune.training import OptimizerInBackward
 
@@ -70,7 +68,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BITWISE = {"rtol": 0, "atol": 0}
-GRAD_NORM = {"rtol": 1e-5, "atol": 0}  # see the module docstring
+GRAD_NORM = BITWISE  # see the module docstring
 STEPS = 5
 RESUME_AT = 3
 WIDTH = 512
@@ -140,16 +138,15 @@ def train(
     grad_norms: list[torch.Tensor] | None = None,
 ) -> None:
     """The recipes' loop, whatever the optimizer. ``grad_norms`` collects each step's
-    gradient norm: the in-backward optimizer's own, or for a plain optimizer the norm
-    of its gradients in float32 (the reference; see the module docstring)."""
+    gradient norm: the in-backward optimizer's own, or for a plain optimizer the one
+    the recipes log (the reference; see the module docstring)."""
     for step in steps:
         loss_fn(model, step, dtype).backward()
         if grad_norms is not None:
             if isinstance(optimizer, OptimizerInBackward):
                 grad_norms.append(optimizer.grad_norm)
             else:
-                grads = [p.grad.float() for p in model.parameters()]
-                grad_norms.append(nn.utils.get_total_norm(grads))
+                grad_norms.append(training.grad_norm(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -264,7 +261,7 @@ def test_in_backward_gives_the_plain_parameters_state_and_grad_norm_on_cuda(
     assert_same_state_dict(state, plain_state, **BITWISE)
     assert all(norm.device.type == "cuda" for norm in norms)
     torch.testing.assert_close(
-        torch.stack(norms), torch.stack(plain_norms).float(), **GRAD_NORM
+        torch.stack(norms), torch.stack(plain_norms), **GRAD_NORM
     )
 
 
