@@ -403,6 +403,8 @@ class CheckpointClient:
         )
         # This run's id (see StepCheckpointer): made or read when it starts.
         self.run_id: str | None = None
+        if self._resume_from_checkpoint:
+            self._refuse_what_cannot_resume()
         # The step checkpoint a resumed run continues from, once chosen, and what
         # resume() read.
         self._step_checkpoint: Path | None = None
@@ -723,6 +725,35 @@ class CheckpointClient:
             )
             self._check_resumable(recipe_state, str(self._step_checkpoint))
             return
+        self._epoch_state_or_refuse(recipe_checkpoint)
+
+    def _refuse_what_cannot_resume(self) -> None:
+        """What a resume can be told at once, from the names of the files alone (no
+        process group yet, nothing built): a named checkpoint that does not exist,
+        an output folder with nothing to resume from, and a step checkpoint of
+        another optimizer class. :meth:`load_base_checkpoint` verifies the
+        checkpoint it then chooses, every byte."""
+        out = self._step_checkpointer.output_dir
+        recipe_checkpoint = self._cfg.checkpointer.get("recipe_checkpoint", None)
+        if recipe_checkpoint:
+            named = self._step_checkpointer.named_step_checkpoint(recipe_checkpoint)
+            candidates = [] if named is None else [named]
+        else:
+            candidates = self._step_checkpointer.candidates(read_run_file(out))
+        if not candidates:
+            self._epoch_state_or_refuse(recipe_checkpoint)
+        for candidate in candidates[:1]:
+            try:
+                recipe_state = torch.load(
+                    candidate / RECIPE_STATE, weights_only=False, mmap=True
+                )
+            except Exception:  # damaged: choosing the checkpoint names the file
+                continue
+            self._check_resumable(recipe_state, str(candidate), log_finished=False)
+
+    def _epoch_state_or_refuse(self, recipe_checkpoint: str | None) -> None:
+        """Refuse a resume without an epoch checkpoint to resume from (no step
+        checkpoint was found)."""
         if self._enable_async_checkpointing:
             found = [
                 p
@@ -758,7 +789,9 @@ class CheckpointClient:
             "the folder of the run to continue."
         )
 
-    def _check_resumable(self, recipe_state: Mapping[str, Any], where: str) -> None:
+    def _check_resumable(
+        self, recipe_state: Mapping[str, Any], where: str, *, log_finished: bool = True
+    ) -> None:
         """Refuse a checkpoint of another optimizer class; say so when the run it
         continues has nothing left to do."""
         saved = recipe_state.get(OPTIMIZER_COMPONENT, None)
@@ -774,7 +807,8 @@ class CheckpointClient:
         epochs_run = recipe_state.get(training.EPOCHS_KEY, None)
         epochs = self._cfg.get("epochs", None)
         if (
-            isinstance(epochs_run, int)
+            log_finished
+            and isinstance(epochs_run, int)
             and isinstance(epochs, int)
             and epochs_run >= epochs
         ):

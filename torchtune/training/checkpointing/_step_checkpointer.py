@@ -709,19 +709,9 @@ class StepCheckpointer:
                 incomplete or is damaged.
         """
         if recipe_checkpoint:
-            named = self.output_dir / recipe_checkpoint
-            folder = named if step_of(named) is not None else named.parent
-            if step_of(folder) is None:
+            folder = self.named_step_checkpoint(recipe_checkpoint)
+            if folder is None:
                 return None
-            if not folder.is_dir():
-                found = [p.name for p in self._step_dirs()]
-                raise CheckpointError(
-                    f"checkpointer.recipe_checkpoint={recipe_checkpoint} names the "
-                    f"step checkpoint {folder}, which does not exist. The step "
-                    f"checkpoints in {self.output_dir} are {found or 'none'}: name one "
-                    "of them, or leave checkpointer.recipe_checkpoint unset to resume "
-                    "from the newest."
-                )
             try:
                 self._verify(folder)
             except CheckpointError as e:
@@ -739,6 +729,39 @@ class StepCheckpointer:
         if self._epochs_at_epoch_checkpoint(latest) > step_progress[EPOCHS_KEY]:
             return None
         return latest
+
+    def named_step_checkpoint(self, recipe_checkpoint: str) -> Path | None:
+        """The ``step_{N}`` folder ``checkpointer.recipe_checkpoint`` names (the
+        folder or a file in it), or ``None`` if it names no step checkpoint.
+
+        Raises:
+            CheckpointError: if it names a step checkpoint that does not exist.
+        """
+        named = self.output_dir / recipe_checkpoint
+        folder = named if step_of(named) is not None else named.parent
+        if step_of(folder) is None:
+            return None
+        if not folder.is_dir():
+            found = [p.name for p in self._step_dirs()]
+            raise CheckpointError(
+                f"checkpointer.recipe_checkpoint={recipe_checkpoint} names the "
+                f"step checkpoint {folder}, which does not exist. The step "
+                f"checkpoints in {self.output_dir} are {found or 'none'}: name one "
+                "of them, or leave checkpointer.recipe_checkpoint unset to resume "
+                "from the newest."
+            )
+        return folder
+
+    def candidates(self, run_id: str | None = None) -> list[Path]:
+        """The step checkpoints a resume may choose from, newest first, without
+        reading their files: those with a manifest, of the run ``run_id`` (or
+        written before run ids; of any run if ``run_id`` is ``None``)."""
+        return [
+            p
+            for p in self._step_dirs()
+            if (p / MANIFEST).is_file()
+            and (run_id is None or run_id_of(p) in (run_id, None))
+        ]
 
     def _epochs_at_epoch_checkpoint(self, latest: Path) -> int:
         """Epochs done at the newest epoch checkpoint that can be resumed: the

@@ -112,8 +112,11 @@ def test_async_save_then_load_restores_in_backward_optimizer_state(
 
 
 def test_async_load_without_a_checkpoint_raises(tmp_path: Path) -> None:
+    # A resume is refused when the client is built, before anything else is.
+    with pytest.raises(ValueError, match="^resume_from_checkpoint=True, but there is"):
+        CheckpointClient(client_config(tmp_path, asynchronous=True, resume=True))
     model = make_model()
-    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=True))
+    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=False))
     with pytest.raises(ValueError, match="No intermediate checkpoint"):
         client.load_distributed_checkpoint(model, make_optimizer(True, model))
 
