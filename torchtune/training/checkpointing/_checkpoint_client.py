@@ -685,12 +685,19 @@ class CheckpointClient:
         if self._is_rank_zero:
             # The base checkpoints this run starts from stay where they are, even
             # when they are an earlier run's epoch_{N} in the same folder.
-            keep = [
-                section.get("checkpoint_dir", None)
+            # Every checkpointer's (PPO has several) output folder is this run's.
+            sections = [
+                section
                 for key, section in self._cfg.items()
                 if str(key).endswith("checkpointer") and isinstance(section, DictConfig)
             ]
-            set_aside_previous_run([out, self._epoch_output_dir()], keep=keep)
+            keep = [section.get("checkpoint_dir", None) for section in sections]
+            folders = [out, self._epoch_output_dir()] + [
+                section.output_dir
+                for section in sections
+                if section.get("output_dir", None)
+            ]
+            set_aside_previous_run(folders, keep=keep)
             write_run_file(out, new_run_id())
         self._sync()
         self.run_id = read_run_file(out)

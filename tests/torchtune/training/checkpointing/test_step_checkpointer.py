@@ -426,3 +426,5 @@ def test_file_checksum_reads_files_larger_than_one_chunk(
     data = bytes(range(256)) * 3
     (tmp_path / "f").write_bytes(data)
     assert file_checksum(tmp_path / "f") == f"{zlib.crc32(data):08x}"
+    (tmp_path / "empty").write_bytes(b"")  # cannot be memory-mapped
+    assert file_checksum(tmp_path / "empty") == "00000000"
