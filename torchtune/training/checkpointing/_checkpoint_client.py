@@ -272,6 +272,24 @@ def check_writable(key: str, path: str | Path) -> None:
         )
 
 
+def _base_paths(cfg_checkpointer: DictConfig) -> list[Path]:
+    """What a checkpointer section reads a run's base weights from: its
+    ``checkpoint_dir``, and each of its ``checkpoint_files`` and its
+    ``adapter_checkpoint`` in it (which may be an earlier run's ``epoch_{N}/...``
+    in the run's own output folder)."""
+    checkpoint_dir = cfg_checkpointer.get("checkpoint_dir", None)
+    if not checkpoint_dir:
+        return []
+    paths = [Path(checkpoint_dir)]
+    files = cfg_checkpointer.get("checkpoint_files", None)
+    if isinstance(files, Iterable) and not isinstance(files, str | Mapping):
+        paths += [Path(checkpoint_dir) / str(name) for name in files]
+    adapter = cfg_checkpointer.get("adapter_checkpoint", None)
+    if adapter:
+        paths.append(Path(checkpoint_dir) / str(adapter))
+    return paths
+
+
 def _same_component(saved: str, configured: str) -> bool:
     """Whether two ``_component_`` paths name the same class
     (``torch.optim.AdamW`` and ``torch.optim.adamw.AdamW`` do)."""
@@ -691,7 +709,7 @@ class CheckpointClient:
                 for key, section in self._cfg.items()
                 if str(key).endswith("checkpointer") and isinstance(section, DictConfig)
             ]
-            keep = [section.get("checkpoint_dir", None) for section in sections]
+            keep = [path for section in sections for path in _base_paths(section)]
             folders = [out, self._epoch_output_dir()] + [
                 section.output_dir
                 for section in sections

@@ -379,7 +379,9 @@ def test_a_new_run_moves_an_earlier_runs_checkpoints_aside_and_deletes_nothing(
     )
     with caplog.at_level(logging.WARNING):
         # The new run starts from the earlier run's epoch_1: it stays in place.
-        moved = set_aside_previous_run([out, epochs], keep=[epochs / "epoch_1"])
+        moved = set_aside_previous_run(
+            [out, epochs], keep=[epochs, epochs / "epoch_1" / "weights.bin"]
+        )
     assert moved == out / "previous_runs" / "run_run-a"
     assert sorted(p.name for p in moved.iterdir()) == sorted([RUN_FILE, "step_6"])
     aside = epochs / "previous_runs" / "run_run-a"
