@@ -31,6 +31,7 @@ difference; measured on this project's x86 CPU):
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from tests.recipes.utils import (
     DISK_LOGGER,
     REPO_ROOT,
     TuneRun,
+    TuneRunError,
     _override_list,
     _subprocess_env,
     assert_series_close,
@@ -491,3 +493,27 @@ def test_a_changed_byte_in_the_newest_checkpoint_resumes_from_the_one_before(
         tmp_path,
     )
     assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 3, f"epoch_1/{SHARD}")
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shutil.copytree(single_runs["bwd"].output_dir, tmp_path, dirs_exist_ok=True)
+    weights = (tmp_path / "epoch_1" / SHARD).read_bytes()
+    with caplog.at_level(logging.WARNING):
+        # It returns (exit status 0) having logged no step: the helper says so.
+        with pytest.raises(TuneRunError, match="logged no metrics"):
+            run_tune_in_process(
+                SINGLE,
+                SINGLE_CONFIG,
+                overrides(tiny_assets, True, resume_from_checkpoint=True),
+                tmp_path,
+            )
+    assert (
+        f"resume_from_checkpoint=True: {tmp_path / 'step_6'} is at the end of "
+        "training (2 epochs done, epochs=2): nothing left to do." in caplog.text
+    )
+    assert (tmp_path / "epoch_1" / SHARD).read_bytes() == weights
