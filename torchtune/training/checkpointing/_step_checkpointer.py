@@ -210,6 +210,17 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
         if not isinstance(manifest["files"], dict):
             raise ValueError("its 'files' entry is not a mapping")
+        for name, entry in manifest["files"].items():
+            # Version 1: the size; version 2: the size and the CRC-32.
+            if not (
+                isinstance(entry, int)
+                or (
+                    isinstance(entry, dict)
+                    and isinstance(entry.get("size"), int)
+                    and isinstance(entry.get("crc32"), str)
+                )
+            ):
+                raise ValueError(f"its entry for {name} is {entry!r}")
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{manifest_path} is damaged: {e}") from e
     return manifest
@@ -231,13 +242,11 @@ def _problems(path: Path, files: dict[str, Any], names: list[str]) -> list[str]:
     for name in names:
         expected = files[name]
         file = path / name
+        # A manifest of version 1 holds the size alone.
         size, crc = (
             (expected, None)
             if isinstance(expected, int)
-            else (
-                expected["size"],
-                expected["crc32"],
-            )
+            else (expected["size"], expected["crc32"])
         )
         if not file.is_file():
             problems.append(
@@ -250,10 +259,12 @@ def _problems(path: Path, files: dict[str, Any], names: list[str]) -> list[str]:
                 f"{file} is damaged: {actual} bytes, but it had {size} when the "
                 "checkpoint was written (truncated or overwritten?)"
             )
-        elif crc is not None and file_checksum(file) != crc:
+            continue
+        actual_crc = None if crc is None else file_checksum(file)
+        if actual_crc != crc:
             problems.append(
                 f"{file} is damaged: its content changed since the checkpoint was "
-                f"written (CRC-32 {file_checksum(file)}, {crc} when written)"
+                f"written (CRC-32 {actual_crc}, {crc} when written)"
             )
     return problems
 
