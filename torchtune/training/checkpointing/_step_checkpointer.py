@@ -379,7 +379,8 @@ def set_aside_previous_run(
             ):
                 continue
             found.append(entry)
-    if not found:
+    if all(entry.name == RUN_FILE for entry in found):
+        # An earlier run that saved nothing: nothing of it to keep.
         return None
     run_id = None
     for folder in folders:

@@ -402,6 +402,8 @@ def test_a_new_run_moves_an_earlier_runs_checkpoints_aside_and_deletes_nothing(
     # with the same id goes beside the first, never into it.
     assert set_aside_previous_run([out, epochs], keep=[epochs / "epoch_1"]) is None
     write_run_file(out, "run-a")
+    assert set_aside_previous_run([out]) is None  # a run that saved nothing
+    (out / "step_1").mkdir()
     assert set_aside_previous_run([out]) == out / "previous_runs" / "run_run-a.2"
 
 
