@@ -113,7 +113,13 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             FSDP2 cannot train or checkpoint, such as bitsandbytes', see
             ``training.check_fsdp_optimizer``; ...) or by
             :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``).
+            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to
+            resume from, a named step checkpoint that does not exist, or another
+            optimizer class than the checkpoint's); an optimizer the recipe cannot
+            step (``torch.optim.LBFGS``, ``SparseAdam``; torchao's
+            ``CPUOffloadOptimizer`` in backward).
+        PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
+            written.
         RuntimeError: If ``enable_activation_offloading`` is True and the device is not
             CUDA or ``enable_activation_checkpointing`` is False; if ``dtype`` is bf16
             and the hardware does not support it.

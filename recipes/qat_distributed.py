@@ -97,7 +97,13 @@ class QATRecipeDistributed(FTRecipeInterface):
             a flag that is not a bool; an optimizer FSDP2 cannot train or
             checkpoint, see ``training.check_fsdp_optimizer``; ...) or by
             :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``).
+            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to
+            resume from, a named step checkpoint that does not exist, or another
+            optimizer class than the checkpoint's); an optimizer the recipe cannot
+            step (``torch.optim.LBFGS``, ``SparseAdam``; torchao's
+            ``CPUOffloadOptimizer`` in backward).
+        PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
+            written.
         ValueError: If ``quantizer`` is missing or is not a QAT quantizer.
         ValueError: If ``fake_quant_after_n_steps`` is not null or an integer >= 0.
         ValueError: If ``compile`` turns anything on (fake-quantized layers are not

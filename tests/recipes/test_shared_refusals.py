@@ -6,11 +6,17 @@ The options are read and checked once, by ``training.RecipeOptions`` and
 really goes through them first, for every shared refusal, on its own tiny config.
 A refused run must leave ``output_dir`` (and a checkpoint already in it) as it was,
 and must not have started a process group.
+
+Resuming is checked there too: a resume with nothing to resume from, naming a step
+checkpoint that does not exist, or with another optimizer class than the
+checkpoint's, and an output folder that cannot be written.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 from pathlib import Path
 
@@ -103,9 +109,51 @@ REFUSALS = {
     "a negative bucket cap": (
         IN_BWD | {"optimizer_in_bwd_bucket_cap_mb": -1},
         ValueError,
-        "optimizer_in_bwd_bucket_cap_mb=-1 is not a number >= 0. It is the most MiB "
-        "of gradients one in-backward optimizer call updates: 0 updates each "
+        "optimizer_in_bwd_bucket_cap_mb=-1 is not a finite number >= 0. It is the most "
+        "MiB of gradients one in-backward optimizer call updates: 0 updates each "
         "parameter on its own (lowest memory); leave it unset for the default.",
+    ),
+    "an infinite bucket cap": (
+        IN_BWD | {"optimizer_in_bwd_bucket_cap_mb": float("inf")},
+        ValueError,
+        "optimizer_in_bwd_bucket_cap_mb=inf is not a finite number >= 0.",
+    ),
+    "LBFGS, which needs a closure": (
+        {"optimizer": {"_component_": "torch.optim.LBFGS"}},
+        ValueError,
+        "optimizer._component_=torch.optim.LBFGS cannot be used: its step() needs a "
+        "closure that recomputes the loss several times per step, and the recipes "
+        "take one forward and backward per step (with optimizer_in_bwd=True or "
+        "False). Use an optimizer that steps without a closure, e.g. "
+        "torch.optim.AdamW.",
+    ),
+    "SparseAdam, which needs sparse gradients": (
+        {"optimizer": {"_component_": "torch.optim.SparseAdam"}},
+        ValueError,
+        "optimizer._component_=torch.optim.SparseAdam cannot be used: it updates "
+        "from sparse gradients only, and these models' gradients are dense",
+    ),
+    "torchao's CPUOffloadOptimizer in backward": (
+        IN_BWD | {"optimizer": {"_component_": "torchao.optim.CPUOffloadOptimizer"}},
+        ValueError,
+        "optimizer._component_=torchao.optim.CPUOffloadOptimizer cannot be combined "
+        "with optimizer_in_bwd=True: it already updates each parameter in gradient "
+        "hooks of its own",
+    ),
+    "a resume with nothing to resume from": (
+        {"resume_from_checkpoint": True},
+        ValueError,
+        "resume_from_checkpoint=True, but there is nothing to resume from: no whole "
+        "step checkpoint (step_N/, saved with save_every_n_steps) in output_dir=",
+    ),
+    "a resume from a step checkpoint that does not exist": (
+        {
+            "resume_from_checkpoint": True,
+            "checkpointer": {"recipe_checkpoint": "step_9/recipe_state.pt"},
+        },
+        ValueError,
+        "checkpointer.recipe_checkpoint=step_9/recipe_state.pt names the step "
+        "checkpoint ",
     ),
     "fp16": (
         {"dtype": "fp16"},
@@ -209,3 +257,79 @@ def test_a_null_profiler_component_means_the_torch_profiler(
     )
     with pytest.raises(ValueError, match="^dtype=fp16 is not supported"):
         _recipe_class(recipe)(cfg)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_refuses_to_resume_another_optimizers_state_first(
+    recipe: str, tmp_path: Path
+) -> None:
+    out, cfg = _refused(
+        recipe,
+        {
+            "resume_from_checkpoint": True,
+            "optimizer": {"_component_": "torch.optim.AdamW"},
+        },
+        tmp_path,
+    )
+    # A step checkpoint of a run that trained with SGD: only its recipe state and
+    # manifest are read before refusing.
+    step = out / "step_2"
+    step.mkdir()
+    torch.save(
+        {"epochs_run": 0, "optimizer_component": "torch.optim.SGD"},
+        step / "recipe_state.pt",
+    )
+    (step / "manifest.json").write_text(json.dumps({"version": 2, "files": {}}))
+    before = snapshot_files(out)
+    message = (
+        f"optimizer._component_=torch.optim.AdamW cannot resume from {step}: its "
+        "optimizer state was saved by torch.optim.SGD, and another optimizer class "
+        "cannot load it. Set optimizer._component_=torch.optim.SGD to resume, or "
+        "resume_from_checkpoint=False to start a new run."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _recipe_class(recipe)(cfg)
+    assert snapshot_files(out) == before
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_refuses_an_output_dir_it_cannot_write_first(
+    recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, cfg = _refused(recipe, {}, tmp_path)
+    # As a user without write permission sees it (this also runs as root, which
+    # may write anywhere; the chmod test below needs a user that may not).
+    real_access = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **kw: (
+            not (mode & os.W_OK and Path(path) == out) and real_access(path, mode, **kw)
+        ),
+    )
+    before = snapshot_files(out)
+    message = (
+        f"output_dir={out} cannot be written: this process has no write permission "
+        f"in {out}, so no checkpoint could be saved. Set output_dir to a folder this "
+        f"run can write, or give it write permission (chmod u+w {out})."
+    )
+    with pytest.raises(PermissionError, match=f"^{re.escape(message)}$"):
+        _recipe_class(recipe)(cfg)
+    assert snapshot_files(out) == before
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into a read-only folder all the same"
+)
+def test_a_read_only_output_dir_is_refused_before_anything_is_built(
+    tmp_path: Path,
+) -> None:
+    out, cfg = _refused("full_finetune_single_device", {}, tmp_path)
+    out.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match=f"^output_dir={re.escape(str(out))}"):
+            _recipe_class("full_finetune_single_device")(cfg)
+    finally:
+        out.chmod(0o700)

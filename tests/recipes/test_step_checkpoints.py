@@ -23,6 +23,7 @@ difference; measured on this project's x86 CPU):
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,7 @@ from tests.recipes.utils import (
     DISK_LOGGER,
     REPO_ROOT,
     TuneRun,
+    TuneRunError,
     _override_list,
     _subprocess_env,
     assert_series_close,
@@ -51,6 +53,7 @@ from tests.recipes.utils import (
     tiny_config,
 )
 from torchtune.training import StepCheckpointer
+from torchtune.training.checkpointing._step_checkpointer import read_run_file
 
 pytestmark = pytest.mark.integration_test
 
@@ -315,7 +318,11 @@ def test_lora_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
 
 
 def killed_run(
-    kill_point: str, assets: TinyAssets, out: Path, timeout: float = 300.0
+    kill_point: str,
+    assets: TinyAssets,
+    out: Path,
+    timeout: float = 300.0,
+    log_name: str = "killed.txt",
 ) -> dict[int, dict[str, float]]:
     """Run the in-backward recipe in a subprocess that SIGKILLs itself at
     ``kill_point`` (see ``tests/recipes/crash_run.py``); return what it logged."""
@@ -334,7 +341,7 @@ def killed_run(
         f"output_dir={out}",
         f"metric_logger._component_={DISK_LOGGER}",
         f"metric_logger.log_dir={log_dir}",
-        "metric_logger.filename=killed.txt",
+        f"metric_logger.filename={log_name}",
     ]
     proc = subprocess.run(
         command,
@@ -349,7 +356,7 @@ def killed_run(
         + proc.stdout[-3000:]
         + proc.stderr[-3000:]
     )
-    return read_disk_log(log_dir / "killed.txt")
+    return read_disk_log(log_dir / log_name)
 
 
 def assert_resumable(out: Path) -> None:
@@ -409,3 +416,96 @@ def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
         list(losses(before).values()), [reference[s] for s in losses(before)], **EXACT
     )
     assert not list(tmp_path.glob(".step_*")), "a partial save was left behind"
+
+
+# -- runs sharing an output_dir, damaged checkpoints ------------------------------------
+
+
+def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
+    single_runs: dict[str, TuneRun], tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # Run A finished here (step_6 is its last step checkpoint). Run B, the same
+    # config, starts anew in the same folder and is killed once it logged step 3,
+    # before that step's (epoch-end) save: its newest checkpoint is step_2. Its
+    # resume must continue B from B's step_2, not take A's step_6 and train
+    # nothing. Same config, so B's uninterrupted run is A's.
+    run_a = single_runs["bwd"]
+    shutil.copytree(run_a.output_dir, tmp_path, dirs_exist_ok=True)
+    # Its checkpoints (the logs and the config copy are not checkpoints: they stay,
+    # and B's go beside them or replace them, as in torchtune 0.6.1).
+    a_files = {
+        p.relative_to(tmp_path): p.read_bytes()
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+        and p.parts[len(tmp_path.parts)] not in ("logs", "torchtune_config.yaml")
+    }
+    a_run_id = read_run_file(tmp_path)
+    assert a_run_id is not None
+
+    before = killed_run("after_step:3", tiny_assets, tmp_path, log_name="b.txt")
+    assert list(losses(before)) == [1, 2, 3]
+    aside = tmp_path / "previous_runs" / f"run_{a_run_id}"
+    # B's own checkpoints: step_2, and none of A's.
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
+    assert read_run_file(tmp_path) not in (None, a_run_id)
+
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, resume_from_checkpoint=True),
+        tmp_path,
+    )
+    assert_resumed_as_uninterrupted(resumed, run_a, 2, f"epoch_1/{SHARD}")
+    # Every file of run A is still there, byte for byte, set aside.
+    for name, data in a_files.items():
+        assert (aside / name).read_bytes() == data, name
+
+
+@pytest.mark.parametrize("where", ["middle", "last byte"])
+def test_a_changed_byte_in_the_newest_checkpoint_resumes_from_the_one_before(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    where: str,
+) -> None:
+    source = single_runs["bwd"].output_dir
+    for step in (3, 4):
+        shutil.copytree(source / f"step_{step}", tmp_path / f"step_{step}")
+    damaged = tmp_path / "step_4" / "model_optimizer.pt"
+    data = bytearray(damaged.read_bytes())
+    # The middle is a tensor's bytes; the last byte is the zip's end record (before
+    # checksums: "PytorchStreamReader failed reading zip archive", no fallback).
+    data[len(data) // 2 if where == "middle" else -1] ^= 0x01
+    damaged.write_bytes(bytes(data))
+
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, resume_from_checkpoint=True),
+        tmp_path,
+    )
+    assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 3, f"epoch_1/{SHARD}")
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shutil.copytree(single_runs["bwd"].output_dir, tmp_path, dirs_exist_ok=True)
+    weights = (tmp_path / "epoch_1" / SHARD).read_bytes()
+    with caplog.at_level(logging.WARNING):
+        # It returns (exit status 0) having logged no step: the helper says so.
+        with pytest.raises(TuneRunError, match="logged no metrics"):
+            run_tune_in_process(
+                SINGLE,
+                SINGLE_CONFIG,
+                overrides(tiny_assets, True, resume_from_checkpoint=True),
+                tmp_path,
+            )
+    assert (
+        f"resume_from_checkpoint=True: {tmp_path / 'step_6'} is at the end of "
+        "training (2 epochs done, epochs=2): nothing left to do." in caplog.text
+    )
+    assert (tmp_path / "epoch_1" / SHARD).read_bytes() == weights

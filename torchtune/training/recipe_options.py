@@ -5,6 +5,7 @@ recipe can build)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,7 @@ def check_optimizer_in_bwd_options(
             first), if ``gradient_accumulation_steps != 1`` (each gradient is consumed as soon as
             it is ready), if ``compile_optimizer_step`` (in-backward updates run a
             bucket at a time inside autograd hooks), or if ``bucket_cap_mb`` is not
-            a number ``>= 0``.
+            a finite number ``>= 0``.
 
     Example:
         >>> check_optimizer_in_bwd_options(clip_grad_norm=1.0)
@@ -124,12 +125,78 @@ def check_optimizer_in_bwd_options(
             "hooks, where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False."
         )
-    if not is_valid_bucket_cap(bucket_cap_mb):
+    if not is_valid_bucket_cap(bucket_cap_mb) or (
+        bucket_cap_mb is not None and not math.isfinite(bucket_cap_mb)
+    ):
         raise ValueError(
-            f"optimizer_in_bwd_bucket_cap_mb={bucket_cap_mb!r} is not a number >= 0. "
+            f"optimizer_in_bwd_bucket_cap_mb={bucket_cap_mb!r} is not a finite number "
+            ">= 0. "
             "It is the most MiB of gradients one in-backward optimizer call updates: "
             "0 updates each parameter on its own (lowest memory); leave it unset for "
             "the default."
+        )
+
+
+def check_optimizer_class(optimizer_component: str, *, optimizer_in_bwd: bool) -> None:
+    """Refuse an optimizer the recipes' training step cannot drive, before anything
+    is built. It imports the class named by ``optimizer._component_``; it builds
+    nothing.
+
+    The recipes call ``optimizer.step()`` without a closure, after a backward over
+    dense parameters, or update inside backward, one bucket of parameters at a time.
+
+    Args:
+        optimizer_component (str): the optimizer's ``_component_``.
+        optimizer_in_bwd (bool): the ``optimizer_in_bwd`` option.
+
+    Raises:
+        ValueError: for ``torch.optim.LBFGS`` (its ``step`` needs a closure that
+            recomputes the loss, in either mode), ``torch.optim.SparseAdam`` (it
+            takes sparse gradients only, and these models' are dense), and
+            ``torchao.optim.CPUOffloadOptimizer`` with ``optimizer_in_bwd=True`` (it
+            updates in gradient hooks of its own).
+        InstantiationError: if ``optimizer_component`` cannot be imported.
+
+    Example:
+        >>> check_optimizer_class("torch.optim.AdamW", optimizer_in_bwd=True)
+        >>> check_optimizer_class("torch.optim.LBFGS", optimizer_in_bwd=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer._component_=torch.optim.LBFGS cannot be used: ...
+    """
+    optimizer_cls = _get_component_from_path(optimizer_component)
+
+    def is_a(cls: type | None) -> bool:
+        return (
+            cls is not None
+            and isinstance(optimizer_cls, type)
+            and issubclass(optimizer_cls, cls)
+        )
+
+    key = f"optimizer._component_={optimizer_component}"
+    if is_a(torch.optim.LBFGS):
+        raise ValueError(
+            f"{key} cannot be used: its step() needs a closure that recomputes the "
+            "loss several times per step, and the recipes take one forward and "
+            "backward per step (with optimizer_in_bwd=True or False). Use an "
+            "optimizer that steps without a closure, e.g. torch.optim.AdamW."
+        )
+    if is_a(torch.optim.SparseAdam):
+        raise ValueError(
+            f"{key} cannot be used: it updates from sparse gradients only, and "
+            "these models' gradients are dense (it would fail at the first step). "
+            "Use torch.optim.Adam or torch.optim.AdamW."
+        )
+    if optimizer_in_bwd and (
+        getattr(optimizer_cls, "__name__", "") == "CPUOffloadOptimizer"
+        and (getattr(optimizer_cls, "__module__", None) or "").startswith("torchao")
+    ):
+        raise ValueError(
+            f"{key} cannot be combined with optimizer_in_bwd=True: it already "
+            "updates each parameter in gradient hooks of its own, on the CPU, so "
+            "an in-backward optimizer over it would update twice or not at all. "
+            "Set optimizer_in_bwd=False (CPUOffloadOptimizer then frees gradients "
+            "as early itself), or use another optimizer."
         )
 
 
@@ -412,9 +479,10 @@ class RecipeOptions:
         """Read and check the shared options of a recipe config.
 
         Besides the options above, it refuses a ``profiler._component_`` other than
-        ``setup_torch_profiler`` and an inference-only ``collate_fn``
-        (``left_pad_sequence``), and, for a ``distributed`` recipe, an optimizer that
-        FSDP2 cannot train or checkpoint (:func:`check_fsdp_optimizer`). Options that
+        ``setup_torch_profiler``, an inference-only ``collate_fn``
+        (``left_pad_sequence``), an optimizer class the recipes cannot step
+        (:func:`check_optimizer_class`), and, for a ``distributed`` recipe, an
+        optimizer that FSDP2 cannot train or checkpoint (:func:`check_fsdp_optimizer`). Options that
         mean nothing on a CPU device (``fsdp_cpu_offload``,
         ``log_peak_memory_stats``) are turned off there, saying so.
 
@@ -437,6 +505,12 @@ class RecipeOptions:
             raise RuntimeError(
                 f"collate_fn={collate_fn} is for inference only. Use "
                 "torchtune.data.padded_collate_sft."
+            )
+        cfg_optimizer = cfg.get("optimizer", None)
+        if cfg_optimizer is not None and cfg_optimizer.get("_component_", None):
+            check_optimizer_class(
+                cfg_optimizer._component_,
+                optimizer_in_bwd=cfg.get("optimizer_in_bwd", False) is True,
             )
         if distributed:
             check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,9 +40,16 @@ from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
 from torchtune.training.checkpointing._step_checkpointer import (
+    OPTIMIZER_COMPONENT,
+    RECIPE_STATE,
     CheckpointError,
     StepCheckpointer,
+    new_run_id,
+    read_run_file,
     restore_rng_state,
+    run_id_of,
+    set_aside_previous_run,
+    write_run_file,
 )
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
     convert_legacy_optim_in_bwd_state_dict,
@@ -234,6 +243,64 @@ def _load_model_state(
         )
 
 
+def check_writable(key: str, path: str | Path) -> None:
+    """Refuse an output folder this process cannot write: ``path`` itself if it
+    exists, else the nearest folder above it that does (where it would be made).
+
+    Args:
+        key (str): the config key that set ``path``, for the message.
+        path (str | Path): the folder.
+
+    Raises:
+        PermissionError: naming ``key``, ``path`` and the folder that cannot be
+            written.
+    """
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PermissionError(
+            f"{key}={path} cannot be made: {existing} is a file, not a folder. Set "
+            f"{key} to a folder this run can write."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"{key}={path} cannot be written: this process has no write permission "
+            f"in {existing}, so no checkpoint could be saved. Set {key} to a folder "
+            f"this run can write, or give it write permission (chmod u+w {existing})."
+        )
+
+
+def _base_paths(cfg_checkpointer: DictConfig) -> list[Path]:
+    """What a checkpointer section reads a run's base weights from: its
+    ``checkpoint_dir``, and each of its ``checkpoint_files`` and its
+    ``adapter_checkpoint`` in it (which may be an earlier run's ``epoch_{N}/...``
+    in the run's own output folder)."""
+    checkpoint_dir = cfg_checkpointer.get("checkpoint_dir", None)
+    if not checkpoint_dir:
+        return []
+    paths = [Path(checkpoint_dir)]
+    files = cfg_checkpointer.get("checkpoint_files", None)
+    if isinstance(files, Iterable) and not isinstance(files, str | Mapping):
+        paths += [Path(checkpoint_dir) / str(name) for name in files]
+    adapter = cfg_checkpointer.get("adapter_checkpoint", None)
+    if adapter:
+        paths.append(Path(checkpoint_dir) / str(adapter))
+    return paths
+
+
+def _same_component(saved: str, configured: str) -> bool:
+    """Whether two ``_component_`` paths name the same class
+    (``torch.optim.AdamW`` and ``torch.optim.adamw.AdamW`` do)."""
+    if saved == configured:
+        return True
+    try:
+        return _get_component_from_path(saved) is _get_component_from_path(configured)
+    except Exception:  # the saved one no longer imports: compare the names
+        return False
+
+
 class CheckpointClient:
     """Saves and resumes a recipe's checkpoints: the one object a recipe asks.
 
@@ -278,6 +345,8 @@ class CheckpointClient:
         ValueError: if ``save_every_n_steps`` or
             ``checkpointer.keep_last_n_checkpoints`` is not a positive integer or
             null.
+        PermissionError: if ``output_dir`` or ``checkpointer.output_dir`` cannot be
+            written.
 
     Example:
         >>> from omegaconf import OmegaConf
@@ -320,6 +389,40 @@ class CheckpointClient:
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last_n=cfg.checkpointer.get("keep_last_n_checkpoints", None),
         )
+        # Every folder the run writes checkpoints into must be writable: find out
+        # now, not after the model is built and an epoch trained.
+        output_dir = cfg.get("output_dir", None)
+        if output_dir:
+            check_writable("output_dir", output_dir)
+        checkpointer_output_dir = cfg.checkpointer.get("output_dir", None)
+        if checkpointer_output_dir and (
+            not output_dir
+            or Path(checkpointer_output_dir).absolute() != Path(output_dir).absolute()
+        ):
+            check_writable("checkpointer.output_dir", checkpointer_output_dir)
+        if (
+            self._step_checkpointer.keep_last_n is not None
+            and self._step_checkpointer.every_n_steps is None
+        ):
+            utils.log_rank_zero(
+                log,
+                "checkpointer.keep_last_n_checkpoints="
+                f"{self._step_checkpointer.keep_last_n} has no effect without "
+                "save_every_n_steps: it keeps the newest step checkpoints, and this "
+                "run saves none (epoch checkpoints are always kept). Set "
+                "save_every_n_steps to save some, or remove keep_last_n_checkpoints.",
+                level=logging.WARNING,
+            )
+        # Recorded with the optimizer state, so that a resume with another
+        # optimizer class is refused before anything is built.
+        cfg_optimizer = cfg.get("optimizer", None)
+        self._optimizer_component: str | None = (
+            cfg_optimizer.get("_component_", None) if cfg_optimizer else None
+        )
+        # This run's id (see StepCheckpointer): made or read when it starts.
+        self.run_id: str | None = None
+        if self._resume_from_checkpoint:
+            self._refuse_what_cannot_resume()
         # The step checkpoint a resumed run continues from, once chosen, and what
         # resume() read.
         self._step_checkpoint: Path | None = None
@@ -471,6 +574,9 @@ class CheckpointClient:
         if intermediate:
             checkpoint[training.OPT_KEY] = optimizer_state
             checkpoint.update(training_progress.state_dict())
+            # Which optimizer class the state belongs to: a resume with another one
+            # is refused before anything is built.
+            checkpoint[OPTIMIZER_COMPONENT] = self._optimizer_component
         if sharded:
             # Every rank writes its own shards.
             checkpointer.save_checkpoint(checkpoint, epoch=epoch)
@@ -552,18 +658,193 @@ class CheckpointClient:
             checkpointer reads an adapter) and, when resuming from a synchronous
             epoch checkpoint, optimizer state and training progress.
 
+        A new run first moves an earlier run's checkpoints out of its output
+        folders (:func:`~torchtune.training.checkpointing._step_checkpointer.set_aside_previous_run`)
+        and records its run id; a resumed run continues the run its output folder
+        holds, and only considers that run's step checkpoints.
+
         Raises:
             CheckpointError: if the step checkpoint named by
-                ``checkpointer.recipe_checkpoint`` is incomplete or damaged.
+                ``checkpointer.recipe_checkpoint`` does not exist, is incomplete or
+                is damaged, or a resumed run finds nothing to resume from.
+            ValueError: if the checkpoint resumed from holds the state of another
+                optimizer class than ``optimizer._component_``.
         """
         if resume_from_epoch is None:
             if self._resume_from_checkpoint:
-                self._step_checkpoint = self._step_checkpointer.resume_point(
-                    self._cfg.checkpointer.get("recipe_checkpoint", None)
-                )
+                self._continue_run()
+            else:
+                self._start_run()
             resume_from_epoch = self._step_checkpoint is None
         self._resume_from_epoch = self._resume_from_checkpoint and resume_from_epoch
-        return self._get_checkpointer().load_checkpoint()
+        loaded = self._get_checkpointer().load_checkpoint()
+        if self._resume_from_epoch and not self._enable_async_checkpointing:
+            self._check_resumable(loaded, "the epoch checkpoint's recipe state")
+        return loaded
+
+    # -- which run, and which checkpoint of it -----------------------------------------
+
+    def _epoch_output_dir(self) -> Path:
+        return Path(
+            self._cfg.checkpointer.get("output_dir", None)
+            or self._step_checkpointer.output_dir
+        )
+
+    def _sync(self) -> None:
+        if self._is_distributed():
+            dist.barrier()
+
+    def _start_run(self) -> None:
+        """A new run: an earlier run's checkpoints are moved aside (never deleted,
+        never resumed from by this run), and this run's id is recorded."""
+        if self.run_id is not None:  # a recipe loading several base checkpoints
+            return
+        out = self._step_checkpointer.output_dir
+        if self._is_rank_zero:
+            # The base checkpoints this run starts from stay where they are, even
+            # when they are an earlier run's epoch_{N} in the same folder.
+            # Every checkpointer's (PPO has several) output folder is this run's.
+            sections = [
+                section
+                for key, section in self._cfg.items()
+                if str(key).endswith("checkpointer") and isinstance(section, DictConfig)
+            ]
+            keep = [path for section in sections for path in _base_paths(section)]
+            folders = [out, self._epoch_output_dir()] + [
+                section.output_dir
+                for section in sections
+                if section.get("output_dir", None)
+            ]
+            set_aside_previous_run(folders, keep=keep)
+            write_run_file(out, new_run_id())
+        self._sync()
+        self.run_id = read_run_file(out)
+        self._step_checkpointer.run_id = self.run_id
+        utils.log_rank_zero(log, f"New run {self.run_id}: checkpoints go to {out}.")
+
+    def _continue_run(self) -> None:
+        """A resumed run: choose its checkpoint, among those of the run its output
+        folder holds, and refuse what cannot be resumed before anything is built."""
+        out = self._step_checkpointer.output_dir
+        recipe_checkpoint = self._cfg.checkpointer.get("recipe_checkpoint", None)
+        recorded = read_run_file(out)
+        self._step_checkpoint = self._step_checkpointer.resume_point(
+            recipe_checkpoint, recorded
+        )
+        saved = (
+            None if self._step_checkpoint is None else run_id_of(self._step_checkpoint)
+        )
+        # A checkpoint written before run ids existed continues the recorded run,
+        # or a new id (the folder had none).
+        run_id = saved or recorded or new_run_id()
+        if run_id != recorded:
+            if self._is_rank_zero:
+                write_run_file(out, run_id)
+            self._sync()
+            run_id = read_run_file(out)
+        self.run_id = run_id
+        self._step_checkpointer.run_id = run_id
+        if self._step_checkpoint is not None:
+            recipe_state = torch.load(
+                self._step_checkpoint / RECIPE_STATE, weights_only=False
+            )
+            self._check_resumable(recipe_state, str(self._step_checkpoint))
+            return
+        self._epoch_state_or_refuse(recipe_checkpoint)
+
+    def _refuse_what_cannot_resume(self) -> None:
+        """What a resume can be told at once, from the names of the files alone (no
+        process group yet, nothing built): a named checkpoint that does not exist,
+        an output folder with nothing to resume from, and a step checkpoint of
+        another optimizer class. :meth:`load_base_checkpoint` verifies the
+        checkpoint it then chooses, every byte."""
+        out = self._step_checkpointer.output_dir
+        recipe_checkpoint = self._cfg.checkpointer.get("recipe_checkpoint", None)
+        if recipe_checkpoint:
+            named = self._step_checkpointer.named_step_checkpoint(recipe_checkpoint)
+            candidates = [] if named is None else [named]
+        else:
+            candidates = self._step_checkpointer.candidates(read_run_file(out))
+        if not candidates:
+            self._epoch_state_or_refuse(recipe_checkpoint)
+        for candidate in candidates[:1]:
+            try:
+                recipe_state = torch.load(
+                    candidate / RECIPE_STATE, weights_only=False, mmap=True
+                )
+            except Exception:  # damaged: choosing the checkpoint names the file
+                continue
+            self._check_resumable(recipe_state, str(candidate), log_finished=False)
+
+    def _epoch_state_or_refuse(self, recipe_checkpoint: str | None) -> None:
+        """Refuse a resume without an epoch checkpoint to resume from (no step
+        checkpoint was found)."""
+        if self._enable_async_checkpointing:
+            found = [
+                p
+                for p in self._epoch_output_dir().glob("dist_epoch_*")
+                if (p / ".metadata").is_file()
+            ]
+            if not found:
+                raise self._nothing_to_resume(
+                    "no whole asynchronous epoch checkpoint (dist_epoch_N/ with its "
+                    f".metadata) in {self._epoch_output_dir()}"
+                )
+            return
+        epoch_state = self._epoch_output_dir() / (
+            recipe_checkpoint or Path("recipe_state") / "recipe_state.pt"
+        )
+        if not epoch_state.is_file():
+            if recipe_checkpoint:
+                raise CheckpointError(
+                    f"checkpointer.recipe_checkpoint={recipe_checkpoint} names "
+                    f"{epoch_state}, which does not exist. Name the recipe_state.pt "
+                    "of the run to continue (relative to checkpointer.output_dir), "
+                    "or leave it unset to resume from the newest checkpoint in "
+                    "output_dir."
+                )
+            raise self._nothing_to_resume(f"no epoch checkpoint state ({epoch_state})")
+
+    def _nothing_to_resume(self, epoch_part: str) -> CheckpointError:
+        return CheckpointError(
+            f"resume_from_checkpoint=True, but there is nothing to resume from: "
+            f"no whole step checkpoint (step_N/, saved with save_every_n_steps) in "
+            f"output_dir={self._step_checkpointer.output_dir}, and {epoch_part}. Set "
+            "resume_from_checkpoint=False to start a new run, or set output_dir to "
+            "the folder of the run to continue."
+        )
+
+    def _check_resumable(
+        self, recipe_state: Mapping[str, Any], where: str, *, log_finished: bool = True
+    ) -> None:
+        """Refuse a checkpoint of another optimizer class; say so when the run it
+        continues has nothing left to do."""
+        saved = recipe_state.get(OPTIMIZER_COMPONENT, None)
+        configured = self._optimizer_component
+        if saved and configured and not _same_component(saved, configured):
+            raise ValueError(
+                f"optimizer._component_={configured} cannot resume from {where}: "
+                f"its optimizer state was saved by {saved}, and another optimizer "
+                "class cannot load it. Set optimizer._component_="
+                f"{saved} to resume, or resume_from_checkpoint=False to start a new "
+                "run."
+            )
+        epochs_run = recipe_state.get(training.EPOCHS_KEY, None)
+        epochs = self._cfg.get("epochs", None)
+        if (
+            log_finished
+            and isinstance(epochs_run, int)
+            and isinstance(epochs, int)
+            and epochs_run >= epochs
+        ):
+            utils.log_rank_zero(
+                log,
+                f"resume_from_checkpoint=True: {where} is at the end of training "
+                f"({epochs_run} epochs done, epochs={epochs}): nothing left to do. "
+                "To train further, set epochs to more than "
+                f"{epochs_run}.",
+                level=logging.WARNING,
+            )
 
     def resume(
         self,
@@ -825,7 +1106,10 @@ class CheckpointClient:
             global_step,
             self._model,
             self._optimizer,
-            recipe_state=dict(recipe_state),
+            recipe_state={
+                **recipe_state,
+                OPTIMIZER_COMPONENT: self._optimizer_component,
+            },
             rank_state={training.DATALOADER_KEY: loader_state},
             model_state_dict=(
                 None if self._is_distributed() else _trainable_state_dict(self._model)
@@ -894,14 +1178,37 @@ class CheckpointClient:
             self._save_step(global_step, step_state, mid_epoch=False)
         if self._save_epoch is not None:
             self._save_epoch(epoch)
-            return
-        # The loader's state is saved for the record only: training resumes at an
-        # epoch boundary, where a fresh loader with the epoch's sampler seed is what
-        # the uninterrupted run uses too.
-        progress = dataclasses.replace(
-            recipe_state, dataloader_state_dict=self._dataloader.state_dict()
+        else:
+            # The loader's state is saved for the record only: training resumes at
+            # an epoch boundary, where a fresh loader with the epoch's sampler seed
+            # is what the uninterrupted run uses too.
+            progress = dataclasses.replace(
+                recipe_state, dataloader_state_dict=self._dataloader.state_dict()
+            )
+            self.save_checkpoint(self._model, self._optimizer, progress, epoch=epoch)
+        epochs_run = step_state.get(training.EPOCHS_KEY, None)
+        total_epochs = step_state.get(training.TOTAL_EPOCHS_KEY, None)
+        if (
+            epochs_run is not None
+            and total_epochs is not None
+            and epochs_run >= total_epochs
+        ):
+            self._log_where_checkpoints_are(epoch, epochs_run)
+
+    def _log_where_checkpoints_are(self, epoch: int, epochs_run: int) -> None:
+        steps = (
+            f"; step checkpoints (run {self.run_id}) in "
+            f"{self._step_checkpointer.output_dir}/step_N"
+            if self._step_checkpointer.every_n_steps is not None
+            else ""
         )
-        self.save_checkpoint(self._model, self._optimizer, progress, epoch=epoch)
+        utils.log_rank_zero(
+            log,
+            f"Training done ({epochs_run} epochs). Final weights in "
+            f"{self._epoch_output_dir()}/epoch_{epoch}{steps}. To train this run "
+            "further, rerun with the same output_dir, resume_from_checkpoint=True and "
+            f"epochs greater than {epochs_run}.",
+        )
 
     def close(self) -> None:
         """Wait for an asynchronous save still in flight (it needs the process group,

@@ -10,21 +10,32 @@ a run needs to continue exactly where it was, mid-epoch included:
   are those of the base checkpoint, which a resumed run loads first);
 - ``recipe_state.pt``: what the recipe hands over (seed, epochs, global step, ...);
 - ``rank_{r}.pt`` for each rank: that rank's dataloader state and RNG state;
-- ``manifest.json``, written last: the size of every file above.
+- ``manifest.json``, written last: the size and CRC-32 of every file above, and the
+  id of the run that wrote it.
 
 Everything is written into ``output_dir/.step_{global_step}.partial/`` and renamed to
 ``step_{global_step}`` only once whole, so a folder named ``step_*`` is never half
-written. The manifest is checked again when resuming, so a checkpoint damaged
-afterwards (a truncated file) is skipped, with a warning naming it, in favour of the
-previous one.
+written. The manifest is checked again, every byte of every file, before any of a
+checkpoint is loaded, so a checkpoint damaged afterwards (a truncated file, a changed
+byte) is skipped, with a warning naming the file, in favour of the previous one.
+
+A run is known by its run id, made when a new run starts and carried over by every
+resume; ``torchtune_run.json`` in ``output_dir`` names the run that the folder holds.
+A new run first moves the checkpoints of the run before it aside, into
+``output_dir/previous_runs/run_{id}/`` (:func:`set_aside_previous_run`), so a resume
+never mistakes them for its own.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import shutil
+import time
+import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +61,17 @@ MANIFEST = "manifest.json"
 RECIPE_STATE = "recipe_state.pt"
 MODEL_OPTIMIZER_FILE = "model_optimizer.pt"
 MODEL_OPTIMIZER_DCP = "model_optimizer"
-_MANIFEST_VERSION = 1
+# 1: file sizes only. 2: sizes and CRC-32s of the files, and the run id.
+_MANIFEST_VERSION = 2
+# The file naming the run whose checkpoints output_dir holds.
+RUN_FILE = "torchtune_run.json"
+# Where a new run moves the checkpoints of the run before it.
+PREVIOUS_RUNS = "previous_runs"
+# Files are read in chunks of this many bytes to compute their checksums.
+_CHUNK_BYTES = 16 << 20
+# Recipe-state entry: the optimizer's ``_component_``, to refuse resuming it into
+# another optimizer class.
+OPTIMIZER_COMPONENT = "optimizer_component"
 # Recipe-state entry: each optimizer param group's hyperparameters, for sharded runs.
 _HYPERPARAMETERS = "optimizer_param_group_hyperparameters"
 # A sharded step checkpoint holds the trainable parameters (and buffers): frozen ones
@@ -99,12 +120,69 @@ def _save_file(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _files_under(root: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(root)): p.stat().st_size
+def _file_names(root: Path) -> list[str]:
+    return [
+        str(p.relative_to(root))
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != MANIFEST
+    ]
+
+
+def file_checksum(path: str | Path) -> str:
+    """The CRC-32 of a file's bytes, as 8 hex digits.
+
+    CRC-32 detects every change of up to 32 consecutive bits (so any changed byte)
+    and a truncation, at about a GB/s or more (``benchmarks/checkpoint_checksum.py``);
+    it guards against damage, not against someone forging a checkpoint. The file is
+    mapped into memory and read in place, 16 MiB at a time (a copy into a buffer
+    halves the speed); where it cannot be mapped (an empty file, a file system
+    without ``mmap``), it is read in 1 MiB chunks.
+    """
+    crc = 0
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            mapped = None
+        if mapped is None:
+            while chunk := f.read(1 << 20):
+                crc = zlib.crc32(chunk, crc)
+            return f"{crc:08x}"
+        with mapped:
+            view = memoryview(mapped)
+            try:
+                for start in range(0, len(mapped), _CHUNK_BYTES):
+                    crc = zlib.crc32(view[start : start + _CHUNK_BYTES], crc)
+            finally:
+                view.release()
+    return f"{crc:08x}"
+
+
+def _describe(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            "size": (root / name).stat().st_size,
+            "crc32": file_checksum(root / name),
+        }
+        for name in names
     }
+
+
+def _split_across_ranks(names: list[str]) -> list[str]:
+    """This rank's share of ``names``, so that the ranks of a distributed run read
+    the files of a checkpoint in parallel."""
+    rank, world_size = _rank_and_world()
+    return names[rank::world_size]
+
+
+def _gather(value: Any) -> list[Any]:
+    """``value`` of every rank (the process group's all-gather of objects)."""
+    rank, world_size = _rank_and_world()
+    if world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def step_of(path: Path) -> int | None:
@@ -113,14 +191,16 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def verify(path: Path) -> None:
-    """Check that the step checkpoint ``path`` is whole: its manifest exists and every
-    file it lists is there with the size it had when the checkpoint was written.
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of the step checkpoint ``path``.
 
     Raises:
-        CheckpointError: naming the folder or the file that is missing or damaged.
+        CheckpointError: if it has none (its save did not finish) or it is damaged.
     """
+    path = Path(path)
     manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"step checkpoint {path} does not exist")
     if not manifest_path.is_file():
         raise CheckpointError(
             f"{path} is not a complete step checkpoint: it has no {MANIFEST}, which "
@@ -128,21 +208,214 @@ def verify(path: Path) -> None:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
+        if not isinstance(manifest["files"], dict):
+            raise ValueError("its 'files' entry is not a mapping")
+        for name, entry in manifest["files"].items():
+            # Version 1: the size; version 2: the size and the CRC-32.
+            if not (
+                isinstance(entry, int)
+                or (
+                    isinstance(entry, dict)
+                    and isinstance(entry.get("size"), int)
+                    and isinstance(entry.get("crc32"), str)
+                )
+            ):
+                raise ValueError(f"its entry for {name} is {entry!r}")
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{manifest_path} is damaged: {e}") from e
-    for name, size in files.items():
+    return manifest
+
+
+def run_id_of(path: str | Path) -> str | None:
+    """The id of the run that wrote the step checkpoint ``path``; ``None`` for one
+    written before checkpoints carried run ids, or without a readable manifest."""
+    try:
+        return read_manifest(path).get("run_id")
+    except CheckpointError:
+        return None
+
+
+def _problems(path: Path, files: dict[str, Any], names: list[str]) -> list[str]:
+    """What is wrong with the files ``names`` of the step checkpoint ``path``,
+    checking their sizes and, where the manifest has them, their checksums."""
+    problems = []
+    for name in names:
+        expected = files[name]
         file = path / name
+        # A manifest of version 1 holds the size alone.
+        size, crc = (
+            (expected, None)
+            if isinstance(expected, int)
+            else (expected["size"], expected["crc32"])
+        )
         if not file.is_file():
-            raise CheckpointError(
+            problems.append(
                 f"{file} is missing from step checkpoint {path} (listed in {MANIFEST})"
             )
+            continue
         actual = file.stat().st_size
         if actual != size:
-            raise CheckpointError(
+            problems.append(
                 f"{file} is damaged: {actual} bytes, but it had {size} when the "
                 "checkpoint was written (truncated or overwritten?)"
             )
+            continue
+        actual_crc = None if crc is None else file_checksum(file)
+        if actual_crc != crc:
+            problems.append(
+                f"{file} is damaged: its content changed since the checkpoint was "
+                f"written (CRC-32 {actual_crc}, {crc} when written)"
+            )
+    return problems
+
+
+def verify(path: str | Path, *, collective: bool = False) -> dict[str, Any]:
+    """Check that the step checkpoint ``path`` is whole: its manifest exists and every
+    file it lists is there, with the size and the content (CRC-32) it had when the
+    checkpoint was written. A checkpoint whose manifest predates checksums (torchtune
+    ``0.6.1+oib`` before run ids) is checked by size only, with a warning.
+
+    Args:
+        path (str | Path): a ``step_{N}`` folder.
+        collective (bool): call it on every rank of a distributed run, which then
+            share the reading (each checks a part of the files and all learn the
+            result). Default: ``False`` (this process checks every file).
+
+    Returns:
+        dict[str, Any]: the manifest.
+
+    Raises:
+        CheckpointError: naming the folder or the file that is missing or damaged.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    names = sorted(files)
+    if any(isinstance(v, int) for v in files.values()):
+        log.warning(
+            f"Step checkpoint {path} records file sizes only (written before "
+            "checkpoints carried checksums): its content cannot be verified."
+        )
+    if collective:
+        problems = [
+            p
+            for ps in _gather(_problems(path, files, _split_across_ranks(names)))
+            for p in ps
+        ]
+    else:
+        problems = _problems(path, files, names)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return manifest
+
+
+def new_run_id() -> str:
+    """A new run's id: the time it started and a random part, e.g.
+    ``20260101-120000-1a2b3c4d``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def read_run_file(output_dir: str | Path) -> str | None:
+    """The id of the run ``output_dir`` holds (``torchtune_run.json``), if any."""
+    try:
+        return json.loads((Path(output_dir) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_run_file(output_dir: str | Path, run_id: str) -> None:
+    """Record that ``output_dir`` holds the run ``run_id`` (whole or not at all)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps({"run_id": run_id}))
+    os.replace(tmp, output_dir / RUN_FILE)
+
+
+# What a run leaves in its output folders that another run could mistake for its own
+# (step checkpoints, epoch checkpoints, their resumable state, the run file).
+_RUN_OUTPUTS = re.compile(
+    r"^(step_\d+|\.step_\d+\.(partial|stale)|epoch_\d+|dist_epoch_\d+|recipe_state"
+    + "|"
+    + re.escape(RUN_FILE)
+    + r")$"
+)
+
+
+def set_aside_previous_run(
+    folders: list[str | Path], keep: list[str | Path] = ()
+) -> Path | None:
+    """Move what an earlier run left in ``folders`` (its step checkpoints, epoch
+    checkpoints, resumable recipe state and run file) into
+    ``{folder}/previous_runs/run_{id}/`` of each folder, so that a new run starting
+    there neither overwrites it nor resumes from it later. Nothing is deleted.
+
+    The earlier run's id comes from the run file, or the newest step checkpoint's
+    manifest; without either, the time it was last written names it.
+
+    Args:
+        folders (list[str | Path]): the run's output folders (``output_dir`` and the
+            checkpointer's, which may be the same).
+        keep (list[str | Path]): paths that must stay where they are (the base
+            checkpoint a new run starts from, which may be an earlier run's
+            ``epoch_{N}``): an entry that is or holds one of them is not moved.
+
+    Returns:
+        Path | None: the first folder things were moved into, or ``None`` if there
+        was nothing to move.
+    """
+    folders = list(dict.fromkeys(Path(f).resolve() for f in folders))
+    keep_resolved = [Path(k).resolve() for k in keep if k]
+    found: list[Path] = []
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for entry in sorted(folder.iterdir()):
+            if not _RUN_OUTPUTS.match(entry.name):
+                continue
+            if any(
+                k == entry.resolve() or entry.resolve() in k.parents
+                for k in keep_resolved
+            ):
+                continue
+            found.append(entry)
+    if all(entry.name == RUN_FILE for entry in found):
+        # An earlier run that saved nothing: nothing of it to keep.
+        return None
+    run_id = None
+    for folder in folders:
+        run_id = run_id or read_run_file(folder)
+    if run_id is None:
+        steps = sorted(
+            (e for e in found if step_of(e) is not None), key=step_of, reverse=True
+        )
+        run_id = next((r for r in map(run_id_of, steps) if r), None)
+    if run_id is None:
+        newest = max(e.stat().st_mtime for e in found)
+        run_id = "before-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime(newest))
+    first = None
+    for folder in folders:
+        entries = [e for e in found if e.parent.resolve() == folder]
+        if not entries:
+            continue
+        target = folder / PREVIOUS_RUNS / f"run_{run_id}"
+        suffix = 1
+        while target.exists():  # never merge into (or overwrite) an earlier move
+            suffix += 1
+            target = folder / PREVIOUS_RUNS / f"run_{run_id}.{suffix}"
+        target.mkdir(parents=True)
+        for entry in entries:
+            os.replace(entry, target / entry.name)
+        _fsync_dir(folder)
+        first = first or target
+        log.warning(
+            f"{folder} held the checkpoints of an earlier run "
+            f"({', '.join(sorted(e.name for e in entries))}): moved them to {target}, "
+            "so that this new run neither overwrites them nor resumes from them. "
+            "Delete that folder if you no longer need it; to continue the earlier "
+            "run instead, move them back and set resume_from_checkpoint=True."
+        )
+    return first
 
 
 class StepCheckpointer:
@@ -153,8 +426,11 @@ class StepCheckpointer:
         every_n_steps (int | None): save every this many optimizer steps; ``None``
             saves none (epoch checkpoints only, as in torchtune 0.6.1).
         keep_last_n (int | None): once a step checkpoint is complete, delete all but
-            the newest ``keep_last_n`` step checkpoints; ``None`` keeps all.
-            Epoch checkpoints are never deleted.
+            the newest ``keep_last_n`` step checkpoints of this run; ``None`` keeps
+            all. Epoch checkpoints, and other runs' step checkpoints, are never
+            deleted.
+        run_id (str | None): the id written into each checkpoint's manifest (see
+            :func:`new_run_id`); ``None`` writes none. Default: ``None``
 
     Raises:
         ValueError: if ``every_n_steps`` or ``keep_last_n`` is not a positive integer
@@ -180,6 +456,7 @@ class StepCheckpointer:
         output_dir: str | Path,
         every_n_steps: int | None,
         keep_last_n: int | None = None,
+        run_id: str | None = None,
     ) -> None:
         for key, value in (
             ("save_every_n_steps", every_n_steps),
@@ -199,6 +476,10 @@ class StepCheckpointer:
         self.output_dir = Path(output_dir)
         self.every_n_steps = every_n_steps
         self.keep_last_n = keep_last_n
+        self.run_id = run_id
+        # Checkpoints whose every byte was checked, with the size and modification
+        # time of each of their files then: a changed file is checked again.
+        self._verified: dict[Path, list[tuple[str, int, int]]] = {}
 
     @staticmethod
     def checkpointer_config(cfg_checkpointer: Any) -> Any:
@@ -268,8 +549,6 @@ class StepCheckpointer:
                 partial / MODEL_OPTIMIZER_FILE,
             )
         _save_file({**rank_state, "rng": _rng_state()}, partial / f"rank_{rank}.pt")
-        _barrier()
-
         if rank == 0:
             _save_file(
                 {
@@ -287,11 +566,24 @@ class StepCheckpointer:
                 },
                 partial / RECIPE_STATE,
             )
+        _barrier()
+
+        # Every file is whole now: each rank computes the checksums of its share.
+        names = _file_names(partial) if rank == 0 else None
+        if world_size > 1:
+            shared = [names]
+            dist.broadcast_object_list(shared, src=0)
+            names = shared[0]
+        files: dict[str, Any] = {}
+        for part in _gather(_describe(partial, _split_across_ranks(names))):
+            files.update(part)
+        if rank == 0:
             manifest = {
                 "version": _MANIFEST_VERSION,
+                "run_id": self.run_id,
                 "global_step": global_step,
                 "world_size": world_size,
-                "files": _files_under(partial),
+                "files": dict(sorted(files.items())),
             }
             (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _fsync_dir(partial)
@@ -312,7 +604,11 @@ class StepCheckpointer:
     def _prune(self) -> None:
         if self.keep_last_n is None:
             return
-        complete = [p for p in self._step_dirs() if (p / MANIFEST).is_file()]
+        complete = [
+            p
+            for p in self._step_dirs()
+            if (p / MANIFEST).is_file() and run_id_of(p) in (self.run_id, None)
+        ]
         for old in complete[self.keep_last_n :]:
             shutil.rmtree(old, ignore_errors=True)
             log.info(f"Deleted step checkpoint {old} (keep_last_n_checkpoints)")
@@ -330,19 +626,44 @@ class StepCheckpointer:
         ]
         return sorted(found, key=step_of, reverse=True)
 
-    def find_latest(self) -> Path | None:
-        """The newest whole step checkpoint in ``output_dir``, or ``None``.
+    def find_latest(self, run_id: str | None = None) -> Path | None:
+        """The newest whole step checkpoint in ``output_dir``, or ``None``; call it
+        on every rank of a distributed run (they share the reading).
 
-        A newer one that is incomplete or damaged is skipped with a warning naming it.
+        A newer one that is incomplete or damaged is skipped with a warning naming
+        the file.
+
+        Args:
+            run_id (str | None): only checkpoints of this run, or written before
+                checkpoints carried run ids; ``None``: of any run.
         """
         for path in self._step_dirs():
+            saved_run = run_id_of(path)
+            if run_id is not None and saved_run not in (run_id, None):
+                log.warning(
+                    f"Skipping step checkpoint {path}: it belongs to run {saved_run}, "
+                    f"not to run {run_id}, which {self.output_dir} holds."
+                )
+                continue
             try:
-                verify(path)
+                self._verify(path)
             except CheckpointError as e:
                 log.warning(f"Skipping step checkpoint {path}: {e}")
                 continue
             return path
         return None
+
+    def _verify(self, path: Path) -> None:
+        """:func:`verify` ``path`` once (every rank of a distributed run calls it)."""
+        stamp = [
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*"))
+            if p.is_file()
+        ]
+        if self._verified.get(path) == stamp:
+            return
+        verify(path, collective=_rank_and_world()[1] > 1)
+        self._verified[path] = stamp
 
     def read_recipe_state(self, path: str | Path) -> dict[str, Any]:
         """The recipe state of the whole step checkpoint ``path``.
@@ -352,7 +673,7 @@ class StepCheckpointer:
                 written by a different number of processes than this run has.
         """
         path = Path(path)
-        verify(path)
+        self._verify(path)
         recipe_state = torch.load(path / RECIPE_STATE, weights_only=False)
         saved_world_size = recipe_state.get("world_size", 1)
         world_size = _rank_and_world()[1]
@@ -385,41 +706,89 @@ class StepCheckpointer:
         state = torch.load(path / MODEL_OPTIMIZER_FILE, weights_only=False)
         return recipe_state, self._rank_state(path), state
 
-    def resume_point(self, recipe_checkpoint: str | None) -> Path | None:
+    def resume_point(
+        self, recipe_checkpoint: str | None, run_id: str | None = None
+    ) -> Path | None:
         """The step checkpoint a run with ``resume_from_checkpoint=True`` resumes
         from, or ``None`` to resume from the epoch checkpoint as torchtune 0.6.1 does.
+        Call it on every rank of a distributed run.
 
-        - ``recipe_checkpoint`` naming a file of a ``step_{N}`` folder: that folder,
-          which must be whole (the error names what is wrong with it).
+        - ``recipe_checkpoint`` naming a file of a ``step_{N}`` folder (or the
+          folder): that folder, which must be whole (the error names what is wrong
+          with it).
         - ``recipe_checkpoint`` naming any other file: ``None`` (0.6.1's behaviour).
-        - ``recipe_checkpoint`` not set: the newest whole step checkpoint, unless the
-          epoch checkpoint (``recipe_state/recipe_state.pt``) is further along. A
-          damaged one of either kind is skipped with a warning.
+        - ``recipe_checkpoint`` not set: the newest whole step checkpoint of the
+          run ``run_id``, unless the epoch checkpoint
+          (``recipe_state/recipe_state.pt``) is further along. A damaged one of
+          either kind is skipped with a warning.
 
         Args:
             recipe_checkpoint (str | None): ``checkpointer.recipe_checkpoint``,
                 relative to ``output_dir``.
+            run_id (str | None): the run to continue (see :meth:`find_latest`).
+                Default: ``None``
 
         Returns:
             Path | None: the step checkpoint folder.
 
         Raises:
-            CheckpointError: if the named step checkpoint is incomplete or damaged.
+            CheckpointError: if the named step checkpoint does not exist, is
+                incomplete or is damaged.
         """
         if recipe_checkpoint:
-            named = self.output_dir / recipe_checkpoint
-            folder = named if step_of(named) is not None else named.parent
-            if step_of(folder) is None:
+            folder = self.named_step_checkpoint(recipe_checkpoint)
+            if folder is None:
                 return None
-            verify(folder)
+            try:
+                self._verify(folder)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"checkpointer.recipe_checkpoint={recipe_checkpoint} names a step "
+                    f"checkpoint that cannot be resumed: {e}. Name another one, or "
+                    "leave checkpointer.recipe_checkpoint unset to resume from the "
+                    "newest whole one."
+                ) from e
             return folder
-        latest = self.find_latest()
+        latest = self.find_latest(run_id)
         if latest is None:
             return None
         step_progress = torch.load(latest / RECIPE_STATE, weights_only=False)
         if self._epochs_at_epoch_checkpoint(latest) > step_progress[EPOCHS_KEY]:
             return None
         return latest
+
+    def named_step_checkpoint(self, recipe_checkpoint: str) -> Path | None:
+        """The ``step_{N}`` folder ``checkpointer.recipe_checkpoint`` names (the
+        folder or a file in it), or ``None`` if it names no step checkpoint.
+
+        Raises:
+            CheckpointError: if it names a step checkpoint that does not exist.
+        """
+        named = self.output_dir / recipe_checkpoint
+        folder = named if step_of(named) is not None else named.parent
+        if step_of(folder) is None:
+            return None
+        if not folder.is_dir():
+            found = [p.name for p in self._step_dirs()]
+            raise CheckpointError(
+                f"checkpointer.recipe_checkpoint={recipe_checkpoint} names the "
+                f"step checkpoint {folder}, which does not exist. The step "
+                f"checkpoints in {self.output_dir} are {found or 'none'}: name one "
+                "of them, or leave checkpointer.recipe_checkpoint unset to resume "
+                "from the newest."
+            )
+        return folder
+
+    def candidates(self, run_id: str | None = None) -> list[Path]:
+        """The step checkpoints a resume may choose from, newest first, without
+        reading their files: those with a manifest, of the run ``run_id`` (or
+        written before run ids; of any run if ``run_id`` is ``None``)."""
+        return [
+            p
+            for p in self._step_dirs()
+            if (p / MANIFEST).is_file()
+            and (run_id is None or run_id_of(p) in (run_id, None))
+        ]
 
     def _epochs_at_epoch_checkpoint(self, latest: Path) -> int:
         """Epochs done at the newest epoch checkpoint that can be resumed: the
@@ -516,7 +885,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 __all__ = [
     "CheckpointError",
     "StepCheckpointer",
+    "file_checksum",
+    "new_run_id",
+    "read_run_file",
     "restore_rng_state",
+    "run_id_of",
+    "set_aside_previous_run",
     "step_of",
     "verify",
+    "write_run_file",
 ]

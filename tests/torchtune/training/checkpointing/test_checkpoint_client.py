@@ -112,8 +112,11 @@ def test_async_save_then_load_restores_in_backward_optimizer_state(
 
 
 def test_async_load_without_a_checkpoint_raises(tmp_path: Path) -> None:
+    # A resume is refused when the client is built, before anything else is.
+    with pytest.raises(ValueError, match="^resume_from_checkpoint=True, but there is"):
+        CheckpointClient(client_config(tmp_path, asynchronous=True, resume=True))
     model = make_model()
-    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=True))
+    client = CheckpointClient(client_config(tmp_path, asynchronous=True, resume=False))
     with pytest.raises(ValueError, match="No intermediate checkpoint"):
         client.load_distributed_checkpoint(model, make_optimizer(True, model))
 
@@ -373,3 +376,157 @@ def test_step_done_leaves_an_epochs_last_step_to_epoch_done(tmp_path: Path) -> N
         "step_2",
         "step_6",
     ]
+
+
+# -- runs, refusals and messages -------------------------------------------------------
+
+
+def _started(cfg: DictConfig) -> CheckpointClient:
+    """A client whose run has started (a new run's or a resumed run's)."""
+    client = CheckpointClient(cfg)
+    client.load_base_checkpoint()
+    return client
+
+
+def test_a_new_run_in_a_used_folder_never_resumes_or_loses_the_earlier_runs_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "run" / "out"
+    run_a = make_model()
+    client_a = _started(
+        _loop_config(tmp_path / "run", resume=False, save_every_n_steps=3)
+    )
+    _run(run_a, make_optimizer(True, run_a), client_a)  # steps 3, 4, 6, 8
+    a_files = {
+        p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
+    }
+
+    # Run B, in the same folder, is killed after step 5: its newest checkpoint is
+    # step_4, older than run A's step_8.
+    cfg_b = _loop_config(tmp_path / "run", resume=False, save_every_n_steps=3)
+    cfg_b.optimizer = {"_component_": "torch.optim.AdamW"}
+    with caplog.at_level("WARNING"):
+        client_b = _started(cfg_b)
+    aside = out / "previous_runs" / f"run_{client_a.run_id}"
+    assert f"moved them to {aside}" in caplog.text
+    assert client_b.run_id != client_a.run_id
+    model_b = make_model(seed=2)
+    _run(model_b, make_optimizer(True, model_b), client_b, stop_after=5)
+
+    cfg = _loop_config(tmp_path / "run", resume=True, save_every_n_steps=3)
+    cfg.optimizer = {"_component_": "torch.optim.AdamW"}
+    client = _started(cfg)
+    assert client.run_id == client_b.run_id
+    resumed_model = make_model(seed=2)
+    optimizer = make_optimizer(True, resumed_model)
+    resumed = client.resume(resumed_model, optimizer, {})
+    assert resumed.global_step == 4  # run B's, not run A's step_8
+    _run(resumed_model, optimizer, client, resumed=resumed)
+
+    uninterrupted = make_model(seed=2)
+    _run(
+        uninterrupted,
+        make_optimizer(True, uninterrupted),
+        _started(_loop_config(tmp_path / "ref", resume=False)),
+    )
+    torch.testing.assert_close(
+        resumed_model.state_dict(), uninterrupted.state_dict(), **BITWISE
+    )
+    # Every file of run A is still there, byte for byte, set aside.
+    for name, data in a_files.items():
+        assert (aside / name).read_bytes() == data, name
+
+
+def test_resuming_another_optimizer_class_is_refused_before_anything_is_built(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(False, model)
+    cfg = _loop_config(tmp_path, resume=False)
+    cfg.optimizer = {"_component_": "torch.optim.AdamW"}
+    CheckpointClient(cfg).save_checkpoint(model, optimizer, PROGRESS, epoch=0)
+    resume = _loop_config(tmp_path, resume=True)
+    resume.checkpointer.checkpoint_files = ["epoch_0/model-00001-of-00001.bin"]
+    # The same class under another path resumes.
+    resume.optimizer = {"_component_": "torch.optim.adamw.AdamW"}
+    _started(resume)
+    resume.optimizer = {"_component_": "torch.optim.SGD"}
+    with pytest.raises(
+        ValueError,
+        match=r"^optimizer._component_=torch.optim.SGD cannot resume from the epoch "
+        r"checkpoint's recipe state: its optimizer state was saved by "
+        r"torch.optim.AdamW, and another optimizer class cannot load it. Set "
+        r"optimizer._component_=torch.optim.AdamW to resume",
+    ):
+        _started(resume)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_model()
+    cfg = _loop_config(tmp_path, resume=False, save_every_n_steps=3, epochs=2)
+    with caplog.at_level("INFO"):
+        _run(model, make_optimizer(True, model), _started(cfg))
+    out = tmp_path / "out"
+    assert (
+        f"Training done (2 epochs). Final weights in {out}/epoch_1; step checkpoints"
+        in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        client = _started(
+            _loop_config(tmp_path, resume=True, save_every_n_steps=3, epochs=2)
+        )
+    assert client._step_checkpoint == out / "step_8"
+    assert (
+        f"resume_from_checkpoint=True: {out / 'step_8'} is at the end of training "
+        "(2 epochs done, epochs=2): nothing left to do." in caplog.text
+    )
+
+
+def test_keep_last_n_without_step_checkpoints_warns_that_it_does_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _loop_config(tmp_path, resume=False)
+    cfg.checkpointer.keep_last_n_checkpoints = 2
+    with caplog.at_level("WARNING"):
+        CheckpointClient(cfg)
+    assert (
+        "checkpointer.keep_last_n_checkpoints=2 has no effect without "
+        "save_every_n_steps" in caplog.text
+    )
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _loop_config(tmp_path, resume=False)
+    cfg.output_dir = str(tmp_path / "new" / "nested")  # made later: fine
+    cfg.checkpointer.output_dir = str(tmp_path / "ckpt")
+    CheckpointClient(cfg)
+    (tmp_path / "a_file").write_text("")
+    cfg.checkpointer.output_dir = str(tmp_path / "a_file" / "out")
+    with pytest.raises(
+        PermissionError,
+        match=f"^checkpointer.output_dir={tmp_path}/a_file/out cannot be made: "
+        f"{tmp_path}/a_file is a file",
+    ):
+        CheckpointClient(cfg)
+    # As a user without write permission in tmp_path sees it (root may write
+    # anywhere, so permissions cannot show it here).
+    import os
+
+    real_access = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode: Path(path) != tmp_path and real_access(path, mode),
+    )
+    cfg.checkpointer.output_dir = str(tmp_path / "ckpt")
+    with pytest.raises(
+        PermissionError,
+        match=f"^output_dir={tmp_path}/new/nested cannot be written: this process has "
+        f"no write permission in {tmp_path}",
+    ):
+        CheckpointClient(cfg)

@@ -200,7 +200,11 @@ def test_synchronous_resume_loads_weights_optimizer_state_and_progress(
     # The torch.optim format, keyed by index, as single-device recipes save it.
     assert set(loaded[training.OPT_KEY]["state"]) == set(range(4))
     # From a step checkpoint (or an asynchronous one) the recipe state is not read:
-    # the base weights load as for a new run, though recipe_state.pt is there.
+    # the base weights load as for a new run, though recipe_state.pt is there. (An
+    # asynchronous resume is refused without a DCP epoch folder: this one only has
+    # to be there, as it is never read here.)
+    (tmp_path / "out" / "dist_epoch_0").mkdir()
+    (tmp_path / "out" / "dist_epoch_0" / ".metadata").write_bytes(b"")
     for options, resume_from_epoch in (
         ({"resume_from_checkpoint": True}, False),
         ({"resume_from_checkpoint": True, "enable_async_checkpointing": True}, True),

@@ -5,7 +5,9 @@ Resumed training is compared bitwise: the same kernels run on the same values.""
 
 from __future__ import annotations
 
+import json
 import logging
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,16 @@ from torchtune.training import OptimizerInBackward
 from torchtune.training.checkpointing._step_checkpointer import (
     MANIFEST,
     MODEL_OPTIMIZER_FILE,
+    RUN_FILE,
     CheckpointError,
     StepCheckpointer,
+    file_checksum,
+    read_run_file,
     restore_rng_state,
+    run_id_of,
+    set_aside_previous_run,
     verify,
+    write_run_file,
 )
 
 BITWISE = {"rtol": 0, "atol": 0}
@@ -230,3 +238,197 @@ def test_resume_point_follows_an_explicitly_named_checkpoint(tmp_path: Path) -> 
     (first / "recipe_state.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=str(first / "recipe_state.pt")):
         checkpointer.resume_point("step_1/recipe_state.pt")
+
+
+# -- content checksums ------------------------------------------------------------
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_records_each_files_size_crc32_and_run_id(tmp_path: Path) -> None:
+    model = make_model()
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1, run_id="run-a")
+    path = save_at(checkpointer, 1, model, make_optimizer(model, False))
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["run_id"] == "run-a" and run_id_of(path) == "run-a"
+    assert set(manifest["files"]) == {
+        MODEL_OPTIMIZER_FILE,
+        "rank_0.pt",
+        "recipe_state.pt",
+    }
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+@pytest.mark.parametrize("where", ["first byte", "middle", "last byte"])
+def test_any_changed_byte_is_caught_before_loading_and_resume_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1, run_id="run-a")
+    first = save_at(checkpointer, 1, model, optimizer)
+    second = save_at(checkpointer, 2, model, optimizer)
+    damaged = second / MODEL_OPTIMIZER_FILE
+    size = damaged.stat().st_size
+    # The last byte is in the zip's end record, which torch.load reads first.
+    flip_byte(
+        damaged, {"first byte": 0, "middle": size // 2, "last byte": size - 1}[where]
+    )
+    assert damaged.stat().st_size == size  # a size check alone misses it
+
+    with caplog.at_level(logging.WARNING):
+        assert checkpointer.find_latest() == first
+        assert checkpointer.resume_point(None) == first
+    assert f"{damaged} is damaged: its content changed" in caplog.text
+    # Named explicitly, it is an error that names the file, raised before loading.
+    with pytest.raises(CheckpointError, match=str(damaged)):
+        checkpointer.resume_point("step_2")
+    with pytest.raises(CheckpointError, match=str(damaged)):
+        checkpointer.load(second, make_model(), make_optimizer(make_model(), False))
+
+
+def test_a_checkpoint_verified_once_is_checked_again_after_it_changes(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1)
+    path = save_at(checkpointer, 1, model, make_optimizer(model, False))
+    assert checkpointer.find_latest() == path
+    flip_byte(path / "rank_0.pt", 10)
+    assert checkpointer.find_latest() is None
+
+
+def test_a_manifest_without_checksums_or_run_id_still_resumes_by_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What this project wrote before checkpoints carried checksums and run ids.
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    train(model, optimizer, range(2))
+    checkpointer = StepCheckpointer(tmp_path, every_n_steps=1, run_id="run-a")
+    path = save_at(checkpointer, 3, model, optimizer)
+    manifest = json.loads((path / MANIFEST).read_text())
+    legacy = {
+        "version": 1,
+        "global_step": 3,
+        "world_size": 1,
+        "files": {name: entry["size"] for name, entry in manifest["files"].items()},
+    }
+    (path / MANIFEST).write_text(json.dumps(legacy))
+    assert run_id_of(path) is None
+    fresh = StepCheckpointer(tmp_path, every_n_steps=1)
+    with caplog.at_level(logging.WARNING):
+        # Legacy checkpoints belong to whichever run resumes in their folder.
+        assert fresh.resume_point(None, run_id="run-b") == path
+    assert "its content cannot be verified" in caplog.text
+    restored = make_model()
+    fresh.load(path, restored, make_optimizer(restored, False))
+    torch.testing.assert_close(
+        dict(restored.named_parameters()), dict(model.named_parameters()), **BITWISE
+    )
+
+
+# -- run identity -----------------------------------------------------------------
+
+
+def test_a_resume_only_picks_the_checkpoints_of_its_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    older = StepCheckpointer(tmp_path, every_n_steps=1, run_id="run-a")
+    save_at(older, 6, model, optimizer)
+    newer = StepCheckpointer(tmp_path, every_n_steps=1, run_id="run-b")
+    mine = save_at(newer, 2, model, optimizer)
+    with caplog.at_level(logging.WARNING):
+        assert newer.resume_point(None, run_id="run-b") == mine
+    assert "belongs to run run-a, not to run run-b" in caplog.text
+    assert newer.resume_point(None) == tmp_path / "step_6"  # any run: the newest
+
+
+def test_keep_last_n_never_deletes_another_runs_checkpoints(tmp_path: Path) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    save_at(StepCheckpointer(tmp_path, 1, run_id="run-a"), 9, model, optimizer)
+    checkpointer = StepCheckpointer(tmp_path, 1, keep_last_n=1, run_id="run-b")
+    for step in (1, 2):
+        save_at(checkpointer, step, model, optimizer)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_9"]
+
+
+def test_a_new_run_moves_an_earlier_runs_checkpoints_aside_and_deletes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_model()
+    optimizer = make_optimizer(model, False)
+    out, epochs = tmp_path / "out", tmp_path / "epochs"
+    write_run_file(out, "run-a")
+    save_at(StepCheckpointer(out, 1, run_id="run-a"), 6, model, optimizer)
+    for folder in ("epoch_0", "epoch_1", "recipe_state", "dist_epoch_0"):
+        (epochs / folder).mkdir(parents=True)
+        (epochs / folder / "weights.bin").write_bytes(folder.encode())
+    (out / "logs").mkdir()  # not a checkpoint: stays
+    before = sorted(
+        p.read_bytes() for root in (out, epochs) for p in root.rglob("*") if p.is_file()
+    )
+    with caplog.at_level(logging.WARNING):
+        # The new run starts from the earlier run's epoch_1: it stays in place.
+        moved = set_aside_previous_run(
+            [out, epochs], keep=[epochs, epochs / "epoch_1" / "weights.bin"]
+        )
+    assert moved == out / "previous_runs" / "run_run-a"
+    assert sorted(p.name for p in moved.iterdir()) == sorted([RUN_FILE, "step_6"])
+    aside = epochs / "previous_runs" / "run_run-a"
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "dist_epoch_0",
+        "epoch_0",
+        "recipe_state",
+    ]
+    assert (epochs / "epoch_1").is_dir() and (out / "logs").is_dir()
+    assert read_run_file(out) is None
+    assert str(aside) in caplog.text and "step_6" in caplog.text
+    after = sorted(
+        p.read_bytes() for root in (out, epochs) for p in root.rglob("*") if p.is_file()
+    )
+    assert after == before  # every file is still there, unchanged
+    verify(moved / "step_6")
+    # Nothing left to move: the next call moves nothing; a second earlier run
+    # with the same id goes beside the first, never into it.
+    assert set_aside_previous_run([out, epochs], keep=[epochs / "epoch_1"]) is None
+    write_run_file(out, "run-a")
+    assert set_aside_previous_run([out]) is None  # a run that saved nothing
+    (out / "step_1").mkdir()
+    assert set_aside_previous_run([out]) == out / "previous_runs" / "run_run-a.2"
+
+
+def test_a_missing_named_step_checkpoint_is_an_error_listing_those_there(
+    tmp_path: Path,
+) -> None:
+    model = make_model()
+    save_at(StepCheckpointer(tmp_path, 1), 2, model, make_optimizer(model, False))
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpointer.recipe_checkpoint=step_9/recipe_state.pt names the step "
+        r"checkpoint .*step_9, which does not exist. The step checkpoints in .* are "
+        r"\['step_2'\]: name one of them",
+    ):
+        StepCheckpointer(tmp_path, 1).resume_point("step_9/recipe_state.pt")
+
+
+def test_file_checksum_reads_files_larger_than_one_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchtune.training.checkpointing._step_checkpointer as module
+
+    monkeypatch.setattr(module, "_CHUNK_BYTES", 7)
+    data = bytes(range(256)) * 3
+    (tmp_path / "f").write_bytes(data)
+    assert file_checksum(tmp_path / "f") == f"{zlib.crc32(data):08x}"
+    (tmp_path / "empty").write_bytes(b"")  # cannot be memory-mapped
+    assert file_checksum(tmp_path / "empty") == "00000000"
