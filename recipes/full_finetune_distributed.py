@@ -350,11 +350,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         self.world_size / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # No-ops after an in-backward backward; the plain update otherwise.
-                self._optimizer.step()
-                self._optimizer.zero_grad(set_to_none=True)
-                if self._lr_scheduler is not None:
-                    self._lr_scheduler.step()
+                # Update (a no-op after an in-backward backward), zero_grad, LR step.
+                training.optimizer_step(self._optimizer, self._lr_scheduler)
                 self.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)

@@ -281,11 +281,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         1 / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # A no-op after an in-backward backward.
-                self._optimizer.step()
-                self._optimizer.zero_grad(set_to_none=True)
-                if self._lr_scheduler is not None:
-                    self._lr_scheduler.step()
+                # Update (a no-op after an in-backward backward), zero_grad, LR step.
+                training.optimizer_step(self._optimizer, self._lr_scheduler)
                 self.global_step += 1
 
                 self._step_logger.log(

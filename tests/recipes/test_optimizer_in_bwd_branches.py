@@ -11,9 +11,10 @@ is read only
    of a call to it;
 4. where loss normalization or clipping differ: the test of an ``if`` statement, or
    of a conditional expression, whose statement backpropagates, scales, clips or
-   measures gradients (``backward``, ``scale_grads``, ``clip_grad_norm_``,
-   ``clip_grads_with_norm_``, ``get_total_norm``, ``.grad_norm``) or multiplies or
-   divides by a token count (a name containing ``token``).
+   measures gradients (``backward``, ``scale_grads``, ``scale_and_clip_grads_``,
+   ``clip_grad_norm_``, ``clip_grads_with_norm_``, ``get_total_norm``,
+   ``.grad_norm``) or multiplies or divides by a token count (a name containing
+   ``token``).
 
 A statement branching on the flag (rules 3 and 4) must not step, zero, schedule,
 log, checkpoint or build anything (see ``_FORBIDDEN_CALLS``): those treat both modes
@@ -46,6 +47,7 @@ _NORMALIZATION_CALLS = frozenset(
     {
         "backward",
         "scale_grads",
+        "scale_and_clip_grads_",
         "clip_grad_norm_",
         "clip_grads_with_norm_",
         "get_total_norm",
@@ -56,6 +58,7 @@ _NORMALIZATION_CALLS = frozenset(
 _FORBIDDEN_CALLS = frozenset(
     {
         "step",
+        "optimizer_step",
         "zero_grad",
         "get_lr",
         "state_dict",

@@ -36,6 +36,35 @@ log = utils.get_logger("DEBUG")
 MemoryWindow = tuple[int, int] | None
 
 
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> None:
+    """End a training step: ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=
+    True)`` and, if there is one, ``lr_scheduler.step()``, in both modes.
+
+    After an in-backward backward the step has nothing left to do (every parameter
+    was updated inside backward); with a plain optimizer it is the update.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the training optimizer.
+        lr_scheduler (LRScheduler | None): the LR scheduler, if any. Default: ``None``
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> optimizer = torch.optim.SGD([p], lr=0.5)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        >>> p.grad = torch.ones(2)
+        >>> optimizer_step(optimizer, scheduler)
+        >>> p.detach(), p.grad, optimizer.param_groups[0]["lr"]
+        (tensor([0.5000, 0.5000]), None, 0.05)
+    """
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+
+
 def steps_per_epoch(
     num_batches: int, gradient_accumulation_steps: int, max_steps_per_epoch: int | None
 ) -> int:

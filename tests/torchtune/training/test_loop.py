@@ -286,3 +286,26 @@ def test_setup_loss_returns_the_compiled_loss_and_sets_the_models_chunks(
     assert model.chunks == 4
     uncompiled = nn.CrossEntropyLoss()
     assert training.setup_loss(uncompiled, _ChunkedModel()) is uncompiled
+
+
+def test_optimizer_step_updates_zeroes_and_schedules_in_both_modes() -> None:
+    """The step tail every recipe shares: the plain optimizer updates and the
+    in-backward one has nothing left to do; both end with no gradients and the
+    scheduler one step on."""
+    torch.manual_seed(0)
+    start = torch.randn(3)
+    plain_param = torch.nn.Parameter(start.clone())
+    bwd_param = torch.nn.Parameter(start.clone())
+    plain = torch.optim.SGD([plain_param], lr=0.1)
+    in_bwd = training.OptimizerInBackward([bwd_param], torch.optim.SGD, lr=0.1)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (plain, in_bwd)]
+    for param, optimizer, scheduler in zip(
+        (plain_param, bwd_param), (plain, in_bwd), schedulers, strict=True
+    ):
+        (param * param).sum().backward()
+        training.optimizer_step(optimizer, scheduler)
+        assert param.grad is None
+        assert optimizer.param_groups[0]["lr"] == 0.05
+    torch.testing.assert_close(plain_param, bwd_param, rtol=0, atol=0)
+    assert not torch.equal(plain_param, start)
+    training.optimizer_step(plain)  # no scheduler: fine
