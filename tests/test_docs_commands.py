@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 
 from torchtune import training
 from torchtune._recipe_registry import get_all_recipes
-from torchtune.config._utils import _merge_yaml_and_cli_args
 from torchtune.config._parse import TuneRecipeArgumentParser
+from torchtune.config._utils import _merge_yaml_and_cli_args
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "source").rglob("*.rst"))]
