@@ -133,14 +133,15 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
             (``optimizer_in_bwd=True`` with gradient accumulation,
-            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a flag that is not a bool; an optimizer
-            FSDP2 cannot train or checkpoint, see ``training.check_fsdp_optimizer``;
-            ...) or by :class:`~torchtune.training.CheckpointClient`
-            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``; a
-            resume with nothing to resume from, a named step checkpoint that does
-            not exist, or another optimizer class than the checkpoint's); an
-            optimizer the recipe cannot step (``torch.optim.LBFGS``,
-            ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in backward).
+            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
+            flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
+            ``training.check_fsdp_optimizer``; ...) or by
+            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
+            from, a named step checkpoint that does not exist, or another optimizer
+            class than the checkpoint's); an optimizer the recipe cannot step
+            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
+            backward).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
         ValueError: ``resume_from_checkpoint=True`` from an epoch checkpoint, and no

@@ -123,13 +123,13 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation; fp16; a flag that
-            is not a bool; ...) or by :class:`~torchtune.training.CheckpointClient`
-            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``; a
-            resume with nothing to resume from, a named step checkpoint that does
-            not exist, or another optimizer class than the checkpoint's); an
-            optimizer the recipe cannot step (``torch.optim.LBFGS``,
-            ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in backward).
+            (``optimizer_in_bwd=True`` with gradient accumulation; fp16; a flag that is
+            not a bool; ...) or by :class:`~torchtune.training.CheckpointClient`
+            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``; a resume
+            with nothing to resume from, a named step checkpoint that does not exist, or
+            another optimizer class than the checkpoint's); an optimizer the recipe
+            cannot step (``torch.optim.LBFGS``, ``SparseAdam``; torchao's
+            ``CPUOffloadOptimizer`` in backward).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
         ValueError: ``batch_size`` not divisible by ``forward_batch_size`` or by
