@@ -12,6 +12,20 @@ Modes (``--modes``):
 - ``in_bwd_bucketed``: ``OptimizerInBackward`` with its default bucket cap
   (:data:`torchtune.training.memory.DEFAULT_BUCKET_CAP_MB`).
 - ``in_bwd_cap<N>``: ``OptimizerInBackward`` with ``bucket_cap_mb=N``, to compare caps.
+- ``plain_clip``: the plain step with global-norm gradient clipping on:
+  ``training.scale_and_clip_grads_(params, max_norm=MAX_NORM)`` (which also gives the
+  norm) between ``backward()`` and ``step()``.
+- ``in_bwd_clip``: ``OptimizerInBackward`` with its default bucket cap and
+  ``max_norm=MAX_NORM``, i.e. exact clipping inside ``optimizer.backward(loss)``: a
+  measuring backward pass, then an updating one over the same graph.
+
+The two clipping modes are not in the default set (``--modes``; see the last example).
+``MAX_NORM`` is small enough that every step clips, so the clipping code runs. The
+in-backward modes train with ``optimizer.backward(loss)`` (one backward pass when
+they do not clip, the same as ``loss.backward()``). Each step's time is also split
+into phases (forward; backward, with the in-backward updates; the rest: norm, clipping,
+``step()``), and for ``in_bwd_clip`` its backward into the measuring and the updating
+pass, timed at ``backward``'s ``before_update_pass`` callback.
 
 Optimizers (``--optimizers``): ``adamw`` (``torch.optim.AdamW(foreach=True)``) and
 ``adamw8bit`` (bitsandbytes' ``AdamW8bit``, non-paged: torchtune's Llama 3.x
@@ -32,8 +46,8 @@ run's peak (same optimizer) minus its own, also given as a fraction of the
 gradients' bytes; the memory a bucketed mode costs is its peak minus the
 per-parameter mode's.
 
-Writes ``optimizer_in_backward.md`` (table), ``optimizer_in_backward.png`` (plot) and
-``optimizer_in_backward.json`` (raw numbers) to ``--out-dir``.
+Writes ``<name>.md`` (table), ``<name>.png`` (plot) and ``<name>.json`` (raw numbers)
+to ``--out-dir``, ``<name>`` being ``--out-name`` (default ``optimizer_in_backward``).
 
 Examples::
 
@@ -44,6 +58,10 @@ Examples::
     # which bucket cap: add caps of 4 and 64 MiB to the modes
     python benchmarks/optimizer_in_backward.py --sizes 10m,70m --extra-caps 4,64
     python benchmarks/optimizer_in_backward.py --device cuda --dtype bfloat16
+    # what clipping costs, plain and in backward (results/optimizer_in_backward_clipping)
+    python benchmarks/optimizer_in_backward.py --threads 1 --optimizers adamw \
+        --modes plain,plain_clip,in_bwd_bucketed,in_bwd_clip --steps 30 \
+        --size-steps 70m=24,200m=16 --interleave-gib 14 --out-name optimizer_in_backward_clipping
 """
 
 from __future__ import annotations
@@ -61,13 +79,28 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+# The default modes; ALL_MODES adds the clipping ones.
 MODES = ("plain", "hooks_0_6_1", "in_bwd_per_param", "in_bwd_bucketed")
+ALL_MODES = (*MODES, "plain_clip", "in_bwd_clip")
 MODE_LABELS = {
     "plain": "plain step",
     "hooks_0_6_1": "0.6.1 bare hooks",
     "in_bwd_per_param": "OptimizerInBackward, per parameter",
     "in_bwd_bucketed": "OptimizerInBackward, bucketed (default)",
+    "plain_clip": "plain step, clipping",
+    "in_bwd_clip": "OptimizerInBackward, bucketed, clipping",
 }
+# The ratios' references: every mode's step time is compared with theirs, when run.
+REFERENCES = {
+    "plain": "plain",
+    "hooks_0_6_1": "0.6.1 hooks",
+    "in_bwd_bucketed": "in bwd, no clip",
+}
+# Each clipping mode's counterpart without clipping.
+UNCLIPPED = {"plain_clip": "plain", "in_bwd_clip": "in_bwd_bucketed"}
+# The clipping modes' max_norm: far below the gradient norm of these models, so that
+# every step clips (a max_norm above the norm would only measure).
+MAX_NORM = 1e-3
 OPTIMIZERS = ("adamw", "adamw8bit")
 OPTIMIZER_LABELS = {
     "adamw": "torch AdamW (foreach)",
@@ -96,6 +129,21 @@ BATCHES: dict[str, tuple[int, int]] = {
 }
 DEFAULT_SIZES = {"cpu": "10m,70m,200m", "cuda": "200m,1b,3b"}
 MIB = 1024**2
+# A step's phases, each timed from the end of the one before: the forward pass and
+# loss; for in_bwd_clip, the measuring backward pass; backward (for in_bwd_clip its
+# updating pass), with the parameter updates of the in-backward modes; the rest
+# (gradient norm, clipping, ``step()``, ``zero_grad()``).
+_PHASES = ("forward", "measure_pass", "backward", "rest")
+
+
+def _steps_for(args: argparse.Namespace, size: str) -> int:
+    """Timed steps at ``size``: ``--size-steps`` where it names the size, else
+    ``--steps``."""
+    for item in filter(None, args.size_steps.split(",")):
+        name, _, count = item.partition("=")
+        if name.strip() == size:
+            return int(count)
+    return args.steps
 
 
 def mode_label(mode: str) -> str:
@@ -108,7 +156,7 @@ def bucket_cap_mb(mode: str) -> float | None:
     """The ``bucket_cap_mb`` an in-backward mode passes (``None``: the default)."""
     if mode == "in_bwd_per_param":
         return 0.0
-    if mode == "in_bwd_bucketed":
+    if mode in ("in_bwd_bucketed", "in_bwd_clip"):
         return None
     return float(mode[len("in_bwd_cap") :])
 
@@ -177,7 +225,7 @@ def _build_mode(
     from torchtune.training import OptimizerInBackward
 
     params = [p for p in model.parameters() if p.requires_grad]
-    if mode == "plain":
+    if mode in ("plain", "plain_clip"):
         optimizer = make_optimizer(params)
         return optimizer, [optimizer]
     if mode == "hooks_0_6_1":
@@ -193,7 +241,10 @@ def _build_mode(
             p.register_post_accumulate_grad_hook(step_and_free)
         return _StepsInBackward(), list(per_param.values())
     optimizer = OptimizerInBackward(
-        params, make_optimizer, bucket_cap_mb=bucket_cap_mb(mode)
+        params,
+        make_optimizer,
+        bucket_cap_mb=bucket_cap_mb(mode),
+        max_norm=MAX_NORM if mode == "in_bwd_clip" else None,
     )
     optimizer.record_grad_norm = record_grad_norm
     # Its bucket optimizers work on views of this one's state.
@@ -208,7 +259,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
 
+    from torchtune import training
     from torchtune.models.llama2 import llama2
+    from torchtune.training.gradients import clip_coefficient
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -217,6 +270,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shape = SIZES[args.size]
     batch_size, seq_len = BATCHES[args.size]
     batch_size, seq_len = args.batch_size or batch_size, args.seq_len or seq_len
+    steps = _steps_for(args, args.size)
     modes = args.modes.split(",")
     make_optimizer = optimizer_builder(args.optimizer)
     runs: dict[str, dict[str, Any]] = {}
@@ -246,6 +300,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ),
             "step_times_s": [],
             "cpu_times_s": [],
+            # Per step, CPU seconds of each phase (see _PHASES).
+            "phase_cpu_s": {phase: [] for phase in _PHASES},
+            "clip_coefs": [],
         }
     tokens = torch.randint(
         0,
@@ -260,21 +317,45 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
 
-    def train_step(mode: str) -> None:
+    def train_step(mode: str) -> dict[str, float]:
+        """One step; returns the process CPU time at the end of each phase."""
         model, optimizer = runs[mode]["model"], runs[mode]["optimizer"]
+        marks: dict[str, float] = {}
+
+        def mark(phase: str) -> None:
+            sync()
+            marks[phase] = time.process_time()
+
         logits = model(tokens[:, :-1])
         loss = loss_fn(
             logits.reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1)
         )
-        loss.backward()
+        mark("forward")
+        if mode in ("plain", "plain_clip", "hooks_0_6_1"):
+            loss.backward()
+        elif mode == "in_bwd_clip":
+            # Called between the measuring and the updating pass.
+            optimizer.backward(loss, before_update_pass=lambda: mark("measure_pass"))
+        else:
+            optimizer.backward(loss)
+        mark("backward")
         # The gradient norm the recipes log, in the way each mode can give it (the
-        # 0.6.1 hooks cannot), unless --no-grad-norm.
-        if args.grad_norm and mode == "plain":
+        # 0.6.1 hooks cannot), unless --no-grad-norm. Clipping needs it anyway.
+        if mode == "plain_clip":
+            params = [p for p in model.parameters() if p.requires_grad]
+            norm = training.scale_and_clip_grads_(params, max_norm=MAX_NORM)
+            runs[mode]["clip_coefs"].append(clip_coefficient(MAX_NORM, norm).item())
+        elif args.grad_norm and mode == "plain":
             nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        elif mode == "in_bwd_clip":
+            norm = optimizer.grad_norm
+            runs[mode]["clip_coefs"].append(clip_coefficient(MAX_NORM, norm).item())
         elif args.grad_norm and mode != "hooks_0_6_1":
             _ = optimizer.grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        mark("rest")
+        return marks
 
     # Peak memory of the training steps only: models and data are built by now.
     if cuda:
@@ -284,21 +365,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         _reset_peak_rss()
         baseline = _peak_rss_bytes()
-    for round_index in range(args.warmup + args.steps):
+    for round_index in range(args.warmup + steps):
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             sync()
             start, cpu_start = time.perf_counter(), time.process_time()
-            train_step(mode)
+            marks = train_step(mode)
             sync()
             if round_index >= args.warmup:
                 runs[mode]["step_times_s"].append(time.perf_counter() - start)
                 runs[mode]["cpu_times_s"].append(time.process_time() - cpu_start)
+                previous = cpu_start
+                for phase in _PHASES:
+                    if phase in marks:
+                        runs[mode]["phase_cpu_s"][phase].append(marks[phase] - previous)
+                        previous = marks[phase]
     peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     return {
         "size": args.size,
         "optimizer": args.optimizer,
         "modes": modes,
+        "steps": steps,
         "batch": [batch_size, seq_len],
         "peak_bytes": peak,
         "baseline_bytes": baseline,
@@ -338,6 +425,7 @@ def run_fresh_process(
         "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len),
         "--steps", str(steps),
+        "--size-steps", "",
         "--warmup", str(args.warmup),
         "--threads", str(args.threads),
         *([] if args.grad_norm else ["--no-grad-norm"]),
@@ -432,7 +520,29 @@ def summarize(
             if times:
                 row["step_s"] = _spread(times)
                 row["cpu_step_s"] = _spread(cpu)
-                for reference in ("plain", "hooks_0_6_1"):
+                phases = {
+                    phase: [
+                        t
+                        for r in mine_t
+                        if mode in r["by_mode"]
+                        for t in r["by_mode"][mode]
+                        .get("phase_cpu_s", {})
+                        .get(phase, [])
+                    ]
+                    for phase in _PHASES
+                }
+                row["phase_cpu_s"] = {
+                    phase: statistics.median(ts) for phase, ts in phases.items() if ts
+                }
+                coefs = [
+                    c
+                    for r in mine_t
+                    if mode in r["by_mode"]
+                    for c in r["by_mode"][mode].get("clip_coefs", [])
+                ]
+                if coefs:
+                    row["clip_coef_max"] = max(coefs)
+                for reference in REFERENCES:
                     for key, name in (("step_times_s", "wall"), ("cpu_times_s", "cpu")):
                         ratios = _paired_ratios(mine_t, mode, reference, key)
                         if ratios:
@@ -446,6 +556,9 @@ def summarize(
                     row["extra_vs_per_param_bytes"] = (
                         peaks[mode] - peaks["in_bwd_per_param"]
                     )
+                unclipped = UNCLIPPED.get(mode)
+                if unclipped in peaks:
+                    row["clip_extra_bytes"] = peaks[mode] - peaks[unclipped]
             rows.append(row)
     return rows
 
@@ -467,18 +580,37 @@ def markdown(
     memory = "peak RSS" if cpu else "max allocated"
     clock = "CPU time" if cpu else "wall"
     key = "cpu" if cpu else "wall"
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    references = [ref for ref in REFERENCES if ref in modes]
+    clipping = any(mode in UNCLIPPED for mode in modes)
+    per_param = "in_bwd_per_param" in modes
+    steps = {}
+    for run in timing:
+        steps.setdefault(run["size"], run.get("steps", args.steps))
+    if len(set(steps.values())) == 1:
+        steps_text = f"{next(iter(steps.values()))} timed steps per mode"
+    else:
+        steps_text = "timed steps per mode: " + ", ".join(
+            f"{size} {n}" for size, n in steps.items()
+        )
     lines = [
         "# Optimizer in backward: step time and peak memory",
         "",
         env,
         "",
-        f"llama2, {args.dtype}; {args.steps} timed steps per mode after {args.warmup} "
+        f"llama2, {args.dtype}; {steps_text}, after {args.warmup} "
         f"warm-up step(s). Step time: {clock} per step, median, with every mode of a "
         "size in one process taking steps in turn (rotating order); the ratios are "
         "medians of per-round paired ratios, [min-max] over the rounds. Sizes timed "
         "in fresh processes instead are marked. Peak memory: "
         f"{memory}, each mode in a fresh process; `saved` is the plain step's peak "
-        "minus the mode's, `extra` the mode's peak minus the per-parameter mode's. "
+        "minus the mode's"
+        + (
+            ", `extra` the mode's peak minus the per-parameter mode's"
+            if per_param
+            else ""
+        )
+        + ". "
         + (
             "Every step takes the gradient norm the recipes log (plain: "
             "`get_total_norm`; in backward: `grad_norm`); the 0.6.1 hooks cannot give "
@@ -497,14 +629,28 @@ def markdown(
             f"average at the end of each timing run: {min(loads):.1f} to "
             f"{max(loads):.1f} (the benchmark counts for about its thread count).",
         ]
+    if clipping:
+        lines += [
+            "",
+            f"Clipping modes: global-norm clipping to max_norm={MAX_NORM:g}, below "
+            "every step's gradient norm, so every step clips (the largest clip "
+            "coefficient seen is in the JSON, `clip_coef_max`). `vs in bwd, no clip` "
+            "compares with the bucketed in-backward mode without clipping; `clip "
+            "extra` is a clipping mode's peak minus that of the same mode without "
+            "clipping.",
+        ]
     if args.note:
         lines += ["", f"Note: {args.note}"]
     lines += [
         "",
         f"| model | batch | optimizer | mode | buckets (largest) | {clock} / step (ms) "
-        f"| vs plain | vs 0.6.1 hooks | {memory} (MiB) | saved (MiB) | saved / "
-        "gradients | extra vs per parameter (MiB) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        + "".join(f"| vs {REFERENCES[ref]} " for ref in references)
+        + f"| {memory} (MiB) | saved (MiB) | saved / gradients "
+        + ("| clip extra (MiB) " if clipping else "")
+        + ("| extra vs per parameter (MiB) " if per_param else "")
+        + "|",
+        "|---|---|---|---|---:|---:|"
+        + "---:|" * (len(references) + 3 + clipping + per_param),
     ]
     fresh = {(r["size"], r["optimizer"]) for r in timing if len(r["modes"]) == 1}
     for r in rows:
@@ -521,27 +667,70 @@ def markdown(
                     OPTIMIZER_LABELS[r["optimizer"]],
                     mode_label(r["mode"]),
                     f"{r['buckets']} ({r['max_bucket_bytes'] / MIB:.1f} MiB)"
-                    if r["mode"] != "plain"
+                    if r["mode"] not in ("plain", "plain_clip")
                     else "",
                     f"{1000 * step['median']:.0f}" if step else "",
-                    _ratio(r, f"{key}_vs_plain"),
-                    _ratio(r, f"{key}_vs_hooks_0_6_1"),
+                    *(_ratio(r, f"{key}_vs_{ref}") for ref in references),
                     f"{r['peak_bytes'] / MIB:.0f}" if "peak_bytes" in r else "",
                     f"{r['saved_bytes'] / MIB:.0f}" if "saved_bytes" in r else "",
                     f"{r['saved_of_grads']:.0%}" if "saved_of_grads" in r else "",
-                    f"{r['extra_vs_per_param_bytes'] / MIB:+.0f}"
-                    if "extra_vs_per_param_bytes" in r
-                    else "",
+                    *(
+                        [
+                            f"{r['clip_extra_bytes'] / MIB:+.0f}"
+                            if "clip_extra_bytes" in r
+                            else ""
+                        ]
+                        if clipping
+                        else []
+                    ),
+                    *(
+                        [
+                            f"{r['extra_vs_per_param_bytes'] / MIB:+.0f}"
+                            if "extra_vs_per_param_bytes" in r
+                            else ""
+                        ]
+                        if per_param
+                        else []
+                    ),
                 ]
             )
             + " |"
+        )
+    lines += [
+        "",
+        "Where the time goes: median CPU time per phase (ms), with the interleaved or "
+        "fresh-process timing runs above. `forward`: forward and loss; `measuring "
+        "pass`: `in_bwd_clip`'s first backward pass (gradients measured and freed); "
+        "`backward`: the (for `in_bwd_clip`: second, updating) backward pass, with the "
+        "in-backward updates; `rest`: norm, clipping, `step()`, `zero_grad()`.",
+        "",
+        "| model | mode | forward | measuring pass | backward | rest | measuring pass "
+        "/ step |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        phases = r.get("phase_cpu_s")
+        if not phases:
+            continue
+        total = sum(phases.values())
+        cells = [
+            f"{1000 * phases[phase]:.0f}" if phase in phases else ""
+            for phase in _PHASES
+        ]
+        share = (
+            f"{phases['measure_pass'] / total:.0%}" if "measure_pass" in phases else ""
+        )
+        lines.append(
+            f"| {r['size']} | {mode_label(r['mode'])} | "
+            + " | ".join(cells)
+            + f" | {share} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path, cpu: bool) -> None:
-    """One row of panels per optimizer: step time vs plain, vs the 0.6.1 hooks, and
-    memory saved."""
+    """One row of panels per optimizer: step time vs each reference mode that was
+    run (plain, the 0.6.1 hooks, in backward without clipping), and memory saved."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -550,25 +739,24 @@ def plot(rows: list[dict[str, Any]], path: Path, cpu: bool) -> None:
     key = "cpu" if cpu else "wall"
     optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
+    references = [ref for ref in REFERENCES if ref in modes]
     fig, axes = plt.subplots(
-        len(optimizers), 3, figsize=(16, 4.4 * len(optimizers)), squeeze=False
+        len(optimizers),
+        len(references) + 1,
+        figsize=(5.4 * (len(references) + 1), 4.4 * len(optimizers)),
+        squeeze=False,
     )
+    clock = "CPU time" if cpu else "wall time"
     for optimizer, panels in zip(optimizers, axes, strict=True):
         for index, mode in enumerate(modes):
             mine = [r for r in rows if (r["optimizer"], r["mode"]) == (optimizer, mode)]
             x = [r["params"] / 1e6 for r in mine]
-            for ax, field in (
-                (panels[0], f"{key}_vs_plain"),
-                (panels[1], f"{key}_vs_hooks_0_6_1"),
-            ):
+            for ax, reference in zip(panels, references, strict=False):
+                field = f"{key}_vs_{reference}"
                 points = [
                     (xi, r[field]) for xi, r in zip(x, mine, strict=False) if field in r
                 ]
-                if (
-                    not points
-                    or mode in ("plain", "hooks_0_6_1")
-                    and field.endswith(mode)
-                ):
+                if not points or mode == reference:
                     continue
                 xs, spreads = zip(*points, strict=False)
                 medians = [s["median"] for s in spreads]
@@ -590,21 +778,29 @@ def plot(rows: list[dict[str, Any]], path: Path, cpu: bool) -> None:
                 if "saved_of_grads" in r
             ]
             if saved and mode != "plain":
-                panels[2].plot(
+                panels[-1].plot(
                     *zip(*saved, strict=False),
                     "o-",
                     color=f"C{index}",
                     label=mode_label(mode),
                 )
         name = OPTIMIZER_LABELS[optimizer]
-        clock = "CPU time" if cpu else "wall time"
-        for ax, title, ylabel in (
-            (panels[0], f"Step {clock} vs plain: {name}", "x plain (median, min-max)"),
-            (panels[1], f"Step {clock} vs 0.6.1 hooks: {name}", "x 0.6.1 hooks"),
-            (panels[2], f"Memory saved vs plain: {name}", "% of gradient bytes"),
-        ):
-            if ax is not panels[2]:
+        titles = [
+            (
+                ax,
+                f"Step {clock} vs {REFERENCES[ref]}: {name}",
+                f"x {REFERENCES[ref]} (median, min-max)",
+            )
+            for ax, ref in zip(panels, references, strict=False)
+        ]
+        titles.append(
+            (panels[-1], f"Memory saved vs plain: {name}", "% of gradient bytes")
+        )
+        for ax, title, ylabel in titles:
+            if ax is not panels[-1]:
                 ax.axhline(1.0, color="black", lw=0.6)
+            else:
+                ax.axhline(0.0, color="black", lw=0.6)
             ax.set_xscale("log")
             ax.set_xlabel("parameters (M)")
             ax.set_ylabel(ylabel)
@@ -658,6 +854,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated bucket caps in MiB, each added as a mode in_bwd_cap<N>",
     )
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode")
+    parser.add_argument(
+        "--size-steps",
+        default="",
+        help="per-size overrides of --steps, e.g. 200m=8,1b=6",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     parser.add_argument(
         "--memory-steps", type=int, default=3, help="timed steps of a memory run"
@@ -680,6 +881,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out-dir",
         type=Path,
         default=Path(__file__).resolve().parent / "results",
+    )
+    parser.add_argument(
+        "--out-name",
+        default="optimizer_in_backward",
+        help="file name (no suffix) of the .md, .json and .png in --out-dir",
     )
     parser.add_argument(
         "--no-grad-norm",
@@ -721,7 +927,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind, asked, known in (
         ("sizes", sizes, SIZES),
         ("optimizers", optimizers, OPTIMIZERS),
-        ("modes", [m for m in modes if not m.startswith("in_bwd_cap")], MODES),
+        ("modes", [m for m in modes if not m.startswith("in_bwd_cap")], ALL_MODES),
     ):
         unknown = [name for name in asked if name not in known]
         if unknown:
@@ -734,7 +940,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         for optimizer in optimizers:
             if interleave:
-                run = run_fresh_process(args, size, optimizer, modes, args.steps)
+                run = run_fresh_process(
+                    args, size, optimizer, modes, _steps_for(args, size)
+                )
                 timing.append(run)
                 for mode in modes:
                     print(
@@ -746,7 +954,7 @@ def main(argv: list[str] | None = None) -> None:
             # modes alternating within each repeat.
             for repeat in range(1 if interleave else args.repeats):
                 for mode in modes:
-                    steps = args.memory_steps if interleave else args.steps
+                    steps = args.memory_steps if interleave else _steps_for(args, size)
                     run = run_fresh_process(args, size, optimizer, [mode], steps)
                     memory.append(run)
                     if not interleave:
@@ -760,7 +968,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(timing, memory)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = markdown(rows, timing, args, environment(args))
-    stem = args.out_dir / "optimizer_in_backward"
+    stem = args.out_dir / args.out_name
     stem.with_suffix(".md").write_text(report)
     stem.with_suffix(".json").write_text(
         json.dumps(
