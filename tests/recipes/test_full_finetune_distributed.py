@@ -740,7 +740,7 @@ def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
     return runs | _fork_runs(out, {"resumed": resume})
 
 
-def test_bf16_in_backward_matches_plain_on_two_processes_within_bf16_rounding(
+def test_bf16_in_backward_matches_plain_on_two_processes_bitwise(
     bf16_runs: dict[str, TuneRun], tiny_assets: TinyAssets
 ) -> None:
     in_bwd, plain = bf16_runs["in_bwd"], bf16_runs["plain"]

@@ -60,10 +60,6 @@ pytestmark = pytest.mark.integration_test
 STEPS_PER_EPOCH = 3
 ALL_STEPS = list(range(1, 2 * STEPS_PER_EPOCH + 1))
 EXACT = {"rtol": 0.0, "atol": 0.0}
-# A resume that switches mode (module docstring): measured bitwise losses, weights
-# within 6.0e-8.
-MODE_SWITCH = EXACT
-MODE_SWITCH_WEIGHTS = EXACT
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -172,7 +168,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
 
 
 @pytest.mark.parametrize(("source", "target"), [("plain", "bwd"), ("bwd", "plain")])
-def test_resume_mid_epoch_in_the_other_mode_gives_the_losses_within_rounding(
+def test_resume_mid_epoch_in_the_other_mode_gives_the_losses_bitwise(
     single_runs: dict[str, TuneRun],
     tiny_assets: TinyAssets,
     tmp_path: Path,
@@ -187,8 +183,8 @@ def test_resume_mid_epoch_in_the_other_mode_gives_the_losses_within_rounding(
         single_runs[source],
         4,
         f"epoch_1/{SHARD}",
-        loss_tolerance=MODE_SWITCH,
-        weights_tolerance=MODE_SWITCH_WEIGHTS,
+        loss_tolerance=EXACT,
+        weights_tolerance=EXACT,
     )
 
 
