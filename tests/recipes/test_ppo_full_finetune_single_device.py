@@ -137,12 +137,15 @@ def runs(
     ppo_assets: PPOAssets, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, TuneRun]:
     """Uninterrupted runs: plain, in-backward, and plain with 2 backward passes per
-    minibatch."""
+    minibatch, clipping at ``CLIP``; and plain and in-backward without clipping."""
     settings = {
         "plain": _mode("plain"),
         # Step checkpoints for the step-checkpoint resume test.
         "bwd": {"save_every_n_steps": 1, **_mode("bwd")},
         "plain_accumulated": {"gradient_accumulation_steps": 2, **_mode("plain")},
+        # Clipping off (null): the single-pass in-backward path.
+        "plain_no_clip": {"clip_grad_norm": "null", **_mode("plain")},
+        "bwd_no_clip": {"clip_grad_norm": "null", **_mode("bwd")},
     }
     return {
         name: run_tune_in_process(
@@ -276,6 +279,17 @@ def test_in_backward_gives_the_plain_metrics_at_every_step(
         **tolerance,
     )
     assert _series(runs["bwd"], "lr", steps) == _series(runs[plain], "lr", steps)
+
+
+def test_in_backward_without_clipping_gives_the_plain_metrics_bitwise(
+    runs: dict[str, TuneRun],
+) -> None:
+    steps = EPOCH_0 + EPOCH_1
+    bwd, plain = runs["bwd_no_clip"], runs["plain_no_clip"]
+    _assert_metrics_close(bwd, plain, steps, **EXACT)
+    assert _series(bwd, "grad_norm", steps) == _series(plain, "grad_norm", steps)
+    # Clipping changed the clipped runs: the comparison above is of another path.
+    assert _series(bwd, "loss", steps) != _series(runs["bwd"], "loss", steps)
 
 
 def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes(
