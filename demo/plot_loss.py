@@ -5,8 +5,9 @@ twice, with ``optimizer_in_bwd=True`` and ``optimizer_in_bwd=False`` and the sam
 seed, reads the loss of every step back from each run's ``DiskLogger`` file, prints
 the largest difference between the two curves, and draws both on one PNG
 (``docs/source/_static/demo_loss.png`` by default). The two modes compute the same
-update (the loss is normalized by the step's token count before backward in one and
-the gradients after it in the other), so they differ only by float rounding.
+numbers (both divide the gradients by the step's token count with the same
+operation: after backward, or inside it just before each update), so the curves
+are bitwise equal.
 
 Usage, from the repository root, after ``python -m demo.make_demo_assets``::
 
