@@ -775,10 +775,9 @@ class OptimizerInBackward(Optimizer):
     def _measure(self, param: torch.Tensor) -> None:
         """In the measuring pass of a clipped :meth:`backward`: scale the gradient,
         record its norm and free it."""
-        grad = param.grad
         if self._grad_scale is not None:
-            scale_grads_([grad], self._grad_scale)
-        self._grad_norms.setdefault(param, []).extend(tensor_norms([grad]))
+            scale_grads_([param.grad], self._grad_scale)
+        self._record_norms([param])
         param.grad = None
 
     @torch.no_grad()
@@ -815,6 +814,17 @@ class OptimizerInBackward(Optimizer):
         norms = tensor_norms([p.grad for p in params])
         for param, norm in zip(params, norms, strict=True):
             self._grad_norms.setdefault(param, []).append(norm)
+
+    def _clip_coefficient(self, measure: Callable[[], Any]) -> torch.Tensor:
+        """Run ``measure``, which records the norms of the gradients about to be
+        used, and return the clip coefficient of those norms alone; they are kept
+        after any recorded earlier since zero_grad()."""
+        earlier, self._grad_norms = self._grad_norms, {}
+        measure()
+        coef = clip_coefficient(self.max_norm, self._total_norm(self._grad_norms))
+        for param, norms in earlier.items():
+            self._grad_norms[param] = norms + self._grad_norms.get(param, [])
+        return coef
 
     def _total_norm(self, norms: Mapping[torch.Tensor, list[GradNorm]]) -> torch.Tensor:
         """The global norm of the recorded gradients, combined in parameter order
@@ -896,15 +906,7 @@ class OptimizerInBackward(Optimizer):
             for p in group["params"]
             if p.grad is not None and id(p) in ours
         ]
-        norms = {
-            p: [norm]
-            for p, norm in zip(
-                params, tensor_norms([p.grad for p in params]), strict=True
-            )
-        }
-        for param, entries in norms.items():
-            self._grad_norms.setdefault(param, []).extend(entries)
-        self._clip_coef = clip_coefficient(self.max_norm, self._total_norm(norms))
+        self._clip_coef = self._clip_coefficient(lambda: self._record_norms(params))
         try:
             for bucket in due.values():
                 self._update(bucket)
@@ -974,14 +976,10 @@ class OptimizerInBackward(Optimizer):
                 self._phase = "update"
                 loss.backward()
                 return
-            earlier, self._grad_norms = self._grad_norms, {}
             self._phase = "measure"
-            loss.backward(retain_graph=True)
-            self._clip_coef = clip_coefficient(
-                self.max_norm, self._total_norm(self._grad_norms)
+            self._clip_coef = self._clip_coefficient(
+                lambda: loss.backward(retain_graph=True)
             )
-            for param, norms in earlier.items():
-                self._grad_norms[param] = norms + self._grad_norms.get(param, [])
             if before_update_pass is not None:
                 before_update_pass()
             self._phase = "update"
