@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import math
 import sys
 import weakref
 from collections import OrderedDict
@@ -236,21 +237,21 @@ DEFAULT_BUCKET_CAP_MB = 4.0
 
 
 def is_valid_bucket_cap(bucket_cap_mb: object) -> bool:
-    """Whether ``bucket_cap_mb`` is a valid bucket cap: a number ``>= 0`` (not a bool,
-    not NaN) or ``None`` for the default."""
+    """Whether ``bucket_cap_mb`` is a valid bucket cap: a finite number ``>= 0`` (not
+    a bool, not NaN or infinite) or ``None`` for the default."""
     if bucket_cap_mb is None:
         return True
     return (
         isinstance(bucket_cap_mb, int | float)
         and not isinstance(bucket_cap_mb, bool)
-        and bucket_cap_mb >= 0
+        and 0 <= bucket_cap_mb < math.inf
     )
 
 
 def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
     if not is_valid_bucket_cap(bucket_cap_mb):
         raise ValueError(
-            f"bucket_cap_mb must be a number >= 0, got {bucket_cap_mb!r}: 0 updates "
+            f"bucket_cap_mb must be a finite number >= 0, got {bucket_cap_mb!r}: 0 updates "
             "each parameter on its own, larger values update up to that many MiB of "
             "gradients in one optimizer call"
         )

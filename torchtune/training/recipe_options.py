@@ -5,7 +5,6 @@ recipe can build)."""
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,9 +124,7 @@ def check_optimizer_in_bwd_options(
             "hooks, where a compiled whole-optimizer step cannot run. Set "
             "compile.optimizer_step=False or optimizer_in_bwd=False."
         )
-    if not is_valid_bucket_cap(bucket_cap_mb) or (
-        bucket_cap_mb is not None and not math.isfinite(bucket_cap_mb)
-    ):
+    if not is_valid_bucket_cap(bucket_cap_mb):
         raise ValueError(
             f"optimizer_in_bwd_bucket_cap_mb={bucket_cap_mb!r} is not a finite number "
             ">= 0. "

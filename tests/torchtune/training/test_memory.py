@@ -650,7 +650,7 @@ def test_bucket_cap_holds_consecutive_params_of_one_group_up_to_the_cap() -> Non
         assert all(a is b for a, b in zip(flat, model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), True, "16"])
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "16"])
 def test_bucket_cap_must_be_a_non_negative_number(bad: object) -> None:
     with pytest.raises((ValueError, TypeError), match="bucket_cap_mb must be"):
         OptimizerInBackward(
