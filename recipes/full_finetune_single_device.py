@@ -17,10 +17,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
-    TrainingProgress,
-)
 
 log = utils.get_logger("DEBUG")
 
@@ -105,12 +101,13 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
         # Where training stands; a resumed run takes it from the checkpoint.
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything, in dependency order, restoring the state on resume."""
@@ -118,14 +115,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         metric_logger.log_config(cfg)
         self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
 
-        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
+        ckpt_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(cfg.model, ckpt_dict[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state, and mid-epoch the trained weights too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, ckpt_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(
@@ -137,20 +130,25 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
-        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
-
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained weights, optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -237,13 +235,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info("The model compiles in its first forward: expect a slow step 1.")
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Totals over the current step's batches.
         running_loss, num_tokens = 0, 0
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -284,22 +280,22 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=(running_loss / num_tokens).item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
                     grad_norm=grad_norm,
                 )
                 running_loss, num_tokens = 0, 0
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:

@@ -55,15 +55,9 @@ from torchtune.training.checkpointing import (
     ModelType,
     update_state_dict_for_classifier,
 )
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
-    ResumedState,
+from torchtune.training.checkpointing._checkpoint_manager import (
+    CheckpointManager,
     TrainingProgress,
-)
-from torchtune.training.checkpointing._step_checkpointer import (
-    CheckpointError,
-    StepCheckpointer,
-    restore_rng_state,
 )
 from torchtune.training.gradients import (
     clip_grads_with_norm_,
@@ -175,12 +169,8 @@ __all__ = [
     "TOTAL_EPOCHS_KEY",
     "update_state_dict_for_classifier",
     # saving and resuming
-    "CheckpointClient",
-    "ResumedState",
+    "CheckpointManager",
     "TrainingProgress",
-    "CheckpointError",
-    "StepCheckpointer",
-    "restore_rng_state",
     # training loop
     "StepLogger",
     "clip_grads_with_norm_",

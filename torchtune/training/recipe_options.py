@@ -324,6 +324,28 @@ def _check_positive_int(key: str, value: object) -> None:
         raise ValueError(f"{key}={value!r} is not a positive integer.")
 
 
+# Counts a recipe config may set: each a positive integer (max_steps_per_epoch: or
+# null, no limit), checked before anything is built or written.
+COUNT_KEYS = (
+    "epochs",
+    "max_steps_per_epoch",
+    "batch_size",
+    "num_steps",
+    "forward_batch_size",
+    "ppo_batch_size",
+    "ppo_epochs",
+)
+
+
+def _check_count(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        null = " or null (no limit)" if key == "max_steps_per_epoch" else ""
+        raise ValueError(
+            f"{key}={value!r} is not a positive integer: set {key} to a whole number "
+            f">= 1{null}."
+        )
+
+
 def _clip_grad_norm_value(value: object) -> object:
     # torchtune documents clip_grad_norm='inf' (measure and log the norm, never
     # clip): a string that reads as a number is that number.
@@ -496,6 +518,9 @@ class RecipeOptions:
             RuntimeError: as the class does.
         """
         device = utils.get_device(device=cfg.device)
+        for key in COUNT_KEYS:
+            if key in cfg and not (key == "max_steps_per_epoch" and cfg[key] is None):
+                _check_count(key, cfg[key])
         check_profiler_component(cfg.get("profiler"))
         collate_fn = cfg.get("collate_fn", None)
         if collate_fn is not None and "left_pad_sequence" in collate_fn:
