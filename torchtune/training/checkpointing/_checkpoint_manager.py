@@ -24,7 +24,6 @@ of a timeline a resume branches from, are moved into ``previous_runs/``.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import mmap
@@ -45,39 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    _init_optim_state,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
-from torchtune import config, utils
+from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
-from torchtune.modules.peft import (
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
-)
-from torchtune.training._distributed import (
-    gather_cpu_state_dict,
-    load_from_full_optimizer_state_dict,
-)
+from torchtune.modules import peft
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
-from torchtune.training.checkpointing._utils import (
-    ADAPTER_CONFIG,
-    ADAPTER_KEY,
-    DATALOADER_KEY,
-    EPOCHS_KEY,
-    MODEL_KEY,
-    OPT_KEY,
-    TOTAL_EPOCHS_KEY,
-)
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
     convert_legacy_optim_in_bwd_state_dict,
     is_legacy_in_bwd_state_dict,
@@ -85,17 +59,22 @@ from torchtune.training.optim_in_bwd_legacy_state_dict import (
 
 log = utils.get_logger("DEBUG")
 
-MANIFEST = "manifest.json"
-EXPORT_MANIFEST = ".torchtune_manifest.json"
-MANIFEST_VERSION = 2
-RECIPE_STATE = "recipe_state.pt"
-MODEL_OPTIMIZER_FILE = "model_optimizer.pt"
-MODEL_OPTIMIZER_DCP = "model_optimizer"
-RUN_FILE = "torchtune_run.json"
-LOCK_FILE = "torchtune_run.lock"
-PREVIOUS_RUNS = "previous_runs"
-OPTIMIZER_COMPONENT = "optimizer_component"
-TRAJECTORY = "trajectory"
+MANIFEST, EXPORT_MANIFEST, MANIFEST_VERSION = (
+    "manifest.json",
+    ".torchtune_manifest.json",
+    2,
+)
+RECIPE_STATE, RUN_FILE, LOCK_FILE = (
+    "recipe_state.pt",
+    "torchtune_run.json",
+    "torchtune_run.lock",
+)
+MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
+PREVIOUS_RUNS, OPTIMIZER_COMPONENT, TRAJECTORY = (
+    "previous_runs",
+    "optimizer_component",
+    "trajectory",
+)
 # Each param group's hyperparameters: DCP loads only the entries a new optimizer has.
 HYPERPARAMETERS = "optimizer_param_group_hyperparameters"
 # The config values that set a run's step count and data order.
@@ -106,16 +85,14 @@ TRAJECTORY_KEYS = (
     "ppo_batch_size",
     "ppo_epochs",
 )
-# A lock whose owner runs on another host is stale once its heartbeat is this old.
-LOCK_STALE_AFTER_S = 300.0
-_HEARTBEAT_S = 30.0
+# A lock held from another host is stale once its heartbeat (mtime) is this old.
+LOCK_STALE_AFTER_S, _HEARTBEAT_S = 300.0, 30.0
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # What a run leaves that a later run could mistake for its own.
 _RUN_OUTPUTS = re.compile(
-    r"^(step_\d+|\.step_\d+\.partial|epoch_\d+|dist_epoch_\d+|recipe_state"
-    rf"|{re.escape(RUN_FILE)})$"
+    rf"^(step_\d+|\.step_\d+\.partial|epoch_\d+|dist_epoch_\d+|recipe_state|{re.escape(RUN_FILE)})$"
 )
-_TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+_TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
 
 
 class CheckpointError(ValueError):
@@ -136,13 +113,13 @@ class TrainingProgress:
 
     def state_dict(self) -> dict[str, int]:
         return {
-            EPOCHS_KEY: self.epochs_run,
-            TOTAL_EPOCHS_KEY: self.total_epochs,
+            training.EPOCHS_KEY: self.epochs_run,
+            training.TOTAL_EPOCHS_KEY: self.total_epochs,
             "global_step": self.global_step,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.epochs_run = state_dict[EPOCHS_KEY]
+        self.epochs_run = state_dict[training.EPOCHS_KEY]
         self.global_step = state_dict["global_step"]
 
 
@@ -160,6 +137,14 @@ def _world_size() -> int:
 def _barrier() -> None:
     if _world_size() > 1:
         dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    if _world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * _world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def _on_rank_zero(fn: Callable[[], Any]) -> Any:
@@ -207,32 +192,21 @@ def file_checksum(path: str | Path) -> str:
     return f"{crc:08x}"
 
 
-def _files(folder: Path, skip: str) -> list[str]:
-    return sorted(
-        str(p.relative_to(folder))
-        for p in folder.rglob("*")
-        if p.is_file() and p.name != skip
+def _describe(folder: Path, skip: str) -> dict[str, dict[str, Any]]:
+    """Size and CRC-32 of every file of ``folder`` but ``skip``; the ranks of a
+    distributed run share the reading (call it on every rank)."""
+    names = _on_rank_zero(
+        lambda: sorted(
+            str(p.relative_to(folder))
+            for p in folder.rglob("*")
+            if p.is_file() and p.name != skip
+        )
     )
-
-
-def _describe(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {
-        name: {
-            "size": (folder / name).stat().st_size,
-            "crc32": file_checksum(folder / name),
-        }
-        for name in names
+    mine = {
+        n: {"size": (folder / n).stat().st_size, "crc32": file_checksum(folder / n)}
+        for n in names[_rank() :: _world_size()]
     }
-
-
-def _describe_shared(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """:func:`_describe`, the files split across the ranks (call it on every rank)."""
-    mine = _describe(folder, names[_rank() :: _world_size()])
-    if _world_size() == 1:
-        return mine
-    parts: list[Any] = [None] * _world_size()
-    dist.all_gather_object(parts, mine)
-    return {name: entry for part in parts for name, entry in part.items()}
+    return dict(sorted((k, v) for part in _gather(mine) for k, v in part.items()))
 
 
 def read_manifest(folder: Path, name: str = MANIFEST) -> dict[str, Any]:
@@ -250,42 +224,21 @@ def read_manifest(folder: Path, name: str = MANIFEST) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text())
-        version = manifest.get("version", 1)
-        files = manifest["files"]
+        version, files = manifest.get("version", 1), manifest["files"]
         ok = all(
-            isinstance(e, dict)
-            and isinstance(e.get("size"), int)
-            and isinstance(e.get("crc32"), str)
+            isinstance(e["size"], int) and isinstance(e["crc32"], str)
             for e in files.values()
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path} is damaged ({e})") from e
+        raise CheckpointError(f"{path} is damaged ({e!r})") from e
     if version != MANIFEST_VERSION or not ok:
         raise CheckpointError(
-            f"{path} is of manifest version {version}, written by an earlier build "
-            "of this patch set, whose files carry no checksums this one can verify. "
-            "Resume it with the torchtune build that wrote it, or start a new run "
+            f"{path} is of manifest version {version}, written by an earlier build of "
+            "this patch set, without checksums this one can verify. Resume it with "
+            "the torchtune build that wrote it, or start a new run "
             "(resume_from_checkpoint=False)."
         )
     return manifest
-
-
-def _problems(folder: Path, files: Mapping[str, Any], names: list[str]) -> list[str]:
-    problems = []
-    for name in names:
-        path, entry = folder / name, files[name]
-        if not path.is_file():
-            problems.append(f"{path} is missing")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(
-                f"{path} is damaged: {path.stat().st_size} bytes, {entry['size']} "
-                "when written"
-            )
-        elif file_checksum(path) != entry["crc32"]:
-            problems.append(
-                f"{path} is damaged: its content changed since it was written"
-            )
-    return problems
 
 
 def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
@@ -293,20 +246,26 @@ def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
     the size and CRC-32 it had when written; call it on every rank of a distributed
     run, which share the reading.
 
-    Returns:
-        dict[str, Any]: the manifest.
-
     Raises:
         CheckpointError: naming what is missing or damaged.
     """
     folder = Path(folder)
     manifest = read_manifest(folder, name)
-    names = sorted(manifest["files"])
-    problems = _problems(folder, manifest["files"], names[_rank() :: _world_size()])
-    if _world_size() > 1:
-        parts: list[Any] = [None] * _world_size()
-        dist.all_gather_object(parts, problems)
-        problems = [p for part in parts for p in part]
+    problems = []
+    for n in sorted(manifest["files"])[_rank() :: _world_size()]:
+        path, entry = folder / n, manifest["files"][n]
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != entry["size"]:
+            size = path.stat().st_size
+            problems.append(
+                f"{path} is damaged: {size} bytes, {entry['size']} when written"
+            )
+        elif file_checksum(path) != entry["crc32"]:
+            problems.append(
+                f"{path} is damaged: its content changed since it was written"
+            )
+    problems = [p for part in _gather(problems) for p in part]
     if problems:
         raise CheckpointError("; ".join(problems))
     return manifest
@@ -317,15 +276,13 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _step_dirs(folder: Path) -> list[Path]:
-    """The ``step_{N}`` folders of ``folder``, newest first."""
-    if not folder.is_dir():
-        return []
-    return sorted(
-        (p for p in folder.iterdir() if p.is_dir() and step_of(p) is not None),
-        key=step_of,
-        reverse=True,
-    )
+def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
+    """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
+    those of that run (or of no recorded run)."""
+    found = folder.iterdir() if folder.is_dir() else []
+    steps = [p for p in found if p.is_dir() and step_of(p) is not None]
+    steps = [p for p in steps if run_id is None or _run_id_of(p) in (run_id, None)]
+    return sorted(steps, key=step_of, reverse=True)
 
 
 def _run_id_of(step_dir: Path) -> str | None:
@@ -351,8 +308,7 @@ def _write_run_file(folder: Path, run_id: str) -> None:
 def _set_aside(entries: list[Path], label: str, reason: str) -> None:
     """Move ``entries`` into ``previous_runs/{label}/`` of their folders."""
     for folder in sorted({e.parent for e in entries}):
-        target = folder / PREVIOUS_RUNS / label
-        suffix = 1
+        target, suffix = folder / PREVIOUS_RUNS / label, 1
         while target.exists():  # never merge into an earlier move
             suffix += 1
             target = folder / PREVIOUS_RUNS / f"{label}.{suffix}"
@@ -373,8 +329,7 @@ def check_writable(key: str, path: str | Path) -> None:
     Raises:
         PermissionError: naming ``key`` and ``path``.
     """
-    path = Path(path).absolute()
-    existing = path
+    path = existing = Path(path).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
@@ -393,66 +348,53 @@ def check_writable(key: str, path: str | Path) -> None:
 # -- the one-run lock ----------------------------------------------------------------
 
 
-def _lock_holder(folder: Path) -> str | None:
-    """Who holds ``folder``'s lock, if a live run does; ``None`` if free or stale (a
-    killed run's: its process is gone, or its heartbeat stopped)."""
+def _check_lock(folder: Path) -> None:
+    """Refuse ``folder`` if a live run holds its lock; a stale lock (its process is
+    gone or, on another host, its heartbeat stopped) is no obstacle."""
     path = folder / LOCK_FILE
     try:
-        owner = json.loads(path.read_text())
-        age = time.time() - path.stat().st_mtime
-    except (OSError, ValueError):
-        return None
-    if not isinstance(owner, dict):
-        return None
-    if owner.get("host") == socket.gethostname():
-        pid = owner.get("pid")
-        if pid == os.getpid() or not isinstance(pid, int):
-            return None  # this process runs one recipe at a time
+        owner, age = json.loads(path.read_text()), time.time() - path.stat().st_mtime
+        pid, host = owner["pid"], owner["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if host == socket.gethostname():
+        if pid == os.getpid():  # a process runs one recipe at a time
+            return
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return None
-        except PermissionError:
+            return
+        except PermissionError:  # alive, another user's
             pass
     elif age > LOCK_STALE_AFTER_S:
-        return None
-    return (
-        f"process {owner.get('pid')} on host {owner.get('host')}, started "
-        f"{owner.get('started')}"
+        return
+    raise CheckpointError(
+        f"output_dir={folder} is in use by another run (process {pid} on host {host}, "
+        f"started {owner.get('started')}): two runs in one folder would overwrite each "
+        "other's checkpoints. Wait for it to finish, stop it, or set output_dir to "
+        "another folder."
     )
-
-
-def _refuse_if_locked(folder: Path) -> None:
-    holder = _lock_holder(folder)
-    if holder is not None:
-        raise CheckpointError(
-            f"output_dir={folder} is in use by another run ({holder}): two runs in "
-            "one folder would overwrite each other's checkpoints. Wait for it to "
-            "finish, stop it, or set output_dir to another folder."
-        )
 
 
 def _take_lock(folder: Path) -> None:
     path = folder / LOCK_FILE
-    folder.mkdir(parents=True, exist_ok=True)
+    _check_lock(folder)
     if path.exists():
-        _refuse_if_locked(folder)
         log.warning(
             f"Taking over {path}, left by a run that stopped: {path.read_text()}"
         )
         path.unlink()
-    owner = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    }
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:  # another run took it between the check and now
-        _refuse_if_locked(folder)
+    except FileExistsError:  # another run took it since the check
+        _check_lock(folder)
         raise
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     with os.fdopen(fd, "w") as f:
-        json.dump(owner, f)
+        json.dump(
+            {"pid": os.getpid(), "host": socket.gethostname(), "started": started}, f
+        )
 
 
 def _heartbeat(path: Path, stop: threading.Event) -> None:
@@ -475,22 +417,16 @@ def _release_lock(path: Path, stop: threading.Event) -> None:
 # -- what a checkpoint holds ---------------------------------------------------------
 
 
-def _models(model: nn.Module | Mapping[str, nn.Module]) -> dict[str, nn.Module]:
-    return dict(model) if isinstance(model, Mapping) else {MODEL_KEY: model}
-
-
-def _trainable_state_dict(model: nn.Module) -> dict[str, Any]:
-    return get_model_state_dict(model, options=_TRAINABLE)
-
-
 def _load_trainable(model: nn.Module, state_dict: dict[str, Any], where: Path) -> None:
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = sorted(set(missing) & set(_trainable_state_dict(model)))
+    missing = sorted(
+        set(missing) & set(dsd.get_model_state_dict(model, options=_TRAINABLE))
+    )
     if missing or unexpected:
         raise CheckpointError(
             f"{where} does not match this model: missing trainable entries "
-            f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. Resume "
-            "with the model of the run that saved it."
+            f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. Resume with "
+            "the model of the run that saved it."
         )
 
 
@@ -508,60 +444,42 @@ def _differs(a: Any, b: Any) -> bool:
         return str(a) != str(b)
 
 
-def _jsonable(value: Any) -> Any:
-    return value.tolist() if hasattr(value, "tolist") else type(value).__name__
-
-
 def _fingerprint(dataset: Any) -> str:
     """A cheap fingerprint of a dataset's contents: its first, middle and last sample."""
-    n = len(dataset)
-    digest = hashlib.sha256()
+    n, digest = len(dataset), hashlib.sha256()
     for i in sorted({0, n // 2, n - 1}) if n else []:
-        digest.update(
-            json.dumps(dataset[i], sort_keys=True, default=_jsonable).encode()
-        )
+        jsonable = lambda v: v.tolist() if hasattr(v, "tolist") else type(v).__name__  # noqa: E731
+        digest.update(json.dumps(dataset[i], sort_keys=True, default=jsonable).encode())
     return digest.hexdigest()[:16]
 
 
 def _lora_export(
-    state_dict: dict[str, Any], adapter_config: dict[str, Any], adapter_only: bool
+    state_dict: dict[str, Any], adapter: dict[str, Any], adapter_only: bool
 ) -> dict[str, Any]:
     """A LoRA model's export: its adapter, the PEFT adapter config and, unless
     ``adapter_only``, the weights with the adapter merged in. Each merged base weight
     is copied first: a CPU state dict may hold the live model's own tensors."""
     export = {
-        ADAPTER_KEY: get_adapter_state_dict(state_dict),
-        ADAPTER_CONFIG: adapter_config,
+        training.ADAPTER_KEY: peft.get_adapter_state_dict(state_dict),
+        training.ADAPTER_CONFIG: adapter,
     }
     if not adapter_only:
-        for name in list(state_dict):
-            if name.endswith("lora_a.weight"):
-                base = name.removesuffix("lora_a.weight") + "weight"
-                state_dict[base] = state_dict[base].clone()
-        export[MODEL_KEY] = get_merged_lora_ckpt(
-            state_dict, rank=adapter_config["r"], alpha=adapter_config["lora_alpha"]
+        for name in [n for n in state_dict if n.endswith("lora_a.weight")]:
+            base = name.removesuffix("lora_a.weight") + "weight"
+            state_dict[base] = state_dict[base].clone()
+        export[training.MODEL_KEY] = peft.get_merged_lora_ckpt(
+            state_dict, rank=adapter["r"], alpha=adapter["lora_alpha"]
         )
     return export
 
 
-def _same_component(saved: str, configured: str) -> bool:
-    if saved == configured:
-        return True
-    try:
-        return _get_component_from_path(saved) is _get_component_from_path(configured)
-    except Exception:  # the saved one no longer imports
-        return False
-
-
 def _base_paths(cfg: Mapping[str, Any]) -> list[Path]:
-    """The base checkpoints every checkpointer section of ``cfg`` reads: a new run
-    never moves them, even when they are an earlier run's ``epoch_{N}``."""
+    """What every checkpointer section of ``cfg`` reads: a new run never moves them,
+    even when they are an earlier run's ``epoch_{N}``."""
     paths = []
     for key, section in cfg.items():
-        if not str(key).endswith("checkpointer") or not isinstance(section, Mapping):
-            continue
-        root = section.get("checkpoint_dir", None)
-        if root:
+        if str(key).endswith("checkpointer") and section.get("checkpoint_dir", None):
+            root = Path(section.checkpoint_dir)
             files = section.get("checkpoint_files", None) or []
             names = [] if isinstance(files, str | Mapping) else list(files)
             names += (
@@ -569,7 +487,7 @@ def _base_paths(cfg: Mapping[str, Any]) -> list[Path]:
                 if section.get("adapter_checkpoint")
                 else []
             )
-            paths += [Path(root)] + [Path(root) / str(n) for n in names]
+            paths += [root] + [root / str(n) for n in names]
     return paths
 
 
@@ -623,47 +541,37 @@ class CheckpointManager:
     """
 
     def __init__(self, options: CheckpointOptions) -> None:
-        for key, value in (
-            ("save_every_n_steps", options.every_n_steps),
-            ("checkpointer.keep_last_n_checkpoints", options.keep_last_n),
+        for key, value, null in (
+            ("save_every_n_steps", options.every_n_steps, "save at epoch ends only"),
+            ("checkpointer.keep_last_n_checkpoints", options.keep_last_n, "keep all"),
         ):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(
-                    f"{key}={value!r} must be a positive integer or null (null: "
-                    + (
-                        "save at the end of each epoch only)"
-                        if key == "save_every_n_steps"
-                        else "keep every step checkpoint)"
-                    )
+                    f"{key}={value!r} must be a positive integer or null (null: {null})"
                 )
-        component = _get_component_from_path(options.checkpointer._component_)
-        if issubclass(component, DistributedCheckpointer):
+        component = options.checkpointer._component_
+        if issubclass(_get_component_from_path(component), DistributedCheckpointer):
             raise ValueError(
-                f"checkpointer._component_={options.checkpointer._component_} cannot "
-                "be the model checkpointer: it reads no model weights to start from. "
-                "Use an HF, Meta or torchtune checkpointer; sharded DCP checkpoints "
-                "come with save_every_n_steps (enable_async_checkpointing writes "
-                "them in the background)."
+                f"checkpointer._component_={component} reads no weights to start from: "
+                "use an HF, Meta or torchtune checkpointer (step checkpoints are "
+                "sharded already)."
             )
-        self.options = options
-        self._out = Path(options.output_dir)
-        self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
+        self.options = o = options
+        self._out = Path(o.output_dir)
+        self._export_dir = Path(o.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
         if self._export_dir.absolute() != self._out.absolute():
             check_writable("checkpointer.output_dir", self._export_dir)
-        _refuse_if_locked(self._out)
-        # None: a new run; a step_N folder; or torchtune 0.6.1's "epoch" or "dcp".
-        self._resume_from: Path | str | None = None
+        _check_lock(self._out)
+        # A new run: None; else the step checkpoints to try, newest first, or
+        # torchtune 0.6.1's "epoch" or "dcp" (async) epoch checkpoint.
+        self._resume_from = self._resume_points() if o.resume else None
         self._run_id: str | None = None
-        if options.resume:
-            self._resume_from = self._choose_resume_point()
         self._legacy_state: dict[str, Any] = {}
         self._checkpointer: Any = None
         self._pending: tuple[Any, Path, Path] | None = None
         self._async_group: Any = None
-        self._lock: Callable[[], None] | None = None
+        self._lock: Callable[[], None] = lambda: None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> CheckpointManager:
@@ -676,25 +584,19 @@ class CheckpointManager:
         model, its adapter and ``save_adapter_weights_only``."""
         cfg_checkpointer = cfg.checkpointer.copy()
         keep_last_n = cfg_checkpointer.pop("keep_last_n_checkpoints", None)
-        cfg_model = cfg.get("model", None) or {}
-        adapter_config = None
-        if "lora_rank" in cfg_model:
-            adapter_config = {
-                "r": cfg_model.lora_rank,
-                "lora_alpha": cfg_model.lora_alpha,
-                "target_modules": get_lora_module_names(
-                    list(cfg_model.lora_attn_modules),
-                    cfg_model.get("apply_lora_to_mlp", False),
-                    cfg_model.get("apply_lora_to_output", False),
-                ),
-                "peft_type": "LORA",
-            }
+        model, adapter = cfg.get("model", None) or {}, None
+        if "lora_rank" in model:
+            modules = peft.get_lora_module_names(
+                list(model.lora_attn_modules),
+                model.get("apply_lora_to_mlp", False),
+                model.get("apply_lora_to_output", False),
+            )
+            adapter = {"r": model.lora_rank, "lora_alpha": model.lora_alpha}
+            adapter |= {"target_modules": modules, "peft_type": "LORA"}
         length_key = "epochs" if "epochs" in cfg else "num_steps"
         return cls(
             CheckpointOptions(
-                output_dir=Path(
-                    cfg.get("output_dir", None) or cfg_checkpointer.output_dir
-                ),
+                output_dir=Path(cfg.get("output_dir") or cfg_checkpointer.output_dir),
                 checkpointer=cfg_checkpointer,
                 device=utils.get_device(device=cfg.device),
                 resume=cfg.get("resume_from_checkpoint", False),
@@ -703,12 +605,10 @@ class CheckpointManager:
                 keep_last_n=keep_last_n,
                 async_save=cfg.get("enable_async_checkpointing", False),
                 allow_changes=cfg.get("resume_allow_changes", False),
-                optimizer_component=(cfg.get("optimizer", None) or {}).get(
-                    "_component_"
-                ),
-                trajectory={k: cfg.get(k, None) for k in TRAJECTORY_KEYS if k in cfg},
+                optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
+                trajectory={k: cfg.get(k) for k in TRAJECTORY_KEYS if k in cfg},
                 length=(length_key, cfg.get(length_key, None)),
-                adapter_config=adapter_config,
+                adapter_config=adapter,
                 adapter_only=cfg.get("save_adapter_weights_only", False),
                 keep=tuple(_base_paths(cfg)),
             )
@@ -716,74 +616,69 @@ class CheckpointManager:
 
     # -- choosing what a resume continues from ----------------------------------------
 
-    def _choose_resume_point(self) -> Path | str:
-        """The newest step checkpoint of the run ``output_dir`` holds, the one
-        ``recipe_checkpoint`` names, or a 0.6.1 epoch checkpoint; read here, before
-        anything is built, are only names, manifests and the recipe state (its
-        optimizer class). :meth:`load` verifies every byte."""
+    def _resume_points(self) -> list[Path] | str:
+        """The step checkpoints a resume may continue from, newest first (of the run
+        ``output_dir`` holds, or the one ``recipe_checkpoint`` names), or a 0.6.1
+        epoch checkpoint. Read now, before anything is built, are only names,
+        manifests and the optimizer class; :meth:`load` verifies every byte."""
         named = self.options.recipe_checkpoint
-        if named:
-            path = self._out / named
-            folder = path if step_of(path) is not None else path.parent
-            if step_of(folder) is None:
-                if not (self._export_dir / named).is_file():
-                    raise CheckpointError(
-                        f"checkpointer.recipe_checkpoint={named} names "
-                        f"{self._export_dir / named}, which does not exist. Name the "
-                        "recipe_state.pt of the run to continue (relative to "
-                        "checkpointer.output_dir), or leave it unset to resume from "
-                        "the newest checkpoint in output_dir."
-                    )
-                self._check_optimizer(self._export_dir / named, legacy=True)
-                return "epoch"
-            if not folder.is_dir():
-                found = [p.name for p in _step_dirs(self._out)]
+        folder = self._out / named if named else None
+        if folder is not None and step_of(folder) is None:
+            folder = folder.parent
+        if named and step_of(folder) is None:  # 0.6.1's recipe_state.pt
+            if not (self._export_dir / named).is_file():
                 raise CheckpointError(
-                    f"checkpointer.recipe_checkpoint={named} names the step "
-                    f"checkpoint {folder}, which does not exist. The step checkpoints "
-                    f"in {self._out} are {found or 'none'}: name one of them, or leave "
-                    "checkpointer.recipe_checkpoint unset to resume from the newest."
+                    f"checkpointer.recipe_checkpoint={named} names "
+                    f"{self._export_dir / named}, which does not exist. Name the "
+                    "recipe_state.pt of the run to continue (relative to "
+                    "checkpointer.output_dir), or leave it unset to resume from the "
+                    "newest checkpoint in output_dir."
                 )
+            return self._check_optimizer(self._export_dir / named, "epoch")
+        if named and not folder.is_dir():
+            raise CheckpointError(
+                f"checkpointer.recipe_checkpoint={named} names the step checkpoint "
+                f"{folder}, which does not exist. The step checkpoints in {self._out} "
+                f"are {[p.name for p in _step_dirs(self._out)] or 'none'}: name one of "
+                "them, or leave checkpointer.recipe_checkpoint unset to resume from "
+                "the newest."
+            )
+        points = []
+        for candidate in (
+            [folder] if named else _step_dirs(self._out, read_run_file(self._out))
+        ):
             try:
-                read_manifest(folder)
+                read_manifest(candidate)
+                points.append(candidate)
             except CheckpointError as e:
-                raise self._unusable_named(e) from e
-            self._check_optimizer(folder / RECIPE_STATE)
-            return folder
-        run_id = read_run_file(self._out)
-        for folder in _step_dirs(self._out):
-            if run_id is not None and _run_id_of(folder) not in (run_id, None):
-                continue
-            try:
-                read_manifest(folder)
-            except CheckpointError as e:
-                log.warning(f"Skipping step checkpoint {folder}: {e}")
-                continue
-            self._check_optimizer(folder / RECIPE_STATE)
-            return folder
-        legacy_state = self._export_dir / "recipe_state" / RECIPE_STATE
-        if legacy_state.is_file() and not self.options.async_save:
-            self._check_optimizer(legacy_state, legacy=True)
-            return "epoch"
+                if named:
+                    raise self._unusable(e) from e
+                log.warning(f"Skipping step checkpoint {candidate}: {e}")
+        legacy = self._export_dir / "recipe_state" / RECIPE_STATE
+        if points:
+            return self._check_optimizer(points[0] / RECIPE_STATE, points)
+        if legacy.is_file() and not self.options.async_save:
+            return self._check_optimizer(legacy, "epoch")
         if self.options.async_save and any(
-            (p / ".metadata").is_file() for p in self._export_dir.glob("dist_epoch_*")
+            self._export_dir.glob("dist_epoch_*/.metadata")
         ):
             return "dcp"
-        moved = (
-            f" An earlier run's checkpoints were moved to {self._out / PREVIOUS_RUNS}: "
-            "move one back into output_dir to resume it."
-            if (self._out / PREVIOUS_RUNS).is_dir()
-            else ""
-        )
+        moved = self._out / PREVIOUS_RUNS
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
             f"whole step checkpoint (step_N/) of this run in output_dir={self._out}, "
-            "and no torchtune 0.6.1 epoch checkpoint." + moved + " Set "
-            "resume_from_checkpoint=False to start a new run, or set output_dir to the "
-            "folder of the run to continue."
+            "and no torchtune 0.6.1 epoch checkpoint."
+            + (
+                f" Earlier runs' checkpoints are in {moved}: move one back into "
+                "output_dir to resume it."
+                if moved.is_dir()
+                else ""
+            )
+            + " Set resume_from_checkpoint=False to start a new run, or set "
+            "output_dir to the folder of the run to continue."
         )
 
-    def _unusable_named(self, error: CheckpointError) -> CheckpointError:
+    def _unusable(self, error: Exception) -> CheckpointError:
         return CheckpointError(
             f"checkpointer.recipe_checkpoint={self.options.recipe_checkpoint} names a "
             f"step checkpoint that cannot be resumed: {error}. Name another one, or "
@@ -791,21 +686,32 @@ class CheckpointManager:
             "whole one."
         )
 
-    def _check_optimizer(self, recipe_state: Path, legacy: bool = False) -> None:
+    def _check_optimizer(self, recipe_state: Path, points: Any) -> Any:
+        """``points``, unless its optimizer state is another optimizer class's."""
         try:
             state = torch.load(recipe_state, weights_only=False, mmap=True)
         except Exception:  # damaged: load() names the file
-            return
-        saved = state.get(OPTIMIZER_COMPONENT)
-        configured = self.options.optimizer_component
-        where = recipe_state if legacy else recipe_state.parent
-        if saved and configured and not _same_component(saved, configured):
-            raise ValueError(
-                f"optimizer._component_={configured} cannot resume from {where}: its "
-                f"optimizer state was saved by {saved}, and another optimizer class "
-                f"cannot load it. Set optimizer._component_={saved} to resume, or "
-                "resume_from_checkpoint=False to start a new run."
-            )
+            return points
+        saved, configured = (
+            state.get(OPTIMIZER_COMPONENT),
+            self.options.optimizer_component,
+        )
+        if saved and configured and saved != configured:
+            try:
+                same = _get_component_from_path(saved) is _get_component_from_path(
+                    configured
+                )
+            except Exception:  # the saved one no longer imports
+                same = False
+            if not same:
+                where = recipe_state if points == "epoch" else recipe_state.parent
+                raise ValueError(
+                    f"optimizer._component_={configured} cannot resume from {where}: "
+                    f"its optimizer state was saved by {saved}, and another optimizer "
+                    f"class cannot load it. Set optimizer._component_={saved} to "
+                    "resume, or resume_from_checkpoint=False to start a new run."
+                )
+        return points
 
     # -- setup -------------------------------------------------------------------------
 
@@ -819,24 +725,22 @@ class CheckpointManager:
             dict[str, Any]: ``training.MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
-        component = _get_component_from_path(self.options.checkpointer._component_)
-        extra = {}
-        if "should_load_recipe_state" in inspect.signature(component).parameters:
-            extra["should_load_recipe_state"] = self._resume_from == "epoch"
-        self._checkpointer = config.instantiate(self.options.checkpointer, **extra)
+        legacy = self._resume_from == "epoch"
+        self._checkpointer = config.instantiate(
+            self.options.checkpointer, should_load_recipe_state=legacy
+        )
         state = self._checkpointer.load_checkpoint()
-        if self._resume_from == "epoch":
+        weights = (training.MODEL_KEY, training.ADAPTER_KEY)
+        if legacy:
             self._legacy_state = {
-                k: state.pop(k)
-                for k in list(state)
-                if k not in (MODEL_KEY, ADAPTER_KEY)
+                k: state.pop(k) for k in list(state) if k not in weights
             }
-            if self.options.adapter_config is not None and ADAPTER_KEY not in state:
-                raise ValueError(
-                    "resume_from_checkpoint=True, but no adapter weights were found. "
-                    "Set checkpointer.adapter_checkpoint, or resume from an output_dir "
-                    "whose latest epoch_* folder holds adapter_model.pt."
-                )
+        if legacy and self.options.adapter_config and training.ADAPTER_KEY not in state:
+            raise ValueError(
+                "resume_from_checkpoint=True, but no adapter weights were found. Set "
+                "checkpointer.adapter_checkpoint, or resume from an output_dir whose "
+                "latest epoch_* folder holds adapter_model.pt."
+            )
         return state
 
     def load(
@@ -851,11 +755,11 @@ class CheckpointManager:
     ) -> None:
         """Hand over what the run saves and, resuming, put it back where it was.
 
-        A resume first checks that the run continues the same trajectory (the
-        settings of :data:`TRAJECTORY_KEYS`, the dataset's length and contents, the
-        number of processes) and verifies the checkpoint; then the lock is taken (one
-        run per ``output_dir``); a new run moves an earlier run's checkpoints aside.
-        Call it on every rank, after :meth:`load_base_checkpoint`.
+        A resume first verifies the checkpoint and checks that the run continues its
+        trajectory (the settings of :data:`TRAJECTORY_KEYS`, the dataset's length and
+        contents, the number of processes); then the lock is taken (one run per
+        ``output_dir``); a new run moves an earlier run's checkpoints aside. Call it
+        on every rank, after :meth:`load_base_checkpoint`.
 
         Args:
             model (nn.Module | Mapping[str, nn.Module]): the model (FSDP2-sharded in
@@ -871,26 +775,29 @@ class CheckpointManager:
                 model of a mapping, where not the configured one. Default: ``None``
 
         Raises:
-            CheckpointError: if the resumed checkpoint is damaged, does not match the
-                model, or was trained with other settings (unless
+            CheckpointError: if no checkpoint to resume is whole, it does not match
+                the model, was trained with other settings (unless
                 ``resume_allow_changes``), or another run holds ``output_dir``.
             ValueError: if an epoch would have no optimizer step.
         """
-        self._models, self._optimizer = _models(model), optimizer
         self._named = isinstance(model, Mapping)
-        self._dataloader, self._progress = dataloader, progress
+        self._models = dict(model) if self._named else {training.MODEL_KEY: model}
+        self._optimizer, self._dataloader, self._progress = (
+            optimizer,
+            dataloader,
+            progress,
+        )
         self._steps_per_epoch = steps_per_epoch
         self._exporters = {
-            name: (exporters or {}).get(name, self._checkpointer)
-            for name in self._models
+            n: (exporters or {}).get(n, self._checkpointer) for n in self._models
         }
         dataset = dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
-                f"An epoch has no optimizer step: the dataset has {len(dataset)} "
-                f"samples, {len(dataloader)} batches per process, "
-                f"trajectory settings {dict(self.options.trajectory)}. Use more data "
-                "or a smaller batch_size or gradient_accumulation_steps."
+                f"An epoch has no optimizer step: {len(dataset)} samples make "
+                f"{len(dataloader)} batches per process, with "
+                f"{dict(self.options.trajectory)}. Use more data, or a smaller "
+                "batch_size or gradient_accumulation_steps."
             )
         self._trajectory = {
             **self.options.trajectory,
@@ -898,12 +805,13 @@ class CheckpointManager:
             "dataset_length": len(dataset),
             "dataset_fingerprint": _fingerprint(dataset),
         }
-        recipe_state = None
-        if isinstance(self._resume_from, Path):
-            recipe_state = self._verified_recipe_state()
+        recipe_state = (
+            self._verified_recipe_state()
+            if isinstance(self._resume_from, list)
+            else None
+        )
         _on_rank_zero(lambda: _take_lock(self._out))
-        lock = self._out / LOCK_FILE
-        stop = threading.Event()
+        lock, stop = self._out / LOCK_FILE, threading.Event()
         if _rank() == 0:
             threading.Thread(target=_heartbeat, args=(lock, stop), daemon=True).start()
         self._lock = weakref.finalize(self, _release_lock, lock, stop)
@@ -913,41 +821,40 @@ class CheckpointManager:
             utils.log_rank_zero(
                 log, f"New run {self._run_id}: checkpoints go to {self._out}."
             )
-        elif recipe_state is not None:
-            self._restore(recipe_state)
-        else:
+            return
+        if recipe_state is None:
             self._restore_legacy()
+        else:
+            self._restore(recipe_state)
         if recipe_state is not None and recipe_state.get("epoch_end", False):
             self._repair_export(progress.epochs_run - 1)
         if progress.epochs_run >= progress.total_epochs:
             key, value = self.options.length
             utils.log_rank_zero(
                 log,
-                f"resume_from_checkpoint=True: {self._resume_from} is at the end of "
-                f"training ({progress.epochs_run} epochs done, {key}={value}): nothing "
-                f"left to do. To train further, set {key} to more than {value}.",
+                f"resume_from_checkpoint=True: the run is at the end of training "
+                f"({progress.epochs_run} epochs done, {key}={value}): nothing left "
+                f"to do. To train further, set {key} to more than {value}.",
                 level=logging.WARNING,
             )
             self._lock()
 
     def _start_run(self) -> None:
-        folders = {self._out, self._export_dir} | {
-            Path(e._output_dir) for e in self._exporters.values()
-        }
+        folders = {self._out, self._export_dir}
+        folders |= {Path(e._output_dir) for e in self._exporters.values()}
         keep = [k.absolute() for k in self.options.keep]
         found = [
-            entry
+            e
             for folder in folders
             if folder.is_dir()
-            for entry in folder.iterdir()
-            if _RUN_OUTPUTS.match(entry.name)
-            and not any(
-                k == entry.absolute() or entry.absolute() in k.parents for k in keep
-            )
+            for e in folder.iterdir()
+            if _RUN_OUTPUTS.match(e.name)
+            and not any(k == e.absolute() or e.absolute() in k.parents for k in keep)
         ]
         if any(e.name != RUN_FILE for e in found):
-            earlier = read_run_file(self._out) or "before-" + time.strftime(
-                "%Y%m%d-%H%M%S", time.gmtime(max(e.stat().st_mtime for e in found))
+            newest = time.gmtime(max(e.stat().st_mtime for e in found))
+            earlier = read_run_file(self._out) or time.strftime(
+                "before-%Y%m%d-%H%M%S", newest
             )
             _set_aside(
                 found,
@@ -956,69 +863,54 @@ class CheckpointManager:
                 "run must neither overwrite nor resume from (to continue that run "
                 "instead, move them back and set resume_from_checkpoint=True)",
             )
-        _write_run_file(
-            self._out,
-            f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}",
-        )
+        run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:8]
+        _write_run_file(self._out, run_id)
 
     def _verified_recipe_state(self) -> dict[str, Any]:
-        """The recipe state of the step checkpoint to resume, once every byte of it is
-        verified: a damaged newest one gives way to the one before, with a warning;
-        a named one is refused. Trajectory differences are refused here."""
-        while True:
-            folder = self._resume_from
+        """The recipe state of the newest resume point whose every byte is verified
+        (a damaged one gives way to the one before, with a warning), refusing one
+        trained with other settings."""
+        for folder in self._resume_from:
             try:
                 verify(folder)
                 break
             except CheckpointError as e:
                 if self.options.recipe_checkpoint:
-                    raise self._unusable_named(e) from e
+                    raise self._unusable(e) from e
                 utils.log_rank_zero(
                     log,
                     f"Skipping step checkpoint {folder}: {e}",
                     level=logging.WARNING,
                 )
-                older = [
-                    p
-                    for p in _step_dirs(self._out)
-                    if step_of(p) < step_of(folder)
-                    and _run_id_of(p) in (read_run_file(self._out), None)
-                ]
-                if not older:
-                    raise CheckpointError(
-                        f"resume_from_checkpoint=True, but no step checkpoint in "
-                        f"{self._out} is whole: {e}. Set resume_from_checkpoint=False "
-                        "to start a new run."
-                    ) from e
-                self._resume_from = older[0]
+        else:
+            raise CheckpointError(
+                f"resume_from_checkpoint=True, but no step checkpoint in {self._out} "
+                "is whole (see the warnings above). Set resume_from_checkpoint=False "
+                "to start a new run."
+            )
+        self._resume_from = folder
         recipe_state = torch.load(folder / RECIPE_STATE, weights_only=False)
         saved = recipe_state.get(
             TRAJECTORY, {"world_size": recipe_state.get("world_size", 1)}
         )
         changes = {
-            k: (saved[k], self._trajectory.get(k))
-            for k in saved
-            if _differs(saved[k], self._trajectory.get(k))
+            k: (v, self._trajectory.get(k))
+            for k, v in saved.items()
+            if _differs(v, self._trajectory.get(k))
         }
-        if "world_size" in changes:
+        listed = ", ".join(
+            f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changes.items()
+        )
+        if "world_size" in changes or (changes and not self.options.allow_changes):
             raise CheckpointError(
-                f"{folder} was written by {saved['world_size']} processes, this run "
-                f"has {_world_size()}: its data positions are per process. Resume "
-                f"with {saved['world_size']} processes."
+                f"{folder} was trained with other settings than this resume has "
+                f"({listed}), so the resumed run would not continue the same training. "
+                "Set them back to the checkpoint's (the dataset: the data it trained "
+                "on; world_size: as many processes), or set resume_allow_changes=True "
+                "to continue with the new ones anyway (not world_size: data positions "
+                "are per process), or resume_from_checkpoint=False to start a new run."
             )
         if changes:
-            listed = ", ".join(
-                f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changes.items()
-            )
-            if not self.options.allow_changes:
-                raise CheckpointError(
-                    f"{folder} was trained with other settings than this resume has "
-                    f"({listed}): the resumed run would not continue the same "
-                    "training. Set them back to the checkpoint's (the dataset it "
-                    "trained on), or set resume_allow_changes=True to continue with "
-                    "the new ones anyway, or resume_from_checkpoint=False to start a "
-                    "new run."
-                )
             utils.log_rank_zero(
                 log,
                 f"resume_allow_changes=True: resuming {folder} with other settings "
@@ -1033,59 +925,55 @@ class CheckpointManager:
         before = _hyperparameters(self._optimizer)
         if _world_size() > 1:
             (model,) = self._models.values()
-            state = {
-                "model": get_model_state_dict(model, options=_TRAINABLE),
-                "optimizer": get_optimizer_state_dict(model, self._optimizer),
-            }
+            state = self._sharded_state(model)
             dcp.load(state, checkpoint_id=folder / MODEL_OPTIMIZER_DCP)
-            set_model_state_dict(
-                model, state["model"], options=StateDictOptions(strict=False)
-            )
-            set_optimizer_state_dict(model, self._optimizer, state["optimizer"])
-            saved_groups = recipe_state[HYPERPARAMETERS]
+            non_strict = dsd.StateDictOptions(strict=False)
+            dsd.set_model_state_dict(model, state["model"], options=non_strict)
+            dsd.set_optimizer_state_dict(model, self._optimizer, state["optimizer"])
             for group, saved in zip(
-                self._optimizer.param_groups, saved_groups, strict=True
+                self._optimizer.param_groups, recipe_state[HYPERPARAMETERS], strict=True
             ):
                 group.update(saved)
         else:
             state = torch.load(folder / MODEL_OPTIMIZER_FILE, weights_only=False)
             for name, model in self._models.items():
-                saved = state["model"][name] if self._named else state["model"]
-                _load_trainable(model, saved, folder)
+                _load_trainable(
+                    model,
+                    state["model"][name] if self._named else state["model"],
+                    folder,
+                )
             self._optimizer.load_state_dict(state["optimizer"])
         self._warn_replaced(before, folder)
         self._progress.load_state_dict(recipe_state)
         rank_state = torch.load(folder / f"rank_{_rank()}.pt", weights_only=False)
-        if rank_state[DATALOADER_KEY]:
-            self._dataloader.load_state_dict(rank_state[DATALOADER_KEY])
+        if rank_state[training.DATALOADER_KEY]:
+            self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
-        _on_rank_zero(lambda: self._branch(step_of(folder), recipe_state[EPOCHS_KEY]))
+        # Resuming before the newest checkpoints branches: the old timeline's later
+        # checkpoints and exports are moved aside, so that pruning and later resumes
+        # see this branch only.
+        later = [p for p in _step_dirs(self._out) if step_of(p) > step_of(folder)]
+        for exports in {Path(e._output_dir) for e in self._exporters.values()}:
+            epochs = [(p, p.name[6:]) for p in exports.glob("epoch_*")]
+            later += [
+                p
+                for p, e in epochs
+                if e.isdigit() and int(e) >= self._progress.epochs_run
+            ]
+        if later:
+            reason = f"Resuming from {folder.name}, before the newest checkpoints of this run: this branch replaces their timeline"
+            _on_rank_zero(
+                lambda: _set_aside(
+                    later, f"run_{self._run_id}-after-{folder.name}", reason
+                )
+            )
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
 
-    def _branch(self, step: int, epochs_run: int) -> None:
-        """A resume from an older checkpoint than the newest: the later checkpoints
-        and exports of the old timeline are moved aside, so that pruning and later
-        resumes only see this branch."""
-        later = [p for p in _step_dirs(self._out) if step_of(p) > step]
-        later += [
-            p
-            for d in {Path(e._output_dir) for e in self._exporters.values()}
-            for p in d.glob("epoch_*")
-            if p.name[6:].isdigit() and int(p.name[6:]) >= epochs_run
-        ]
-        if later:
-            _set_aside(
-                later,
-                f"run_{self._run_id}-after-step_{step}",
-                f"Resuming from step_{step}, before the newest checkpoints of this run: "
-                "this branch replaces their timeline",
-            )
-
     def _restore_legacy(self) -> None:
-        """Resume a torchtune 0.6.1 epoch checkpoint (recipe state from the
-        checkpointer, or DCP's ``dist_epoch_{N}``)."""
+        """Resume a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
+        checkpointer, or the newest ``dist_epoch_{N}`` of DCP."""
         self._run_id = read_run_file(self._out)
         if self._run_id is None:
             _on_rank_zero(
@@ -1095,38 +983,32 @@ class CheckpointManager:
         before = _hyperparameters(self._optimizer)
         if self._resume_from == "dcp":
             (model,) = self._models.values()
-            _init_optim_state(self._optimizer)
-            state = DistributedCheckpointer(
-                checkpoint_dir=self._export_dir,
-                output_dir=self._export_dir,
-                process_group=self._group(),
-            ).load_checkpoint(
-                {
-                    MODEL_KEY: model.state_dict(),
-                    OPT_KEY: self._optimizer.state_dict(),
-                    EPOCHS_KEY: 0,
-                }
+            dsd._init_optim_state(self._optimizer)  # DCP loads into existing tensors
+            state = {training.MODEL_KEY: model.state_dict(), training.EPOCHS_KEY: 0}
+            state[training.OPT_KEY] = self._optimizer.state_dict()
+            reader = DistributedCheckpointer(
+                self._export_dir, self._export_dir, process_group=self._group()
             )
-            set_state_dict(
+            state = reader.load_checkpoint(state)
+            dsd.set_state_dict(
                 model,
                 self._optimizer,
-                model_state_dict=state[MODEL_KEY],
-                optim_state_dict=state[OPT_KEY],
+                model_state_dict=state[training.MODEL_KEY],
+                optim_state_dict=state[training.OPT_KEY],
             )
         else:
             state = self._legacy_state
-            self._load_full_optimizer_state(state[OPT_KEY])
+            self._load_full_optimizer_state(state[training.OPT_KEY])
         self._warn_replaced(before, "the epoch checkpoint")
-        self._progress.load_state_dict(
-            {**state, "global_step": state[EPOCHS_KEY] * self._steps_per_epoch}
-        )
+        steps = state[training.EPOCHS_KEY] * self._steps_per_epoch
+        self._progress.load_state_dict({**state, "global_step": steps})
 
     def _load_full_optimizer_state(self, state_dict: dict[str, Any]) -> None:
-        """A full optimizer state, keyed by index, by parameter name (a distributed
+        """A full optimizer state: keyed by index, by parameter name (a distributed
         run's), or in torchtune 0.6.1's in-backward format."""
         models = list(self._models.values())
         if is_legacy_in_bwd_state_dict(state_dict):
-            # Several models (PPO): 0.6.1 saved the last model's parameters only.
+            # Several models (PPO): 0.6.1 saved the last one's parameters only.
             named = [
                 (n if m is models[-1] else None, p)
                 for m in models
@@ -1136,15 +1018,13 @@ class CheckpointManager:
                 state_dict, None if _world_size() > 1 else named
             )
         if _world_size() > 1:
-            load_from_full_optimizer_state_dict(
+            training.load_from_full_optimizer_state_dict(
                 models[0], self._optimizer, state_dict, self.options.device
             )
         elif any(isinstance(k, str) for k in state_dict["state"]):
-            set_optimizer_state_dict(
-                models[0],
-                self._optimizer,
-                state_dict,
-                options=StateDictOptions(full_state_dict=True),
+            full = dsd.StateDictOptions(full_state_dict=True)
+            dsd.set_optimizer_state_dict(
+                models[0], self._optimizer, state_dict, options=full
             )
         else:
             self._optimizer.load_state_dict(state_dict)
@@ -1152,7 +1032,7 @@ class CheckpointManager:
     def _warn_replaced(self, before: list[dict[str, Any]], where: Any) -> None:
         """Name the config's optimizer settings that the checkpoint's replaced (the LR
         a scheduler starts from is the saved ``initial_lr``)."""
-        replaced = []
+        replaced = set()
         for configured, saved in zip(
             before, _hyperparameters(self._optimizer), strict=False
         ):
@@ -1163,15 +1043,13 @@ class CheckpointManager:
                     else saved.get(key)
                 )
                 if key != "initial_lr" and key in saved and _differs(value, now):
-                    replaced.append(
-                        f"optimizer.{key}={value} (the checkpoint's: {now})"
-                    )
+                    replaced.add(f"optimizer.{key}={value} (the checkpoint's: {now})")
         if replaced:
             utils.log_rank_zero(
                 log,
                 f"Resuming from {where}: its optimizer state replaces "
-                f"{', '.join(sorted(set(replaced)))}. To train with the config's "
-                "values, start a new run (resume_from_checkpoint=False).",
+                f"{', '.join(sorted(replaced))}. To train with the config's values, "
+                "start a new run (resume_from_checkpoint=False).",
                 level=logging.WARNING,
             )
 
@@ -1193,8 +1071,7 @@ class CheckpointManager:
             return
         done = self._progress.epochs_run >= self._progress.total_epochs
         self._write_step(mid_epoch=False, wait=done)
-        epoch = self._progress.epochs_run - 1
-        self._export(epoch)
+        self._export(epoch := self._progress.epochs_run - 1)
         if done:
             key, value = self.options.length
             utils.log_rank_zero(
@@ -1213,120 +1090,111 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
 
+    def _sharded_state(self, model: nn.Module) -> dict[str, Any]:
+        return {
+            "model": dsd.get_model_state_dict(model, options=_TRAINABLE),
+            "optimizer": dsd.get_optimizer_state_dict(model, self._optimizer),
+        }
+
     def _write_step(self, *, mid_epoch: bool, wait: bool = False) -> None:
         self._finish_pending()
         step = self._progress.global_step
-        final = self._out / f"step_{step}"
-        partial = self._out / f".step_{step}.partial"
+        final, partial = self._out / f"step_{step}", self._out / f".step_{step}.partial"
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        pending = None
+        future = None
         if _world_size() > 1:
-            (model,) = self._models.values()
-            state = {
-                "model": get_model_state_dict(model, options=_TRAINABLE),
-                "optimizer": get_optimizer_state_dict(model, self._optimizer),
-            }
+            state, where = (
+                self._sharded_state(*self._models.values()),
+                partial / MODEL_OPTIMIZER_DCP,
+            )
             if self.options.async_save and not wait:
-                pending = dcp.async_save(
-                    state,
-                    checkpoint_id=partial / MODEL_OPTIMIZER_DCP,
-                    process_group=self._group(),
+                future = dcp.async_save(
+                    state, checkpoint_id=where, process_group=self._group()
                 )
             else:
-                dcp.save(state, checkpoint_id=partial / MODEL_OPTIMIZER_DCP)
+                dcp.save(state, checkpoint_id=where)
         else:
-            states = {n: _trainable_state_dict(m) for n, m in self._models.items()}
-            model_state = states if self._named else states[MODEL_KEY]
+            states = {
+                n: dsd.get_model_state_dict(m, options=_TRAINABLE)
+                for n, m in self._models.items()
+            }
+            state = {"model": states if self._named else states[training.MODEL_KEY]}
             _save_file(
-                {"model": model_state, "optimizer": self._optimizer.state_dict()},
+                {**state, "optimizer": self._optimizer.state_dict()},
                 partial / MODEL_OPTIMIZER_FILE,
             )
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
-        loader_state = self._dataloader.state_dict() if mid_epoch else None
+        loader = self._dataloader.state_dict() if mid_epoch else None
         _save_file(
-            {DATALOADER_KEY: loader_state, "rng": rng}, partial / f"rank_{_rank()}.pt"
+            {training.DATALOADER_KEY: loader, "rng": rng},
+            partial / f"rank_{_rank()}.pt",
         )
+        recipe_state = {
+            **self._progress.state_dict(),
+            "global_step": step,
+            "world_size": _world_size(),
+            "epoch_end": not mid_epoch,
+            OPTIMIZER_COMPONENT: self.options.optimizer_component,
+            TRAJECTORY: self._trajectory,
+            HYPERPARAMETERS: _hyperparameters(self._optimizer),
+        }
         if _rank() == 0:
-            recipe_state = {
-                **self._progress.state_dict(),
-                "global_step": step,
-                "world_size": _world_size(),
-                DATALOADER_KEY: loader_state,
-                "epoch_end": not mid_epoch,
-                OPTIMIZER_COMPONENT: self.options.optimizer_component,
-                TRAJECTORY: self._trajectory,
-                HYPERPARAMETERS: _hyperparameters(self._optimizer),
-            }
             _save_file(recipe_state, partial / RECIPE_STATE)
-        self._pending = (pending, partial, final)
-        if pending is None:
+        self._pending = (future, partial, final)
+        if future is None:
             self._finish_pending()
 
     def _finish_pending(self) -> None:
         """Complete the last step checkpoint: checksums, manifest, rename, prune."""
         if self._pending is None:
             return
-        future, partial, final = self._pending
-        self._pending = None
+        (future, partial, final), self._pending = self._pending, None
         if future is not None:
             future.result()
         _barrier()
-        names = _on_rank_zero(lambda: _files(partial, MANIFEST))
-        files = _describe_shared(partial, names)
+        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id}
+        manifest |= {"global_step": step_of(final), "world_size": _world_size()}
+        manifest["files"] = _describe(partial, MANIFEST)
+        keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
-            manifest = {
-                "version": MANIFEST_VERSION,
-                "run_id": self._run_id,
-                "global_step": step_of(final),
-                "world_size": _world_size(),
-                "files": files,
-            }
             (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _fsync_dir(partial)
-            if final.exists():  # never rewrite a checkpoint: keep the one it replaces
+            if final.exists():  # never rewrite a checkpoint: keep the one replaced
                 _set_aside(
                     [final], f"run_{self._run_id}-replaced", "Saving a step again"
                 )
             os.replace(partial, final)
             _fsync_dir(self._out)
-            keep = self.options.keep_last_n or (
-                1 if self.options.every_n_steps is None else None
-            )
-            if keep is not None:
-                own = [
-                    p for p in _step_dirs(self._out) if _run_id_of(p) == self._run_id
-                ]
-                for old in own[keep:]:
-                    shutil.rmtree(old)
-                    log.info(
-                        f"Deleted step checkpoint {old} (keep_last_n_checkpoints={keep})"
-                    )
+            for old in _step_dirs(self._out, self._run_id)[keep:] if keep else []:
+                shutil.rmtree(old)
+                log.info(
+                    f"Deleted step checkpoint {old} (keep_last_n_checkpoints={keep})"
+                )
             log.info(f"Step checkpoint saved to {final}")
 
         _on_rank_zero(publish)
 
-    def _export(self, epoch: int) -> None:
-        """Write ``epoch_{epoch}`` through each model's checkpointer, then its manifest."""
-        folders = sorted(
+    def _export_folders(self, epoch: int) -> list[Path]:
+        return sorted(
             {Path(e._output_dir) / f"epoch_{epoch}" for e in self._exporters.values()}
         )
-        for folder in folders:
-            if _rank() == 0 and (folder / EXPORT_MANIFEST).exists():
-                (
-                    folder / EXPORT_MANIFEST
-                ).unlink()  # being rewritten: not whole until done
-        adapter_only = (
-            self.options.adapter_only and self.options.adapter_config is not None
-        )
+
+    def _export(self, epoch: int) -> None:
+        """Write ``epoch_{epoch}`` through each model's checkpointer, then its manifest."""
+        if _rank() == 0:
+            for folder in self._export_folders(epoch):  # not whole until rewritten
+                (folder / EXPORT_MANIFEST).unlink(missing_ok=True)
+        adapter, adapter_only = self.options.adapter_config, self.options.adapter_only
+        adapter_only = adapter_only and adapter is not None
         for name, model in self._models.items():
             if _world_size() > 1:
-                state = gather_cpu_state_dict(
+                state = training.gather_cpu_state_dict(
                     model,
                     _rank() == 0,
                     device=self.options.device,
@@ -1336,37 +1204,29 @@ class CheckpointManager:
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             if _rank() == 0:
                 export = (
-                    {MODEL_KEY: state}
-                    if self.options.adapter_config is None
-                    else _lora_export(state, self.options.adapter_config, adapter_only)
+                    {training.MODEL_KEY: state}
+                    if adapter is None
+                    else _lora_export(state, adapter, adapter_only)
                 )
                 extra = {"adapter_only": True} if adapter_only else {}
                 self._exporters[name].save_checkpoint(
                     export, epoch=epoch, intermediate_checkpoint=False, **extra
                 )
         _barrier()
-
-        def record() -> None:
-            for folder in folders:
-                manifest = {
-                    "version": MANIFEST_VERSION,
-                    "run_id": self._run_id,
-                    "files": _describe(folder, _files(folder, EXPORT_MANIFEST)),
-                }
-                (folder / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=1))
-
-        _on_rank_zero(record)
+        for folder in self._export_folders(epoch):
+            manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id}
+            manifest["files"] = _describe(folder, EXPORT_MANIFEST)
+            text = json.dumps(manifest, indent=1)
+            _on_rank_zero(lambda f=folder, t=text: (f / EXPORT_MANIFEST).write_text(t))
 
     def _repair_export(self, epoch: int) -> None:
         """Rewrite the export of the epoch a resumed epoch-end checkpoint ended, if it
         is missing or damaged (a crash or a full disk while it was written): the
         model now holds exactly the weights it should hold."""
         problems = []
-        for checkpointer in {id(e): e for e in self._exporters.values()}.values():
+        for folder in self._export_folders(epoch):
             try:
-                verify(
-                    Path(checkpointer._output_dir) / f"epoch_{epoch}", EXPORT_MANIFEST
-                )
+                verify(folder, EXPORT_MANIFEST)
             except CheckpointError as e:
                 problems.append(str(e))
         if problems:
@@ -1382,8 +1242,7 @@ class CheckpointManager:
         """Complete a step checkpoint still being written in the background and
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
-        if self._lock is not None:
-            self._lock()
+        self._lock()
 
 
 __all__ = [
@@ -1391,6 +1250,4 @@ __all__ = [
     "CheckpointManager",
     "CheckpointOptions",
     "TrainingProgress",
-    "file_checksum",
-    "verify",
 ]
