@@ -8,7 +8,8 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,7 +26,6 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules import local_kv_cache
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.rlhf import PPOStats, Trajectory
-from torchtune.training import CheckpointClient
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
     is_legacy_in_bwd_state_dict,
 )
@@ -36,6 +36,58 @@ log = utils.get_logger("DEBUG")
 # token at a time with a KV cache, full sequences with and without gradients), more
 # than dynamo's default of 8 recompiles per frame.
 _COMPILE_CACHE_SIZE_LIMIT = 16
+
+
+@dataclass
+class PPOProgress(training.TrainingProgress):
+    """Where a PPO run stands: ``global_step`` counts PPO steps (a batch of
+    ``batch_size`` trajectories and its ``ppo_epochs``), of ``total_steps``; ``rng`` is
+    the generator sampling and the minibatch order draw from.
+
+    Its state dict keeps the keys of torchtune 0.6.1's PPO recipe state, so that a
+    0.6.1 epoch checkpoint resumes; ``total_epochs`` and ``total_steps`` stay the
+    config's.
+    """
+
+    seed: int = 0
+    total_steps: int = 0
+    rng: torch.Generator | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            training.SEED_KEY: self.seed,
+            training.MAX_STEPS_KEY: self.total_steps,
+            training.STEPS_KEY: self.global_step,
+            training.RNG_KEY: self.rng.get_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for name, ours, key, effect in (
+            ("seed", self.seed, training.SEED_KEY, "its sampling generator goes on"),
+            (
+                "num_steps // batch_size",
+                self.total_steps,
+                training.MAX_STEPS_KEY,
+                "the run trains to the config's",
+            ),
+        ):
+            if ours != state_dict[key]:
+                log.warning(
+                    f"{name}={ours} from the config differs from the checkpoint's "
+                    f"{state_dict[key]}: {effect}."
+                )
+        if is_legacy_in_bwd_state_dict(state_dict.get(training.OPT_KEY)):
+            log.warning(
+                "The optimizer state is torchtune 0.6.1's in-backward format, which "
+                "holds the value model's state only: the policy's optimizer starts "
+                "afresh."
+            )
+        self.seed = state_dict[training.SEED_KEY]
+        self.epochs_run = state_dict[training.EPOCHS_KEY]
+        # The PPO steps, under 0.6.1's key (its recipe state has no global_step).
+        self.global_step = state_dict[training.STEPS_KEY]
+        self.rng.set_state(state_dict[training.RNG_KEY])
 
 
 class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
@@ -52,8 +104,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     Features, each driven by the config key named:
 
     - Models (``policy_model``, ``reward_and_value_model``) and their checkpoints
-      (``checkpointer`` for the policy, which also holds the recipe state;
-      ``ref_policy_checkpointer``, ``value_checkpointer``, ``reward_checkpointer``).
+      (``checkpointer`` for the policy; ``ref_policy_checkpointer``,
+      ``value_checkpointer``, ``reward_checkpointer``).
     - Precision (``dtype``): fp32 or bf16 for weights, activations, gradients and
       optimizer state.
     - Optimizer (``optimizer``, ``optimizer_in_bwd``): one optimizer over the policy's
@@ -85,36 +137,29 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     - Memory (``enable_activation_checkpointing``); ``torch.compile`` (``compile``:
       ``True``, or a mapping with ``model: True``, compiles the layers of all four
       models).
-    - Checkpointing: the policy and the value model after every epoch; the optimizer
-      state of both (standard ``torch.optim`` format) and the recipe state, including
-      the sampling generator's, for every epoch but the last, to resume from with
-      ``resume_from_checkpoint``. Resuming from an epoch checkpoint reads the value
-      weights from ``value_checkpointer``: point its ``checkpoint_files`` at the saved
-      ones. An optimizer state saved by a torchtune 0.6.1 ``optimizer_in_bwd`` run,
-      which held the value model's state only, also loads; the policy's then starts
-      afresh, as it did in 0.6.1.
-    - Step checkpoints: ``save_every_n_steps: N`` saves one after every N PPO steps
-      (a step is one batch of ``batch_size`` trajectories and its ``ppo_epochs``) and
-      at the end of every epoch, before the epoch checkpoint. Its folder is
-      ``output_dir/step_{global_step}/``, named by the optimizer-step count at which
-      the metrics are logged (``ppo_epochs * batch_size / ppo_batch_size`` per PPO
-      step), and written whole or not at all. It holds the policy's and the value
-      model's weights (``{"policy": ..., "value": ...}``), the one optimizer's state,
-      the PPO step and epoch counters, the sampling generator's state, the
-      dataloader's position and the global RNG state.
-      ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K.
-      ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
-      continues from whichever whole checkpoint is furthest along, mid-epoch
+    - Checkpointing (:class:`~torchtune.training.CheckpointManager`): after every
+      epoch, the policy's weights in ``epoch_{N}/`` through ``checkpointer`` and the
+      value model's through ``value_checkpointer``, and a step checkpoint
+      ``output_dir/step_{N}/``, N the PPO step (one batch of ``batch_size``
+      trajectories and its ``ppo_epochs``); ``save_every_n_steps: N`` also saves one
+      every N PPO steps, ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest
+      K. A step checkpoint holds both trained models (``{"policy": ..., "value":
+      ...}``), the one optimizer's state, the PPO progress with the sampling
+      generator's state, the dataloader's position and the global RNG state.
+      ``resume_from_checkpoint: True`` continues from the newest whole one, mid-epoch
       included, with the trajectories and updates the uninterrupted run would have
-      had. From a step checkpoint the policy, value and
-      optimizer state are the checkpoint's: ``checkpointer`` and
-      ``value_checkpointer`` stay pointed at the weights the run started from (they
-      are read for their format, and the epochs are saved in it).
+      had; ``checkpointer`` and ``value_checkpointer`` stay pointed at the weights the
+      run started from (read for their format, in which the epochs are saved).
+    - A torchtune 0.6.1 epoch checkpoint resumes too: point ``value_checkpointer``'s
+      ``checkpoint_files`` at the value weights saved with it. Its optimizer state
+      from an ``optimizer_in_bwd`` run, which held the value model's state only, also
+      loads; the policy's then starts afresh, as it did in 0.6.1.
     - Logging (``metric_logger``, ``log_every_n_steps``, ``log_peak_memory_stats``):
       rewards, KL, the PPO losses and ratios, ``lr``, ``grad_norm`` (the mean over the
       step's optimizer steps, in both modes) and throughput. Profiling (``profiler``).
     - Determinism (``seed``, ``cudnn_deterministic_mode``): sampling and minibatch
-      order come from one generator seeded by ``seed`` and saved with the recipe state.
+      order come from one generator seeded by ``seed`` and saved with every step
+      checkpoint.
 
     ``whiten_rewards`` is accepted and, as in 0.6.1, has no effect.
 
@@ -124,7 +169,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
     Raises:
         ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
             (``optimizer_in_bwd=True`` with gradient accumulation; fp16; a flag that is
-            not a bool; ...) or by :class:`~torchtune.training.CheckpointClient`
+            not a bool; ...) or by :class:`~torchtune.training.CheckpointManager`
             (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``; a resume
             with nothing to resume from, a named step checkpoint that does not exist, or
             another optimizer class than the checkpoint's); an optimizer the recipe
@@ -149,9 +194,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        # The policy's checkpointer, which also holds the recipe state, and the step
-        # checkpoints; the other three models have checkpointers of their own.
-        self._checkpoint_client = CheckpointClient(cfg)
+        # The policy's checkpointer and the step checkpoints; the other three models
+        # have checkpointers of their own.
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
         self._gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self.batch_size = cfg.batch_size
         self._forward_batch_size = cfg.forward_batch_size
@@ -185,7 +230,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "no step. Set num_steps to at least batch_size."
             )
         policy, ref_policy = cfg.checkpointer, cfg.ref_policy_checkpointer
-        if not self._checkpoint_client.resuming and (
+        if not self._checkpoint.options.resume and (
             policy.checkpoint_dir != ref_policy.checkpoint_dir
             or policy.checkpoint_files != ref_policy.checkpoint_files
         ):
@@ -198,28 +243,24 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 "same files (only checkpointer changes when resuming)."
             )
 
-        # Updated from the checkpoint on resume.
         self.seed = training.set_seed(
             seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
         )
         # Sampling and the PPO minibatch order draw from this generator alone, and it
         # is checkpointed: a resumed run draws what the uninterrupted one would.
         self._rng = torch.Generator(self._device).manual_seed(self.seed)
-        self._steps_run = 0
-        self._epochs_run = 0
-        self._total_epochs = 0
-        self.global_step = 0
+        # Optimizer steps (one per PPO minibatch), at which the metrics are logged.
+        self._optimizer_steps = 0
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything, in dependency order, restoring the state on resume."""
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
 
-        # Only the policy's epoch checkpoint holds the recipe state; the others are
-        # read from wherever the config points them. Also when resuming from a step
-        # checkpoint: the checkpointers learn the models' format from the files they
-        # load, and save epochs in it.
-        policy_ckpt = self._checkpoint_client.load_base_checkpoint()
+        # Each model is read from wherever the config points it. Also when resuming
+        # from a step checkpoint: the checkpointers learn the models' format from the
+        # files they load, and save epochs in it.
+        policy_ckpt = self._checkpoint.load_base_checkpoint()
         self._value_checkpointer, value_state_dict = _load(cfg.value_checkpointer)
         _, ref_policy_state_dict = _load(cfg.ref_policy_checkpointer)
         _, reward_state_dict = _load(cfg.reward_checkpointer)
@@ -250,33 +291,17 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        if is_legacy_in_bwd_state_dict(policy_ckpt.get(training.OPT_KEY)):
-            log.warning(
-                "The optimizer state is torchtune 0.6.1's in-backward format, which "
-                "holds the value model's state only: the policy's optimizer starts "
-                "afresh."
-            )
-        # Step checkpoints hold both trained models by name.
-        trained = {"policy": self._policy_model, "value": self._value_model}
-        # On resume: the optimizer state, and from a step checkpoint both trained
-        # models' weights too. 0.6.1's in-backward format held the value model's
-        # per-parameter optimizers only, under its parameter names.
-        self._resumed = self._checkpoint_client.resume(
-            trained,
-            self._optimizer,
-            policy_ckpt,
-            legacy_named_params=[(None, p) for p in self._policy_model.parameters()]
-            + list(self._value_model.named_parameters()),
-        )
         self._loss_fn = config.instantiate(cfg.loss)
 
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, self.batch_size)
-        self._checkpoint_client.track(
-            trained, self._optimizer, self._dataloader, save_epoch=self.save_checkpoint
-        )
         # One epoch is one pass over the prompts; the run ends after _total_steps.
         self._batches_per_epoch = batches_per_epoch = max(1, len(self._dataloader))
-        self._total_epochs = math.ceil(self._total_steps / batches_per_epoch)
+        self.progress = PPOProgress(
+            total_epochs=math.ceil(self._total_steps / batches_per_epoch),
+            seed=self.seed,
+            total_steps=self._total_steps,
+            rng=self._rng,
+        )
         if self._total_steps < batches_per_epoch:
             log.warning(
                 f"num_steps // batch_size = {self._total_steps} steps is less than one "
@@ -291,14 +316,21 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
         log.info(
             f"Total steps to run: {self._total_steps}, "
-            f"total epochs to run: {self._total_epochs}."
+            f"total epochs to run: {self.progress.total_epochs}."
         )
         self._setup_generation_and_rewards(cfg)
-        if self._resumed is not None:
-            self._update_recipe_state(self._resumed.recipe_state)
-        # global_step counts optimizer steps: one per PPO minibatch.
-        self.global_step = (
-            self._steps_run
+        # Both trained models by name, exported by their own checkpointers. On
+        # resume: their weights, the optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            {"policy": self._policy_model, "value": self._value_model},
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=batches_per_epoch,
+            exporters={"value": self._value_checkpointer},
+        )
+        self._optimizer_steps = (
+            self.progress.global_step
             * self._ppo_epochs
             * (self.batch_size // self._ppo_batch_size)
         )
@@ -426,78 +458,6 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
             stop_token_ids = []
         self._stop_token_ids = torch.tensor(list(stop_token_ids), device=self._device)
-
-    def _update_recipe_state(self, ckpt_dict: dict[str, Any]) -> None:
-        """Take the progress, seed and generator state from the checkpoint.
-
-        They define what the interrupted run would have done next, so the
-        checkpoint's win, with a warning where the config differs.
-
-        Raises:
-            KeyError: if the checkpoint lacks an entry of the recipe state.
-        """
-        keys = (
-            training.SEED_KEY,
-            training.EPOCHS_KEY,
-            training.TOTAL_EPOCHS_KEY,
-            training.MAX_STEPS_KEY,
-            training.STEPS_KEY,
-            training.RNG_KEY,
-        )
-        missing = [key for key in keys if key not in ckpt_dict]
-        if missing:
-            raise KeyError(
-                f"The checkpoint lacks the recipe state {missing} needed to resume. Is "
-                "checkpointer.recipe_checkpoint the recipe_state.pt of a run of this "
-                "recipe?"
-            )
-        for name, ours, key in (
-            ("seed", self.seed, training.SEED_KEY),
-            ("num_steps // batch_size", self._total_steps, training.MAX_STEPS_KEY),
-            ("total epochs", self._total_epochs, training.TOTAL_EPOCHS_KEY),
-        ):
-            if ours != ckpt_dict[key]:
-                log.warning(
-                    f"{name}={ours} from the config differs from the checkpoint's "
-                    f"{ckpt_dict[key]}; using the checkpoint's."
-                )
-        self.seed = training.set_seed(seed=ckpt_dict[training.SEED_KEY])
-        self._rng.set_state(ckpt_dict[training.RNG_KEY])
-        self._steps_run = ckpt_dict[training.STEPS_KEY]
-        self._total_steps = ckpt_dict[training.MAX_STEPS_KEY]
-        self._total_epochs = ckpt_dict[training.TOTAL_EPOCHS_KEY]
-        self._epochs_run = ckpt_dict[training.EPOCHS_KEY]
-
-    def _recipe_state(self) -> dict[str, Any]:
-        """What :meth:`_update_recipe_state` takes back on resume."""
-        return {
-            training.SEED_KEY: self.seed,
-            training.EPOCHS_KEY: self._epochs_run,
-            training.TOTAL_EPOCHS_KEY: self._total_epochs,
-            training.MAX_STEPS_KEY: self._total_steps,
-            training.STEPS_KEY: self._steps_run,
-            training.RNG_KEY: self._rng.get_state(),
-        }
-
-    def save_checkpoint(self, epoch: int) -> None:
-        """Save the policy and the value model at the end of ``epoch`` and, unless
-        the run is over, the optimizer state of both and the recipe state in the
-        policy's checkpoint."""
-        intermediate = self._steps_run < self._total_steps
-        policy_ckpt = {training.MODEL_KEY: self._policy_model.state_dict()}
-        if intermediate:
-            policy_ckpt |= {
-                training.OPT_KEY: self._optimizer.state_dict(),
-                **self._recipe_state(),
-            }
-        self._checkpoint_client.checkpointer.save_checkpoint(
-            policy_ckpt, epoch=epoch, intermediate_checkpoint=intermediate
-        )
-        self._value_checkpointer.save_checkpoint(
-            {training.MODEL_KEY: self._value_model.state_dict()},
-            epoch=epoch,
-            intermediate_checkpoint=False,
-        )
 
     def _kv_cache(self, decoder_max_seq_len: int) -> contextlib.AbstractContextManager:
         """KV caches on the policy for one generation, if ``enable_kv_cache``."""
@@ -633,20 +593,16 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._opts.compile["model"]:
             log.info("The models compile in their first forward: expect a slow step 1.")
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming from a step checkpoint: the global RNG as the run left it
-        # (sampling and minibatch order draw from self._rng, restored with the
-        # recipe state); track() already put the loader back where it was.
-        self._checkpoint_client.restore_rng_state()
         self._profiler.start()
-        pbar = tqdm(total=self._total_steps, initial=self._steps_run)
-        for curr_epoch in range(self._epochs_run, self._total_epochs):
+        pbar = tqdm(total=self._total_steps, initial=self.progress.global_step)
+        for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             epoch_start = curr_epoch * self._batches_per_epoch
             # The last epoch ends early when the run's steps do not fill it.
             epoch_steps = min(self._batches_per_epoch, self._total_steps - epoch_start)
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
-                steps_done=self._steps_run - epoch_start,
+                steps_done=self.progress.global_step - epoch_start,
                 steps_per_epoch=epoch_steps,
                 profiler=self._profiler,
                 memory_window=self._memory_window,
@@ -680,8 +636,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 )
                 ppo_time = time.perf_counter() - t0
 
-                self._steps_run += 1
-                if self._steps_run % self._opts.log_every_n_steps == 0:
+                self.progress.global_step += 1
+                if self.progress.global_step % self._opts.log_every_n_steps == 0:
                     self._log_metrics(
                         trajectory,
                         ppo_stats,
@@ -694,20 +650,16 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 pbar.update(1)
                 # Free this step's tensors before the next step generates.
                 del trajectory, rewards, kl, kl_rewards, advantages, returns, ppo_stats
-                # save_every_n_steps counts PPO steps; the checkpoint is named by the
-                # optimizer step, at which the metrics are logged. The epoch's last
-                # step is saved with the epoch, below.
-                self._checkpoint_client.step_done(
-                    self.global_step,
-                    self._recipe_state(),
-                    epoch_end=idx + 1 == epoch_steps,
-                    due_step=self._steps_run,
-                )
+                # A step checkpoint (step_{PPO step}), when one is due; the epoch's
+                # last step, also of a last epoch the run ends early, is saved with
+                # the epoch, below.
+                if idx + 1 < epoch_steps:
+                    self._checkpoint.save()
 
-            self._epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self._recipe_state()
-            )
+            self.progress.epochs_run += 1
+            # The epoch's step checkpoint, then the policy's and the value model's
+            # weights (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         pbar.close()
         self._profiler.stop()
 
@@ -767,7 +719,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 # A no-op after an in-backward backward.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
-                self.global_step += 1
+                self._optimizer_steps += 1
         stacked = PPOStats(*map(torch.stack, zip(*minibatch_stats, strict=True)))
         return stacked, grad_norms
 
@@ -886,7 +838,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         }
         if self._opts.log_peak_memory_stats:
             log_dict |= training.get_memory_stats(device=self._device)
-        self._metric_logger.log_dict(log_dict, step=self.global_step)
+        self._metric_logger.log_dict(log_dict, step=self._optimizer_steps)
 
     def cleanup(self) -> None:
         self._metric_logger.close()

@@ -9,8 +9,11 @@ by a timer, so it lands at the same place every time:
   being written (half of its bytes are on disk).
 - ``before_rename:N``: once step checkpoint N is complete under its temporary
   name, just before it is renamed to ``step_N``.
-- ``in_epoch_save:E``: while the checkpointer writes ``recipe_state.pt`` of epoch E
-  in place (torchtune 0.6.1's checkpointers do), half of its bytes on disk.
+- ``in_epoch_save:E``: while the checkpointer writes the weights of epoch E
+  (``epoch_E/*.safetensors``, in place, as torchtune's checkpointers do), half of
+  their bytes on disk.
+- ``pause_after_step:N``: right after the metrics of step N are logged, sleep for a
+  minute (holding ``output_dir``, for a second run to try it) and then die.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def install(kill_point: str) -> None:
     what, _, number = kill_point.partition(":")
     n = int(number)
 
-    if what == "after_step":
+    if what in ("after_step", "pause_after_step"):
+        import time
+
         from torchtune.training.metric_logging import DiskLogger
 
         log_dict = DiskLogger.log_dict
@@ -65,26 +70,38 @@ def install(kill_point: str) -> None:
             if step == n:
                 self._file.flush()
                 os.fsync(self._file.fileno())
+                if what == "pause_after_step":
+                    time.sleep(60)
                 _die()
 
         DiskLogger.log_dict = log_then_die
 
-    elif what in ("in_step_save", "in_epoch_save"):
+    elif what == "in_epoch_save":
+        import safetensors.torch
+
+        from torchtune.training.checkpointing import _checkpointer
+
+        def save_file(tensors, filename, *args, **kwargs):
+            if f"epoch_{n}" in Path(filename).parts:
+                data = safetensors.torch.save(tensors, *args, **kwargs)
+                with open(filename, "wb") as out:
+                    out.write(data[: len(data) // 2])
+                    out.flush()
+                    os.fsync(out.fileno())
+                _die()
+            return safetensors.torch.save_file(tensors, filename, *args, **kwargs)
+
+        _checkpointer.save_file = save_file
+
+    elif what == "in_step_save":
 
         def save(obj, f, *args, **kwargs):
-            if what == "in_step_save":
-                hit = (
-                    isinstance(f, io.IOBase)
-                    and f".step_{n}.partial" in str(getattr(f, "name", ""))
-                    and isinstance(obj, dict)
-                    and "optimizer" in obj
-                )
-            else:
-                hit = (
-                    str(f).endswith("recipe_state.pt")
-                    and isinstance(obj, dict)
-                    and obj.get("epochs_run") == n + 1
-                )
+            hit = (
+                isinstance(f, io.IOBase)
+                and f".step_{n}.partial" in str(getattr(f, "name", ""))
+                and isinstance(obj, dict)
+                and "optimizer" in obj
+            )
             if hit:
                 _write_half_and_die(obj, f)
             return _real_save(obj, f, *args, **kwargs)

@@ -8,10 +8,16 @@ on CPU: the tiny policy, its reference, and the tiny reward and value models of
 over 8 trajectories in minibatches of 4, so 4 optimizer steps per PPO step and 16 in
 all. Metrics are logged at optimizer steps 4, 8, 12 and 16. Runs are module-scoped,
 shared between tests, and call ``tune``'s entry point in this process (the same
-command line a ``tune run`` process parses). The uninterrupted in-backward run also
-saves a step checkpoint after every PPO step (``save_every_n_steps=1``:
-``step_4`` ... ``step_16``); saving changes none of its metrics (measured: bitwise
-the same as without).
+command line a ``tune run`` process parses). Every run saves a step checkpoint at
+each epoch's end, named by the PPO step (``step_2``, ``step_4``); the uninterrupted
+in-backward run also after every PPO step (``save_every_n_steps=1``: ``step_1`` ...
+``step_4``), and the plain one keeps both of its own
+(``checkpointer.keep_last_n_checkpoints=2``). Saving changes none of the metrics
+(measured: bitwise the same as without).
+
+Resumes from epoch 0 continue from the epoch-end step checkpoint ``step_2``, or from
+the torchtune 0.6.1 epoch checkpoint made of it (the ``epoch_0`` exports and
+``recipe_state/recipe_state.pt``: 0.6.1's PPO recipe state and the optimizer state).
 
 Tolerances:
 
@@ -37,7 +43,7 @@ Tolerances:
   run) must move the resumed losses by far more than rounding: more than 1e-4
   relative (measured, clipping on: 8.0e-4 and 1.4e-1), against differences of 0
   between correct resumes.
-- A resume from the mid-epoch step checkpoint ``step_4`` (after PPO step 1 of 4) in
+- A resume from the mid-epoch step checkpoint ``step_1`` (after PPO step 1 of 4) in
   the same mode: bitwise, every metric at steps 8, 12 and 16, ``grad_norm`` and
   ``lr`` included; measured: equal.
 """
@@ -62,6 +68,7 @@ from tests.recipes.utils import (
     snapshot_files,
     tiny_config,
 )
+from torchtune import training
 
 pytestmark = pytest.mark.integration_test
 
@@ -69,6 +76,8 @@ RECIPE = "ppo_full_finetune_single_device"
 CONFIG = tiny_config("tiny_ppo_single_device")
 SHARD = "model-00001-of-00001.safetensors"
 OPTIMIZER_STEPS_PER_PPO_STEP = 4
+# The step checkpoint of epoch 0's end: PPO step 2.
+EPOCH_0_END = "step_2"
 EPOCH_0 = [4, 8]
 EPOCH_1 = [12, 16]
 # What every run logs at each of its steps.
@@ -116,8 +125,8 @@ def _overrides(ppo_assets: PPOAssets, **settings: Any) -> list[str]:
 
 
 def _resume_overrides(out: Path) -> dict[str, Any]:
-    """Resume from the epoch-0 checkpoints copied into ``out``: the policy and the
-    recipe state through ``checkpointer``, the value model through its own."""
+    """Resume from the 0.6.1 epoch-0 checkpoint in ``out``: the policy and the recipe
+    state through ``checkpointer``, the value model through its own."""
     return {
         "resume_from_checkpoint": True,
         "checkpointer.checkpoint_files": f"[epoch_0/{SHARD}]",
@@ -127,9 +136,35 @@ def _resume_overrides(out: Path) -> dict[str, Any]:
     }
 
 
-def _copy_epoch_0(source: TuneRun, out: Path) -> None:
-    for part in ("epoch_0", "recipe_state", "value/epoch_0"):
-        shutil.copytree(source.output_dir / part, out / part)
+def _copy_epoch_0(source: TuneRun, out: Path, *, manifests: bool = True) -> None:
+    """The policy's and the value model's epoch-0 exports (without their manifests:
+    0.6.1 wrote none)."""
+    ignore = None if manifests else shutil.ignore_patterns(".torchtune_manifest.json")
+    for part in ("epoch_0", "value/epoch_0"):
+        shutil.copytree(source.output_dir / part, out / part, ignore=ignore)
+
+
+def _write_0_6_1_recipe_state(source: TuneRun, out: Path) -> Path:
+    """``recipe_state/recipe_state.pt`` as torchtune 0.6.1's PPO recipe saved it after
+    epoch 0: its recipe state and the optimizer state, taken from ``step_2``."""
+    step = source.output_dir / EPOCH_0_END
+    recipe_state = torch.load(step / "recipe_state.pt", weights_only=False)
+    keys = (
+        training.SEED_KEY,
+        training.EPOCHS_KEY,
+        training.TOTAL_EPOCHS_KEY,
+        training.MAX_STEPS_KEY,
+        training.STEPS_KEY,
+        training.RNG_KEY,
+    )
+    state = {key: recipe_state[key] for key in keys}
+    state[training.OPT_KEY] = torch.load(
+        step / "model_optimizer.pt", weights_only=False
+    )["optimizer"]
+    path = out / "recipe_state" / "recipe_state.pt"
+    path.parent.mkdir(parents=True)
+    torch.save(state, path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +174,8 @@ def runs(
     """Uninterrupted runs: plain, in-backward, and plain with 2 backward passes per
     minibatch, clipping at ``CLIP``; and plain and in-backward without clipping."""
     settings = {
-        "plain": _mode("plain"),
+        # Both epoch-end step checkpoints, for the resume tests.
+        "plain": {"checkpointer.keep_last_n_checkpoints": 2, **_mode("plain")},
         # Step checkpoints for the step-checkpoint resume test.
         "bwd": {"save_every_n_steps": 1, **_mode("bwd")},
         "plain_accumulated": {"gradient_accumulation_steps": 2, **_mode("plain")},
@@ -161,9 +197,39 @@ def resume(
     runs: dict[str, TuneRun],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[..., TuneRun]:
-    """``resume(source, target, edit=None)``: ``runs[source]`` resumed from its epoch
-    0 in mode ``target``, made on first request and shared after. ``edit`` (with a
-    name of its own) rewrites the saved recipe state first."""
+    """``resume(source, target)``: ``runs[source]`` resumed in mode ``target`` from
+    its epoch-0 step checkpoint, alone with the epoch-0 exports in a fresh
+    output_dir, found by ``resume_from_checkpoint=True``; made on first request and
+    shared after."""
+    made: dict[str, TuneRun] = {}
+
+    def resume(source: str, target: str) -> TuneRun:
+        key = f"{source}_to_{target}"
+        if key not in made:
+            out = tmp_path_factory.mktemp(key)
+            shutil.copytree(runs[source].output_dir / EPOCH_0_END, out / EPOCH_0_END)
+            _copy_epoch_0(runs[source], out)
+            made[key] = run_tune_in_process(
+                RECIPE,
+                CONFIG,
+                _overrides(ppo_assets, resume_from_checkpoint=True, **_mode(target)),
+                out,
+            )
+        return made[key]
+
+    return resume
+
+
+@pytest.fixture(scope="module")
+def resume_0_6_1(
+    ppo_assets: PPOAssets,
+    runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., TuneRun]:
+    """``resume_0_6_1(source, target, edit=None)``: ``runs[source]`` resumed in mode
+    ``target`` from the torchtune 0.6.1 epoch-0 checkpoint made of it, made on first
+    request and shared after. ``edit`` (with a name of its own) rewrites the saved
+    recipe state first."""
     made: dict[str, TuneRun] = {}
 
     def resume(
@@ -171,12 +237,12 @@ def resume(
         target: str,
         edit: tuple[str, Callable[[dict[str, Any]], None]] | None = None,
     ) -> TuneRun:
-        key = f"{source}_to_{target}" + (f"_{edit[0]}" if edit else "")
+        key = f"0_6_1_{source}_to_{target}" + (f"_{edit[0]}" if edit else "")
         if key not in made:
             out = tmp_path_factory.mktemp(key)
-            _copy_epoch_0(runs[source], out)
+            _copy_epoch_0(runs[source], out, manifests=False)
+            path = _write_0_6_1_recipe_state(runs[source], out)
             if edit is not None:
-                path = out / "recipe_state" / "recipe_state.pt"
                 state = torch.load(path, weights_only=False)
                 edit[1](state)
                 torch.save(state, path)
@@ -306,9 +372,10 @@ def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes
     saved = {}
     for mode in ("plain", "bwd"):
         state = torch.load(
-            runs[mode].output_dir / "recipe_state" / "recipe_state.pt",
+            runs[mode].output_dir / EPOCH_0_END / "model_optimizer.pt",
             weights_only=False,
         )
+        assert sorted(state["model"]) == ["policy", "value"]
         optimizer = state["optimizer"]
         # The standard torch.optim format: one group, the policy's parameters and
         # then the value model's, and AdamW state for every one of them.
@@ -342,12 +409,34 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_metrics(
     _assert_metrics_close(resumed, runs[source], EPOCH_1, **EXACT)
 
 
+@pytest.mark.parametrize(
+    "source,target", [("plain", "bwd"), ("bwd", "plain")], ids=lambda mode: mode
+)
+def test_resume_from_a_0_6_1_epoch_checkpoint_gives_the_uninterrupted_metrics(
+    source: str,
+    target: str,
+    runs: dict[str, TuneRun],
+    resume_0_6_1: Callable[..., TuneRun],
+) -> None:
+    """0.6.1's recipe state (PPO steps under ``steps_run``, no ``global_step``) and
+    optimizer state resume the run where it was, the value model read back from its
+    epoch-0 export by ``value_checkpointer``."""
+    resumed = resume_0_6_1(source, target)
+    assert sorted(resumed.metrics) == EPOCH_1
+    _assert_metrics_close(resumed, runs[source], EPOCH_1, **EXACT)
+    assert _series(resumed, "lr", EPOCH_1) == _series(runs[source], "lr", EPOCH_1)
+
+
 def test_resume_without_the_policy_optimizer_state_differs(
-    ppo_assets: PPOAssets, runs: dict[str, TuneRun], resume: Callable[..., TuneRun]
+    ppo_assets: PPOAssets,
+    runs: dict[str, TuneRun],
+    resume_0_6_1: Callable[..., TuneRun],
 ) -> None:
     """What the resume tests above would see had the policy's state not been saved:
     they can fail."""
-    resumed = resume("bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets)))
+    resumed = resume_0_6_1(
+        "bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets))
+    )
     assert sorted(resumed.metrics) == EPOCH_1
     losses = _series(resumed, "loss", EPOCH_1)
     uninterrupted = _series(runs["bwd"], "loss", EPOCH_1)
@@ -356,13 +445,15 @@ def test_resume_without_the_policy_optimizer_state_differs(
 
 
 def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
-    ppo_assets: PPOAssets, resume: Callable[..., TuneRun]
+    ppo_assets: PPOAssets, resume_0_6_1: Callable[..., TuneRun]
 ) -> None:
     """0.6.1 saved the value model's optimizer state only: it loads, and the policy's
     starts afresh. (The state is converted to the standard format before either mode
     loads it, so one mode shows it.)"""
-    expected = resume("bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets)))
-    resumed = resume("bwd", "bwd", ("0_6_1", _as_0_6_1_in_bwd(ppo_assets)))
+    expected = resume_0_6_1(
+        "bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets))
+    )
+    resumed = resume_0_6_1("bwd", "bwd", ("in_bwd", _as_0_6_1_in_bwd(ppo_assets)))
     assert sorted(resumed.metrics) == EPOCH_1
     _assert_metrics_close(resumed, expected, EPOCH_1, **EXACT)
 
@@ -370,19 +461,20 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
 def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics(
     ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
-    """The step checkpoint of PPO step 1 (optimizer step 4), alone in a fresh
-    output_dir, found by ``resume_from_checkpoint=True`` without naming a file: the
-    run continues mid-epoch 0 (the loader at its second batch), crosses into epoch 1,
-    and logs what the uninterrupted run logged. The value model comes from the step
-    checkpoint: ``value_checkpointer`` still reads the weights it started from."""
-    step_4 = runs["bwd"].output_dir / "step_4"
-    recipe_state = torch.load(step_4 / "recipe_state.pt", weights_only=False)
-    assert (recipe_state["global_step"], recipe_state["steps_run"]) == (4, 1)
-    saved = torch.load(step_4 / "model_optimizer.pt", weights_only=False)
+    """The step checkpoint of PPO step 1 (logged at optimizer step 4), alone in a
+    fresh output_dir, found by ``resume_from_checkpoint=True`` without naming a file:
+    the run continues mid-epoch 0 (the loader at its second batch), crosses into
+    epoch 1, and logs what the uninterrupted run logged. The value model comes from
+    the step checkpoint: ``value_checkpointer`` still reads the weights it started
+    from."""
+    step_1 = runs["bwd"].output_dir / "step_1"
+    recipe_state = torch.load(step_1 / "recipe_state.pt", weights_only=False)
+    assert (recipe_state["global_step"], recipe_state["steps_run"]) == (1, 1)
+    saved = torch.load(step_1 / "model_optimizer.pt", weights_only=False)
     assert sorted(saved["model"]) == ["policy", "value"]
 
     out = tmp_path / "out"
-    shutil.copytree(step_4, out / "step_4")
+    shutil.copytree(step_1, out / "step_1")
     resumed = run_tune_in_process(
         RECIPE,
         CONFIG,
@@ -409,29 +501,41 @@ def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics
 def test_save_every_n_steps_counts_ppo_steps(
     ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
-    """``save_every_n_steps=2``: after PPO steps 2 and 4, which end the epochs here,
-    and not every 2 optimizer steps (there are 4 per PPO step). Folders are named by
-    the optimizer step, at which the metrics are logged."""
+    """``save_every_n_steps=3``: after PPO step 3 (mid-epoch 1), not every 3 optimizer
+    steps (there are 4 per PPO step), and at the epochs' ends (PPO steps 2 and 4).
+    Folders are named by the PPO step. Without ``save_every_n_steps`` only the
+    epoch-end ones are saved and, unless ``keep_last_n_checkpoints`` says more, only
+    the newest is kept."""
     assert {p.name for p in runs["bwd"].output_dir.glob("step_*")} == {
-        f"step_{n}" for n in EPOCH_0 + EPOCH_1
+        f"step_{n}" for n in (1, 2, 3, 4)
     }
+    assert {p.name for p in runs["plain"].output_dir.glob("step_*")} == {
+        "step_2",
+        "step_4",
+    }
+    for name in ("plain_accumulated", "plain_no_clip", "bwd_no_clip"):
+        assert {p.name for p in runs[name].output_dir.glob("step_*")} == {"step_4"}
     run = run_tune_in_process(
         RECIPE,
         CONFIG,
-        _overrides(ppo_assets, save_every_n_steps=2, **_mode("plain")),
+        _overrides(ppo_assets, save_every_n_steps=3, **_mode("plain")),
         tmp_path,
     )
-    assert {p.name for p in run.output_dir.glob("step_*")} == {"step_8", "step_16"}
+    assert {p.name for p in run.output_dir.glob("step_*")} == {
+        "step_2",
+        "step_3",
+        "step_4",
+    }
     saved = torch.load(
-        run.output_dir / "step_8" / "recipe_state.pt", weights_only=False
+        run.output_dir / "step_3" / "recipe_state.pt", weights_only=False
     )
-    assert (saved["global_step"], saved["steps_run"]) == (8, 2)
+    assert (saved["global_step"], saved["steps_run"]) == (3, 3)
+    assert not saved["epoch_end"]
 
 
 def test_final_checkpoints_load_back_into_the_models(
     ppo_assets: PPOAssets, runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
-    from torchtune import training
     from torchtune.models.mistral import mistral, mistral_classifier
 
     out = runs["bwd"].output_dir

@@ -24,10 +24,12 @@ difference; measured on this project's x86 CPU):
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +52,16 @@ from tests.recipes.utils import (
     read_disk_log,
     run_tune,
     run_tune_in_process,
+    snapshot_files,
     tiny_config,
 )
-from torchtune.training import StepCheckpointer
-from torchtune.training.checkpointing._step_checkpointer import read_run_file
+from torchtune.training.checkpointing._checkpoint_manager import (
+    EXPORT_MANIFEST,
+    CheckpointError,
+    read_run_file,
+    step_of,
+    verify,
+)
 
 pytestmark = pytest.mark.integration_test
 
@@ -319,6 +327,7 @@ def killed_run(
     out: Path,
     timeout: float = 300.0,
     log_name: str = "killed.txt",
+    **more: Any,
 ) -> dict[int, dict[str, float]]:
     """Run the in-backward recipe in a subprocess that SIGKILLs itself at
     ``kill_point`` (see ``tests/recipes/crash_run.py``); return what it logged."""
@@ -333,7 +342,7 @@ def killed_run(
         SINGLE,
         "--config",
         str(SINGLE_CONFIG),
-        *_override_list(overrides(assets, True)),
+        *_override_list(overrides(assets, True, **more)),
         f"output_dir={out}",
         f"metric_logger._component_={DISK_LOGGER}",
         f"metric_logger.log_dir={log_dir}",
@@ -355,15 +364,16 @@ def killed_run(
     return read_disk_log(log_dir / log_name)
 
 
-def assert_resumable(out: Path) -> None:
-    """Whatever resume would pick can be loaded."""
-    checkpointer = StepCheckpointer(out, every_n_steps=2)
-    point = checkpointer.resume_point(None)
-    if point is not None:
-        checkpointer.read(point)  # raises if it cannot be loaded
-    else:
-        # Only the epoch checkpoint (0.6.1's format) could be used: it must load.
-        torch.load(out / "recipe_state" / "recipe_state.pt", weights_only=False)
+def newest_whole_step(out: Path) -> int:
+    """The step of the newest step checkpoint in ``out`` that verifies and loads."""
+    for folder in sorted(out.glob("step_*"), key=step_of, reverse=True):
+        try:
+            verify(folder)
+        except CheckpointError:
+            continue
+        torch.load(folder / "model_optimizer.pt", weights_only=False)
+        return step_of(folder)
+    raise AssertionError(f"no whole step checkpoint in {out}")
 
 
 @pytest.mark.parametrize(
@@ -373,7 +383,7 @@ def assert_resumable(out: Path) -> None:
         ("in_step_save:4", 3),  # step_4 half written: back to step_3
         ("before_rename:4", 3),  # step_4 whole but never renamed: back to step_3
         ("in_step_save:3", 2),  # epoch 0's end, half written: back to step_2
-        ("in_epoch_save:0", 3),  # epoch 0's recipe_state.pt torn: step_3 is whole
+        ("in_epoch_save:0", 3),  # epoch 0's weights torn: step_3 is whole
     ],
 )
 def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
@@ -384,11 +394,10 @@ def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
     resumes_after: int,
 ) -> None:
     before = killed_run(kill_point, tiny_assets, tmp_path)
-    assert_resumable(tmp_path)
+    assert newest_whole_step(tmp_path) == resumes_after
     if kill_point.startswith("in_epoch_save"):
-        # Torn: what a 0.6.1 resume would have read.
-        with pytest.raises(RuntimeError, match="central directory"):
-            torch.load(tmp_path / "recipe_state" / "recipe_state.pt")
+        # Torn, and known to be: its manifest is written once it is whole.
+        assert not (tmp_path / "epoch_0" / EXPORT_MANIFEST).exists()
 
     # Only the killed run needs a process of its own; this one runs here.
     resumed = run_tune_in_process(
@@ -412,6 +421,14 @@ def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
         list(losses(before).values()), [reference[s] for s in losses(before)], **EXACT
     )
     assert not list(tmp_path.glob(".step_*")), "a partial save was left behind"
+    # The export of every epoch is whole again, the torn one rewritten.
+    for epoch in (0, 1):
+        assert_weights_close(
+            load_weights(tmp_path / f"epoch_{epoch}" / SHARD),
+            load_weights(single_runs["bwd"].output_dir / f"epoch_{epoch}" / SHARD),
+            **EXACT,
+        )
+        verify(tmp_path / f"epoch_{epoch}", EXPORT_MANIFEST)
 
 
 # -- runs sharing an output_dir, damaged checkpoints ------------------------------------
@@ -505,3 +522,338 @@ def test_resuming_a_finished_run_trains_nothing_and_says_so(
         "training (2 epochs done, epochs=2): nothing left to do." in caplog.text
     )
     assert (tmp_path / "epoch_1" / SHARD).read_bytes() == weights
+
+
+# -- what a resume must never lose or silently change ------------------------------------
+
+
+def copy_run(source: Path, out: Path) -> None:
+    """``source``'s checkpoints, without its logs, into ``out``."""
+    shutil.copytree(
+        source, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("logs")
+    )
+
+
+def checkpoint_files(out: Path) -> dict[str, tuple[str, int]]:
+    """Every file of ``out`` but the logs and the config copy, which every run (a
+    refused one too) writes, as in torchtune 0.6.1."""
+    return {
+        k: v
+        for k, v in snapshot_files(out).items()
+        if not k.startswith("logs") and k != "torchtune_config.yaml"
+    }
+
+
+@pytest.mark.parametrize("damage", ["truncated", "disk full while written"])
+def test_a_torn_final_export_is_rewritten_from_the_final_checkpoint_on_resume(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    shard = tmp_path / "epoch_1" / SHARD
+    if damage == "truncated":
+        copy_run(single_runs["bwd"].output_dir, tmp_path)
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        # The disk fills up while the last epoch's weights are written: the run
+        # fails, its step_6 whole, epoch_1 half written.
+        from torchtune.training.checkpointing import _checkpointer
+
+        def full_disk(tensors, filename, *args, **kwargs):
+            if "epoch_1" in Path(filename).parts:
+                Path(filename).write_bytes(b"\0" * 100)
+                raise OSError(28, "No space left on device")
+            return real_save_file(tensors, filename, *args, **kwargs)
+
+        real_save_file = _checkpointer.save_file
+        monkeypatch.setattr(_checkpointer, "save_file", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            run_tune_in_process(
+                SINGLE, SINGLE_CONFIG, overrides(tiny_assets, True), tmp_path
+            )
+        monkeypatch.undo()
+    assert verify(tmp_path / "step_6")
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(TuneRunError, match="no metrics"),
+    ):
+        run_tune_in_process(
+            SINGLE,
+            SINGLE_CONFIG,
+            overrides(tiny_assets, True, resume_from_checkpoint=True),
+            tmp_path,
+        )
+    assert f"The export of epoch 1 is not whole ({tmp_path / 'epoch_1'}" in caplog.text
+    assert f"rewriting it from {tmp_path / 'step_6'}" in caplog.text
+    assert "nothing left to do" in caplog.text
+    assert_weights_close(
+        load_weights(shard),
+        load_weights(single_runs["bwd"].output_dir / "epoch_1" / SHARD),
+        **EXACT,
+    )
+    verify(tmp_path / "epoch_1", EXPORT_MANIFEST)
+
+
+def write_rows(assets: TinyAssets, path: Path, rows: int) -> Path:
+    import json
+
+    data = json.loads(assets.train_data.read_text())
+    path.write_text(json.dumps(data[:rows]))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"batch_size": 4}, "batch_size: 8 then, 4 now"),
+        (
+            {"gradient_accumulation_steps": 2, "optimizer_in_bwd": False},
+            "gradient_accumulation_steps: 1 then, 2 now",
+        ),
+        ({"max_steps_per_epoch": 4}, "max_steps_per_epoch: 3 then, 4 now"),
+        ("20 rows", "dataset_length: "),
+    ],
+)
+def test_a_resume_with_another_trajectory_is_refused_and_changes_nothing(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    change: Any,
+    named: str,
+) -> None:
+    shutil.copytree(single_runs["bwd"].output_dir / "step_4", tmp_path / "step_4")
+    if change == "20 rows":
+        change = {
+            "dataset.data_files": str(
+                write_rows(tiny_assets, tmp_path / "small.json", 20)
+            )
+        }
+    before = checkpoint_files(tmp_path)
+    settings = overrides(tiny_assets, True, resume_from_checkpoint=True) | change
+    with pytest.raises(
+        CheckpointError, match="was trained with other settings"
+    ) as refused:
+        run_tune_in_process(SINGLE, SINGLE_CONFIG, settings, tmp_path)
+    assert named in str(refused.value) and "resume_allow_changes=True" in str(
+        refused.value
+    )
+    assert checkpoint_files(tmp_path) == before
+    # With the run's own settings it continues exactly.
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, resume_from_checkpoint=True),
+        tmp_path,
+    )
+    assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 4, f"epoch_1/{SHARD}")
+
+
+def test_resume_allow_changes_continues_with_the_new_settings_and_says_so(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shutil.copytree(single_runs["bwd"].output_dir / "step_3", tmp_path / "step_3")
+    settings = overrides(
+        tiny_assets, True, resume_from_checkpoint=True, resume_allow_changes=True
+    )
+    with caplog.at_level(logging.WARNING):
+        resumed = run_tune_in_process(
+            SINGLE, SINGLE_CONFIG, settings | {"max_steps_per_epoch": 2}, tmp_path
+        )
+    assert "resume_allow_changes=True: resuming" in caplog.text
+    assert "max_steps_per_epoch: 3 then, 2 now" in caplog.text
+    # Epochs now end every 2 steps: the resumed epoch 1 (steps_done 1) has one left.
+    assert_steps(resumed, [4])
+    assert verify(tmp_path / "step_3") and verify(tmp_path / "step_4")
+
+
+def test_a_config_value_the_checkpoint_replaces_is_named(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = overrides(tiny_assets, True, resume_from_checkpoint=True) | {
+        "optimizer.lr": 1e-3
+    }
+    shutil.copytree(single_runs["bwd"].output_dir / "step_4", tmp_path / "step_4")
+    with caplog.at_level(logging.WARNING):
+        resumed = run_tune_in_process(SINGLE, SINGLE_CONFIG, settings, tmp_path)
+    assert (
+        "its optimizer state replaces optimizer.lr=0.001 (the checkpoint's: 0.002)"
+        in caplog.text
+    )
+    # As the warning says, the checkpoint's values train on: the uninterrupted run.
+    assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 4, f"epoch_1/{SHARD}")
+
+
+def test_resuming_an_older_step_branches_and_keep_last_n_keeps_the_branch(
+    single_runs: dict[str, TuneRun], tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    source = single_runs["bwd"].output_dir
+    copy_run(source, tmp_path)
+    old = {
+        n: checkpoint_files(tmp_path / n)
+        for n in ("step_3", "step_4", "step_6", "epoch_0", "epoch_1")
+    }
+    branch = {
+        "checkpointer.recipe_checkpoint": "step_2/recipe_state.pt",
+        "checkpointer.keep_last_n_checkpoints": 1,
+    }
+    # Killed after step 5: of the branch only step_4 is whole (keep_last_n=1).
+    before = killed_run(
+        "after_step:5", tiny_assets, tmp_path, resume_from_checkpoint=True, **branch
+    )
+    assert list(losses(before)) == [3, 4, 5]
+    keep = {"checkpointer.keep_last_n_checkpoints": 1}
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4"]
+    # The old timeline's later checkpoints and exports, moved aside, whole.
+    (aside,) = (tmp_path / "previous_runs").glob("run_*-after-step_2")
+    for name, files in old.items():
+        assert checkpoint_files(aside / name) == files, name
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, resume_from_checkpoint=True, **keep),
+        tmp_path,
+    )
+    assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 4, f"epoch_1/{SHARD}")
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_6"]
+
+
+def test_a_second_run_is_refused_while_one_trains_in_the_folder(
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    single_runs: dict[str, TuneRun],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.recipes.crash_run",
+            "pause_after_step:3",
+            "run",
+            SINGLE,
+            "--config",
+            str(SINGLE_CONFIG),
+            *_override_list(overrides(tiny_assets, True)),
+            f"output_dir={tmp_path}",
+            f"metric_logger._component_={DISK_LOGGER}",
+            f"metric_logger.log_dir={log_dir}",
+            "metric_logger.filename=first.txt",
+        ],
+        cwd=REPO_ROOT,
+        env=_subprocess_env(tmp_path, None),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while 3 not in (
+            read_disk_log(log_dir / "first.txt")
+            if (log_dir / "first.txt").is_file()
+            else {}
+        ):
+            assert first.poll() is None and time.monotonic() < deadline, (
+                "the first run did not reach step 3"
+            )
+            time.sleep(0.2)
+        before = checkpoint_files(tmp_path)
+        for resume in (False, True):
+            with pytest.raises(
+                CheckpointError,
+                match=f"in use by another run \\(process {first.pid} on host ",
+            ):
+                run_tune_in_process(
+                    SINGLE,
+                    SINGLE_CONFIG,
+                    overrides(tiny_assets, True, resume_from_checkpoint=resume),
+                    tmp_path,
+                )
+        assert checkpoint_files(tmp_path) == before
+    finally:
+        first.kill()
+        first.wait()
+    # The first run was killed: its lock is stale, and its resume takes it over.
+    with caplog.at_level(logging.WARNING):
+        resumed = run_tune_in_process(
+            SINGLE,
+            SINGLE_CONFIG,
+            overrides(tiny_assets, True, resume_from_checkpoint=True),
+            tmp_path,
+        )
+    assert "left by a run that stopped" in caplog.text
+    assert_resumed_as_uninterrupted(resumed, single_runs["bwd"], 2, f"epoch_1/{SHARD}")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"batch_size": 0}, "batch_size=0 is not a positive integer"),
+        ({"epochs": "'2'"}, "epochs='2' is not a positive integer"),
+        (
+            {"max_steps_per_epoch": "'3'"},
+            "max_steps_per_epoch='3' is not a positive integer",
+        ),
+        ({"epochs": 0}, "epochs=0 is not a positive integer"),
+        ({"max_steps_per_epoch": 0}, "max_steps_per_epoch=0 is not a positive integer"),
+    ],
+)
+def test_a_refused_new_run_leaves_an_earlier_runs_folder_as_it_was(
+    single_runs: dict[str, TuneRun],
+    tiny_assets: TinyAssets,
+    tmp_path: Path,
+    change: dict,
+    message: str,
+) -> None:
+    copy_run(single_runs["bwd"].output_dir, tmp_path)
+    before = snapshot_files(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_tune_in_process(
+            SINGLE, SINGLE_CONFIG, overrides(tiny_assets, True) | change, tmp_path
+        )
+    assert snapshot_files(tmp_path) == before
+
+
+def test_nothing_to_resume_points_at_the_earlier_runs_set_aside(
+    single_runs: dict[str, TuneRun], tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    (tmp_path / "previous_runs" / "run_x").mkdir(parents=True)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"Earlier runs' checkpoints are in {tmp_path / 'previous_runs'}"
+        ),
+    ):
+        run_tune_in_process(
+            SINGLE,
+            SINGLE_CONFIG,
+            overrides(tiny_assets, True, resume_from_checkpoint=True),
+            tmp_path,
+        )
+
+
+def test_an_epoch_only_run_resumes_with_resume_from_checkpoint_alone(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    settings = overrides(tiny_assets, True, save_every_n_steps=None)
+    uninterrupted = run_tune_in_process(
+        SINGLE, SINGLE_CONFIG, settings, tmp_path_factory.mktemp("epochs")
+    )
+    # Only the newest epoch-end checkpoint is kept without save_every_n_steps.
+    assert sorted(p.name for p in uninterrupted.output_dir.glob("step_*")) == ["step_6"]
+    out = tmp_path_factory.mktemp("epochs_killed")
+    killed_run("after_step:5", tiny_assets, out, save_every_n_steps=None)
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_3"]
+    resumed = run_tune_in_process(
+        SINGLE, SINGLE_CONFIG, settings | {"resume_from_checkpoint": True}, out
+    )
+    assert_resumed_as_uninterrupted(resumed, uninterrupted, 3, f"epoch_1/{SHARD}")

@@ -832,7 +832,8 @@ class CheckpointManager:
             key, value = self.options.length
             utils.log_rank_zero(
                 log,
-                f"resume_from_checkpoint=True: the run is at the end of training "
+                f"resume_from_checkpoint=True: {self._resume_from} is at the end of "
+                "training "
                 f"({progress.epochs_run} epochs done, {key}={value}): nothing left "
                 f"to do. To train further, set {key} to more than {value}.",
                 level=logging.WARNING,
