@@ -2,13 +2,13 @@
 # Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
 # (torchtune/training/memory.py), the deprecated 0.6.1 in-backward API
 # (optim_in_bwd_deprecated.py), the 0.6.1 checkpoint converter
-# (optim_in_bwd_legacy_state_dict.py) and the checkpoint client
-# (torchtune/training/checkpointing/_checkpoint_client.py), against the unit tests
+# (optim_in_bwd_legacy_state_dict.py) and the checkpoint manager
+# (torchtune/training/checkpointing/_checkpoint_manager.py), against the unit tests
 # (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
 # See "Mutation testing" in CONTRIBUTING.md.
 #
 #   bash scripts/mutation_test.sh [memory] [deprecated] [legacy_state_dict]
-#                                 [checkpoint_client]          (default: all four)
+#                                 [checkpoint_manager]         (default: all four)
 #
 # cosmic-ray rewrites the mutated file in place, so this never runs in the checkout it
 # is started from: it clones the committed HEAD into $MUT_DIR (default
@@ -27,7 +27,7 @@ COSMIC_RAY_VERSION=8.7.0
 MEMORY=torchtune/training/memory.py
 DEPRECATED=torchtune/training/optim_in_bwd_deprecated.py
 LEGACY=torchtune/training/optim_in_bwd_legacy_state_dict.py
-CLIENT=torchtune/training/checkpointing/_checkpoint_client.py
+CLIENT=torchtune/training/checkpointing/_checkpoint_manager.py
 MUTATED=("$MEMORY" "$DEPRECATED" "$LEGACY" "$CLIENT")
 
 if [ "$REPO" != "$(realpath -m "$MUT_DIR")" ]; then
@@ -98,12 +98,13 @@ LEGACY_TARGETS=(
   is_legacy_in_bwd_state_dict _unwrapped _entries _checked_pairs
   convert_legacy_param_groups convert_legacy_optim_in_bwd_state_dict
 )
-CLIENT_TESTS=(
-  "$TT/checkpointing/test_checkpoint_client.py"
-  "$TT/checkpointing/test_checkpoint_client_contract.py"
+CLIENT_TESTS=("$TT/checkpointing/test_checkpoint_manager.py")
+CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_manager.py"
+CLIENT_TARGETS=(
+  TrainingProgress _on_rank_zero file_checksum _describe read_manifest verify
+  _step_dirs _set_aside check_writable _check_lock _take_lock _load_trainable
+  _fingerprint _lora_export _base_paths CheckpointManager
 )
-CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_client_contract.py"
-CLIENT_TARGETS=(TrainingProgress CheckpointClient)
 # Multi-process (gloo) scenarios take minutes each; the import-order check runs
 # fresh interpreters and cannot see a mutant that the other tests miss.
 DESELECT="not two_gloo and not without_a_cycle"
@@ -158,7 +159,7 @@ EOF
     tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT'
 }
 
-for what in "${@:-memory deprecated legacy_state_dict checkpoint_client}"; do
+for what in "${@:-memory deprecated legacy_state_dict checkpoint_manager}"; do
   for name in $what; do
     case "$name" in
       memory)
@@ -173,13 +174,13 @@ for what in "${@:-memory deprecated legacy_state_dict checkpoint_client}"; do
         run_session legacy_state_dict "$LEGACY" "$(existing "${LEGACY_TESTS[@]}")" \
           "${LEGACY_TARGETS[*]}" "$TT/test_optim_in_bwd_legacy_state_dict.py"
         ;;
-      checkpoint_client)
-        run_session checkpoint_client "$CLIENT" "$(existing "${CLIENT_TESTS[@]}")" \
+      checkpoint_manager)
+        run_session checkpoint_manager "$CLIENT" "$(existing "${CLIENT_TESTS[@]}")" \
           "${CLIENT_TARGETS[*]}" "$CLIENT_CONTRACT"
         ;;
       *)
         echo "unknown target $name (memory, deprecated, legacy_state_dict," \
-          "checkpoint_client)" >&2
+          "checkpoint_manager)" >&2
         exit 2
         ;;
     esac

@@ -451,10 +451,27 @@ def format_run(
         "checkpointer.checkpoint_dir": checkpoint_dir,
         "checkpointer.checkpoint_files": [filename],
     }
-    run = train_single(f"{name}_format", **checkpointer, **_mode(True))
+    keep = {"checkpointer.keep_last_n_checkpoints": EPOCHS}
+    run = train_single(f"{name}_format", **checkpointer, **keep, **_mode(True))
+    # What torchtune 0.6.1 left after epoch 0: the epoch's weights in the format's
+    # own files, and its recipe state with the optimizer state, which a 0.6.1 resume
+    # points at.
     resumed_dir = tmp_path_factory.mktemp(f"{name}_format_resumed")
-    for part in ("epoch_0", "recipe_state"):
-        shutil.copytree(run.output_dir / part, resumed_dir / part)
+    shutil.copytree(run.output_dir / "epoch_0", resumed_dir / "epoch_0")
+    epoch_end = run.output_dir / f"step_{STEPS_PER_EPOCH}"
+    (resumed_dir / "recipe_state").mkdir()
+    torch.save(
+        {
+            "optimizer": torch.load(
+                epoch_end / "model_optimizer.pt", weights_only=False
+            )["optimizer"],
+            "seed": 0,
+            "epochs_run": 1,
+            "total_epochs": EPOCHS,
+            "max_steps_per_epoch": STEPS_PER_EPOCH,
+        },
+        resumed_dir / "recipe_state" / "recipe_state.pt",
+    )
     resumed = train_single(
         f"{name}_format_resumed",
         output_dir=resumed_dir,

@@ -50,6 +50,7 @@ Tolerances:
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -58,12 +59,14 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.assets.make_ppo_assets import PPOAssets, ensure_ppo_assets
 from tests.recipes.utils import (
     TuneRun,
+    TuneRunError,
     run_tune_in_process,
     snapshot_files,
     tiny_config,
@@ -600,3 +603,23 @@ def test_fresh_run_refuses_a_reference_policy_other_than_the_policy(
             out,
         )
     assert list(out.iterdir()) == []
+
+
+def test_messages_name_num_steps_which_ppo_counts(
+    ppo_assets: PPOAssets,
+    runs: dict[str, TuneRun],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shutil.copytree(runs["plain"].output_dir, tmp_path, dirs_exist_ok=True)
+    settings = {"resume_from_checkpoint": True, **_mode("plain")}
+    with caplog.at_level(logging.WARNING), pytest.raises(TuneRunError, match="no met"):
+        run_tune_in_process(
+            RECIPE, CONFIG, _overrides(ppo_assets, **settings), tmp_path
+        )
+    num_steps = OmegaConf.load(CONFIG).num_steps
+    assert (
+        f"nothing left to do. To train further, set num_steps to more than {num_steps}."
+        in caplog.text
+    )
+    assert "epochs to more than" not in caplog.text

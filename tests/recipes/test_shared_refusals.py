@@ -2,7 +2,7 @@
 in ``__init__``, before anything is built or written.
 
 The options are read and checked once, by ``training.RecipeOptions`` and
-``training.CheckpointClient``; this test proves that each of the eight recipes
+``training.CheckpointManager``; this test proves that each of the eight recipes
 really goes through them first, for every shared refusal, on its own tiny config.
 A refused run must leave ``output_dir`` (and a checkpoint already in it) as it was,
 and must not have started a process group.
@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -179,14 +180,30 @@ REFUSALS = {
     "a step checkpoint interval of 0": (
         {"save_every_n_steps": 0},
         ValueError,
-        "save_every_n_steps=0 must be a positive integer or null (null: save at the "
-        "end of each epoch only)",
+        "save_every_n_steps=0 must be a positive integer or null (null: save at "
+        "epoch ends only)",
     ),
     "a negative number of step checkpoints to keep": (
         {"save_every_n_steps": 2, "checkpointer": {"keep_last_n_checkpoints": -1}},
         ValueError,
         "checkpointer.keep_last_n_checkpoints=-1 must be a positive integer or null "
-        "(null: keep every step checkpoint)",
+        "(null: keep all)",
+    ),
+    "a count given as a string": (
+        {"epochs": "2"},
+        ValueError,
+        "epochs='2' is not a positive integer: set epochs to a whole number >= 1.",
+    ),
+    "a batch size of 0": (
+        {"batch_size": 0},
+        ValueError,
+        "batch_size=0 is not a positive integer: set batch_size to a whole number >= 1.",
+    ),
+    "no step in an epoch": (
+        {"max_steps_per_epoch": 0},
+        ValueError,
+        "max_steps_per_epoch=0 is not a positive integer: set max_steps_per_epoch to "
+        "a whole number >= 1 or null (no limit).",
     ),
 }
 FSDP_REFUSAL = (
@@ -333,3 +350,25 @@ def test_a_read_only_output_dir_is_refused_before_anything_is_built(
             _recipe_class("full_finetune_single_device")(cfg)
     finally:
         out.chmod(0o700)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("resume", [False, True])
+def test_every_recipe_refuses_a_folder_another_live_run_holds_first(
+    recipe: str, resume: bool, tmp_path: Path
+) -> None:
+    out, cfg = _refused(recipe, {"resume_from_checkpoint": resume}, tmp_path)
+    # A live process of this host: this test's parent.
+    owner = {"pid": os.getppid(), "host": socket.gethostname(), "started": "then"}
+    (out / "torchtune_run.lock").write_text(json.dumps(owner))
+    before = snapshot_files(out)
+    message = (
+        f"output_dir={out} is in use by another run (process {os.getppid()} on host "
+        f"{socket.gethostname()}, started then): two runs in one folder would "
+        "overwrite each other's checkpoints. Wait for it to finish, stop it, or set "
+        "output_dir to another folder."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _recipe_class(recipe)(cfg)
+    assert snapshot_files(out) == before
+    assert not torch.distributed.is_initialized()

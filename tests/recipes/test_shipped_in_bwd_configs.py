@@ -168,21 +168,11 @@ def _overrides(assets: TinyAssets, config: ShippedConfig, **settings: Any) -> li
             "max_steps_per_epoch": STEPS_PER_EPOCH,
             # The tests read every step's loss.
             "log_every_n_steps": 1,
+            # Keep epoch 0's step checkpoint (not only the newest) to resume from.
+            "checkpointer.keep_last_n_checkpoints": 2,
             **settings,
         },
     )
-
-
-def _resume_settings(source: TuneRun) -> dict[str, Any]:
-    """Resume from what ``source``'s epoch 0 left, in the output_dir it is copied to."""
-    (shard,) = sorted(
-        p.name for p in (source.output_dir / "epoch_0").glob("*.safetensors")
-    )
-    return {
-        "resume_from_checkpoint": True,
-        "checkpointer.checkpoint_files": [f"epoch_0/{shard}"],
-        "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
-    }
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +182,8 @@ def run_once(
     """``run_once(config, key, resume_from=None, **settings)``: the run of ``config``
     with ``settings``, made on first request and shared by every test after.
 
-    ``resume_from`` names an earlier run whose epoch 0 (checkpoint and recipe state)
-    this run resumes, in a fresh output_dir.
+    ``resume_from`` names an earlier run whose epoch-0 step checkpoint this run
+    resumes, in a fresh output_dir, with ``resume_from_checkpoint=True`` alone.
     """
     runs: dict[tuple[str, str], TuneRun] = {}
 
@@ -204,9 +194,9 @@ def run_once(
             out = tmp_path_factory.mktemp(f"{config.name.replace('/', '_')}_{key}")
             if resume_from is not None:
                 source = runs[config.name, resume_from]
-                for part in ("epoch_0", "recipe_state"):
-                    shutil.copytree(source.output_dir / part, out / part)
-                settings = _resume_settings(source) | settings
+                epoch_end = f"step_{STEPS_PER_EPOCH}"
+                shutil.copytree(source.output_dir / epoch_end, out / epoch_end)
+                settings = {"resume_from_checkpoint": True} | settings
             runs[config.name, key] = _run(
                 config, _overrides(tiny_assets, config, **settings), out
             )
@@ -337,9 +327,8 @@ def test_shipped_config_trains_in_backward_on_cpu(
     # The saved optimizer state is the config's own: 8-bit for each parameter the
     # optimizer keeps in 8 bits, so an 8-bit config really ran its 8-bit path.
     numels = _tiny_param_numels(tiny_assets, config)
-    saved = torch.load(
-        run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
-    )["optimizer"]
+    final = run.output_dir / f"step_{2 * STEPS_PER_EPOCH}" / "model_optimizer.pt"
+    saved = torch.load(final, weights_only=False)["optimizer"]
     (group,) = saved["param_groups"]
     # Saved in the model's parameter order (names may carry activation checkpointing's
     # wrapper prefix).

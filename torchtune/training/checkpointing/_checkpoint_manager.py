@@ -530,14 +530,18 @@ class CheckpointManager:
     newest whole step checkpoint (or the one ``checkpointer.recipe_checkpoint``
     names, which starts a branch), or from a torchtune 0.6.1 epoch checkpoint.
 
-    Example:
-        >>> manager = CheckpointManager.from_config(cfg)
-        >>> model.load_state_dict(manager.load_base_checkpoint()[training.MODEL_KEY])
-        >>> manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
-        >>> for step in batches:  # train, then progress.global_step += 1
-        ...     manager.save()
-        >>> progress.epochs_run += 1
-        >>> manager.save(epoch_end=True)
+    Example (a recipe's use; ``docs/source/step_checkpoints.rst`` runs one)::
+
+        manager = CheckpointManager.from_config(cfg)  # in __init__
+        model.load_state_dict(manager.load_base_checkpoint()[training.MODEL_KEY])
+        progress = TrainingProgress(total_epochs=cfg.epochs)
+        manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
+        for epoch in range(progress.epochs_run, progress.total_epochs):
+            for batch in batches:  # forward, backward, optimizer.step()
+                progress.global_step += 1
+                manager.save()
+            progress.epochs_run += 1
+            manager.save(epoch_end=True)
     """
 
     def __init__(self, options: CheckpointOptions) -> None:
