@@ -23,8 +23,6 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
-from torchtune.training.lora_checkpoint import lora_epoch_model_state, resumed_adapter
 
 log = utils.get_logger("DEBUG")
 
@@ -102,24 +100,19 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     - Data (``dataset``, one or a list, ``packed`` or not; ``collate_fn``,
       ``batch_size`` per process, ``shuffle``; ``epochs``, ``max_steps_per_epoch``).
     - Checkpointing (``checkpointer``, ``save_adapter_weights_only``,
-      ``resume_from_checkpoint``): after every epoch, rank 0 writes the adapter
-      weights and config, and (unless ``save_adapter_weights_only``) the base weights
-      with the adapter merged into them; for every epoch but the last, also the
-      optimizer and recipe state. A resumed run reads the base weights from
-      ``checkpoint_dir`` and the adapter from ``checkpointer.adapter_checkpoint``
-      (default: the latest ``epoch_*`` folder), and starts at an epoch boundary.
-      Saving never changes the model being trained. With
-      ``enable_async_checkpointing`` the intermediate checkpoints are instead
-      distributed checkpoints (every rank writes its shards of all weights, with the
-      optimizer and recipe state, to ``dist_epoch_{N}``) written in the background,
-      and resuming reads the latest one. ``save_every_n_steps: N`` also
-      saves a step checkpoint every N steps and at the end of every epoch to
-      ``output_dir/step_{global_step}/``, sharded from every rank (adapter, optimizer,
-      recipe, dataloader and RNG state; written whole or not at all), and
-      ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of those.
-      ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
-      continues from whichever whole checkpoint is furthest along, mid-epoch
-      included; a damaged one is skipped with a warning.
+      ``resume_from_checkpoint``), by :class:`~torchtune.training.CheckpointManager`:
+      after every epoch, rank 0 writes the adapter weights and config and (unless
+      ``save_adapter_weights_only``) the base weights with the adapter merged into
+      them to ``epoch_{N}``, and every rank its shards of a step checkpoint (adapter,
+      optimizer, recipe, dataloader and RNG state; written whole or not at all) to
+      ``output_dir/step_{global_step}/``. ``save_every_n_steps: N`` also saves one
+      every N steps, ``enable_async_checkpointing`` writes them in the background,
+      and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of them.
+      ``resume_from_checkpoint: True`` continues from the newest whole step
+      checkpoint, mid-epoch included (a damaged one is skipped with a warning), or
+      from a torchtune 0.6.1 epoch checkpoint, whose adapter comes from
+      ``checkpointer.adapter_checkpoint`` (default: the latest ``epoch_*`` folder).
+      Saving never changes the model being trained.
     - Logging from rank 0 (``metric_logger``, ``log_every_n_steps``,
       ``log_peak_memory_stats``): ``loss``, ``lr``, ``tokens_per_second_per_gpu``,
       ``grad_norm`` and, on devices that report them, peak memory stats. Profiling
@@ -136,7 +129,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
             flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
             ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -159,17 +152,18 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg, distributed=True)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
 
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
         # Where training stands; a resumed run takes it from the checkpoint.
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and
@@ -186,17 +180,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         )
 
         # Every rank reads the full checkpoint (memory-mapped).
-        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
+        ckpt_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(
-            cfg, ckpt_dict[training.MODEL_KEY], resumed_adapter(ckpt_dict)
+            cfg, ckpt_dict[training.MODEL_KEY], ckpt_dict.get(training.ADAPTER_KEY)
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state, and from a step checkpoint (each rank its
-        # shards) the adapter too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, ckpt_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(
@@ -208,31 +197,26 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
-        # Epoch checkpoints: rank 0 writes the adapter, its config and the merged
-        # weights.
-        self._checkpoint_client.track(
-            self._model,
-            self._optimizer,
-            self._dataloader,
-            adapter_only=self._save_adapter_weights_only,
-            epoch_model_state=lora_epoch_model_state(
-                cfg.model, adapter_only=self._save_adapter_weights_only
-            ),
-        )
-
         # One step is gradient_accumulation_steps batches on every rank.
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained adapter, optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -344,14 +328,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             )
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # This rank's totals over the current step's batches.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -395,11 +377,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=running_loss.item() / num_tokens.item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
@@ -407,17 +389,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its export (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.close()
+        self._checkpoint.close()
         self._step_logger.close()
         destroy_process_group()
 

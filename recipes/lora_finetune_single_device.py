@@ -23,8 +23,6 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
-from torchtune.training.lora_checkpoint import lora_epoch_model_state, resumed_adapter
 
 log = utils.get_logger("DEBUG")
 
@@ -71,19 +69,18 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     - Data (``dataset``, one or a list, ``packed`` or not; ``collate_fn``,
       ``batch_size``, ``shuffle``; ``epochs``, ``max_steps_per_epoch``).
     - Checkpointing (``checkpointer``, ``save_adapter_weights_only``,
-      ``resume_from_checkpoint``): after every epoch, the adapter weights and config,
-      and (unless ``save_adapter_weights_only``) the base weights with the adapter
-      merged into them; for every epoch but the last, also the optimizer and recipe
-      state. A resumed run reads the base weights from ``checkpoint_dir`` and the
-      adapter from ``checkpointer.adapter_checkpoint`` (default: the latest
-      ``epoch_*`` folder), and starts at an epoch boundary. Saving never changes the
-      model being trained. ``save_every_n_steps: N`` also saves a step checkpoint
-      every N steps and at the end of every epoch to ``output_dir/step_{global_step}/``
-      (adapter, optimizer, recipe, dataloader and RNG state; written whole or not at
-      all), and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of
-      those. ``resume_from_checkpoint: True`` without ``checkpointer.recipe_checkpoint``
-      continues from whichever whole checkpoint is furthest along, mid-epoch
-      included; a damaged one is skipped with a warning.
+      ``resume_from_checkpoint``), by :class:`~torchtune.training.CheckpointManager`:
+      after every epoch, the adapter weights and config and (unless
+      ``save_adapter_weights_only``) the base weights with the adapter merged into
+      them, to ``epoch_{N}``, and a step checkpoint (adapter, optimizer, recipe,
+      dataloader and RNG state; written whole or not at all) to
+      ``output_dir/step_{global_step}/``. ``save_every_n_steps: N`` also saves one
+      every N steps, and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest
+      K of them. ``resume_from_checkpoint: True`` continues from the newest whole step
+      checkpoint, mid-epoch included (a damaged one is skipped with a warning), or
+      from a torchtune 0.6.1 epoch checkpoint, whose adapter comes from
+      ``checkpointer.adapter_checkpoint`` (default: the latest ``epoch_*`` folder).
+      Saving never changes the model being trained.
     - Logging (``metric_logger``, ``log_every_n_steps``, ``log_peak_memory_stats``):
       ``loss``, ``lr``, ``tokens_per_second_per_gpu``, ``grad_norm`` and, on devices
       that report them, peak memory stats. Profiling (``profiler``; its
@@ -98,7 +95,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             (``optimizer_in_bwd=True`` with gradient accumulation,
             ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
             flag that is not a bool; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -122,13 +119,14 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
-        self._save_adapter_weights_only = cfg.get("save_adapter_weights_only", False)
 
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
         # Where training stands; a resumed run takes it from the checkpoint.
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and
@@ -137,19 +135,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         metric_logger.log_config(cfg)
         self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
 
-        ckpt_dict = self._checkpoint_client.load_base_checkpoint()
+        ckpt_dict = self._checkpoint.load_base_checkpoint()
         # Picks the variant of the hook that turns NF4 weights back to the training
         # dtype in state_dict() (QLoRA checkpoints).
         common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)
         self._model = self._setup_model(
-            cfg.model, ckpt_dict[training.MODEL_KEY], resumed_adapter(ckpt_dict)
+            cfg.model,
+            ckpt_dict[training.MODEL_KEY],
+            ckpt_dict.get(training.ADAPTER_KEY),
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state, and from a step checkpoint the adapter too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, ckpt_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(
@@ -161,29 +157,25 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
-        # Epoch checkpoints: the adapter, its config and the merged weights.
-        self._checkpoint_client.track(
-            self._model,
-            self._optimizer,
-            self._dataloader,
-            adapter_only=self._save_adapter_weights_only,
-            epoch_model_state=lora_epoch_model_state(
-                cfg.model, adapter_only=self._save_adapter_weights_only
-            ),
-        )
-
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained adapter, optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -300,13 +292,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info("The model compiles in its first forward: expect a slow step 1.")
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Totals over the current step's batches.
         running_loss, num_tokens = 0, 0
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -347,27 +337,27 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=(running_loss / num_tokens).item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
                     grad_norm=grad_norm,
                 )
                 running_loss, num_tokens = 0, 0
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its export (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
-        # An asynchronous save may still be in flight.
-        self._checkpoint_client.close()
+        # Releases output_dir.
+        self._checkpoint.close()
         self._step_logger.close()
 
 

@@ -7,8 +7,9 @@ and data (``tests/recipes/configs/tiny_lora_distributed.yaml``, 2 epochs of
 - 2 processes, in-backward vs plain: the same losses and grad norms at every step;
 - 1 process vs 2 at the same global batch (8 samples a step; the 1-process run gets
   them as 2 accumulated batches of 4, and clips at a norm it never reaches);
-- resumed from the epoch-0 checkpoint vs uninterrupted, switching mode both ways
-  (plain -> in-backward, in-backward -> plain), and from an asynchronous one;
+- resumed from the step checkpoint of epoch 0's end vs uninterrupted, switching
+  mode both ways (plain -> in-backward, in-backward -> plain), and from one written
+  in the background (``enable_async_checkpointing``);
 - with 1 process, where the gathered "full" weights are the live shards, saving a
   checkpoint leaves the model as it was (0.6.1 merged the adapter into it).
 
@@ -132,11 +133,23 @@ def _train(out: Path, assets: TinyAssets, optimizer_in_bwd: bool, **extra) -> Tu
     )
 
 
-def _resume(source: TuneRun, out: Path, assets: TinyAssets, optimizer_in_bwd: bool):
-    """Resume ``source`` from its epoch-0 checkpoint, in a fresh output_dir that
-    holds only what epoch 0 left (the recipe finds the adapter there)."""
-    for part in ("epoch_0", "recipe_state"):
+# The source runs of the resumes keep the step checkpoint of every epoch's end (by
+# default only the newest one stays).
+KEEP_EPOCH_STEPS = {"checkpointer.keep_last_n_checkpoints": EPOCHS}
+
+
+def _copy_epoch_0(source: TuneRun, out: Path) -> None:
+    """Copy into ``out`` what ``source``'s epoch 0 left: its export, the step
+    checkpoint of its end (which holds the adapter) and the run's id."""
+    for part in ("epoch_0", f"step_{STEPS}"):
         shutil.copytree(source.output_dir / part, out / part)
+    shutil.copy(source.output_dir / "torchtune_run.json", out / "torchtune_run.json")
+
+
+def _resume(source: TuneRun, out: Path, assets: TinyAssets, optimizer_in_bwd: bool):
+    """Resume ``source`` from the step checkpoint of epoch 0's end, in a fresh
+    output_dir that holds only what epoch 0 left."""
+    _copy_epoch_0(source, out)
     run = _train(out, assets, optimizer_in_bwd, resume_from_checkpoint=True)
     assert_steps(run, EPOCH_1)
     return run
@@ -194,21 +207,26 @@ def in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
     """2 processes, in-backward; saves the adapter only (so the resume from it
     starts from an adapter-only checkpoint)."""
     return _train(
-        runs_dir / "in_bwd", tiny_assets, True, save_adapter_weights_only=True
+        runs_dir / "in_bwd",
+        tiny_assets,
+        True,
+        save_adapter_weights_only=True,
+        **KEEP_EPOCH_STEPS,
     )
 
 
 @pytest.fixture(scope="module")
 def plain(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
     """2 processes, plain optimizer; saves merged weights too."""
-    return _train(runs_dir / "plain", tiny_assets, False)
+    return _train(runs_dir / "plain", tiny_assets, False, **KEEP_EPOCH_STEPS)
 
 
 @pytest.fixture(scope="module")
 def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
     """1 process in this process: plain, 2 accumulated batches of 4 per step (the 8
     samples the 2 ranks read together), clipping as they do. After
-    training, one more checkpoint save, with the model compared before and after."""
+    training, one more checkpoint save (the last epoch's, again), with the model
+    compared before and after."""
     out = runs_dir / "one_process"
     overrides = _overrides(
         tiny_assets,
@@ -242,7 +260,7 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
             recipe.setup(cfg)
             recipe.train()
             before = _local_params(recipe._model)
-            recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe.progress)
+            recipe._checkpoint.save(epoch_end=True)
             after = _local_params(recipe._model)
             recipe.cleanup()
         finally:
@@ -305,7 +323,9 @@ def test_saving_a_checkpoint_on_one_process_leaves_the_model_unchanged(
     assert all(v.abs().max() > 0 for v in lora_b)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert not changed, f"saving changed {changed}"
-    assert (one_process["run"].output_dir / "epoch_0" / "adapter_model.pt").is_file()
+    out = one_process["run"].output_dir
+    assert (out / "epoch_0" / "adapter_model.pt").is_file()
+    assert (out / f"epoch_{EPOCHS - 1}" / "adapter_model.pt").is_file()
 
 
 @pytest.mark.parametrize(
@@ -331,19 +351,27 @@ def test_resume_switching_mode_equals_uninterrupted_run(
 def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
 ) -> None:
-    # Epoch 0's checkpoint is a distributed checkpoint written in the background
-    # (every rank its shards of all weights, with optimizer and recipe state); the
-    # last one holds the adapter and the merged weights, as without it.
-    run = _train(runs_dir / "async", tiny_assets, True, enable_async_checkpointing=True)
-    assert (run.output_dir / "dist_epoch_0").is_dir()
-    assert not (run.output_dir / "epoch_0").exists()
+    # Epoch 0's step checkpoint is written in the background, every rank its shards
+    # (a distributed checkpoint); the exports are as without it.
+    run = _train(
+        runs_dir / "async",
+        tiny_assets,
+        True,
+        enable_async_checkpointing=True,
+        **KEEP_EPOCH_STEPS,
+    )
+    assert (
+        run.output_dir / f"step_{STEPS}" / "model_optimizer" / ".metadata"
+    ).is_file()
+    assert not list(run.output_dir.glob("dist_epoch_*"))
+    assert (run.output_dir / "epoch_0" / "adapter_model.pt").is_file()
     assert list((run.output_dir / "epoch_1").glob("model-*.safetensors"))
     # Saving in the background leaves training as it was.
     exact = _tolerances(0.0, 0.0, 0.0)
     _assert_same_training(run, in_bwd, exact)
 
     out = runs_dir / "async_resumed"
-    shutil.copytree(run.output_dir / "dist_epoch_0", out / "dist_epoch_0")
+    _copy_epoch_0(run, out)
     resumed = _train(
         out,
         tiny_assets,

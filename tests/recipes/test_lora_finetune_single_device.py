@@ -130,6 +130,41 @@ def _adapter(run: TuneRun, epoch: int) -> dict[str, torch.Tensor]:
     return load_weights(run.output_dir / f"epoch_{epoch}" / "adapter_model.pt")
 
 
+# The source runs of the resumes keep the step checkpoint of every epoch's end (by
+# default only the newest one stays).
+KEEP_EPOCH_STEPS = {"checkpointer.keep_last_n_checkpoints": 2}
+
+
+def _copy_epoch_0(run: TuneRun, out: Path, steps_per_epoch: int) -> None:
+    """Copy into ``out`` what ``run``'s epoch 0 left: its export, the step checkpoint
+    of its end and the run's id."""
+    for part in ("epoch_0", f"step_{steps_per_epoch}"):
+        shutil.copytree(run.output_dir / part, out / part)
+    shutil.copy(run.output_dir / "torchtune_run.json", out / "torchtune_run.json")
+
+
+def _write_0_6_1_epoch_checkpoint(
+    run: TuneRun, out: Path, steps_per_epoch: int
+) -> None:
+    """Write into ``out`` the epoch-0 checkpoint torchtune 0.6.1 would have left:
+    ``run``'s ``epoch_0`` and a ``recipe_state/recipe_state.pt`` holding the optimizer
+    state of the end of epoch 0 (taken from ``run``'s step checkpoint there; 0.6.1's
+    LoRA recipes had no in-backward mode, so it is in the plain format)."""
+    from torchtune import training
+
+    shutil.copytree(run.output_dir / "epoch_0", out / "epoch_0")
+    step = run.output_dir / f"step_{steps_per_epoch}" / "model_optimizer.pt"
+    state = {
+        training.OPT_KEY: torch.load(step, weights_only=False)["optimizer"],
+        training.SEED_KEY: 0,
+        training.EPOCHS_KEY: 1,
+        training.TOTAL_EPOCHS_KEY: 2,
+        training.MAX_STEPS_KEY: steps_per_epoch,
+    }
+    (out / "recipe_state").mkdir()
+    torch.save(state, out / "recipe_state" / "recipe_state.pt")
+
+
 @pytest.fixture(scope="module")
 def adamw_runs(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
@@ -138,12 +173,13 @@ def adamw_runs(
 
     The plain run saves merged weights too (in a subprocess); the in-backward run
     saves the adapter only, so the in-backward resumes start from adapter-only
-    checkpoints.
+    checkpoints. Both keep epoch 0's step checkpoint, for the resumes.
     """
     overrides = {
         "assets_dir": tiny_assets.root,
         "epochs": 2,
         "max_steps_per_epoch": STEPS_PER_EPOCH,
+        **KEEP_EPOCH_STEPS,
     }
     return {
         "plain": run_tune(
@@ -210,30 +246,36 @@ def resumed_runs(
     adamw_runs: dict[str, TuneRun],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[tuple[str, str], TuneRun]:
-    """Each 2-epoch AdamW run resumed from its epoch-0 checkpoint, in each mode.
+    """Each 2-epoch AdamW run resumed from the step checkpoint of epoch 0's end, in
+    each mode; and, keyed ``("0.6.1", target)``, from the torchtune 0.6.1 epoch-0
+    checkpoint of each run in the other mode.
 
-    Same-mode resumes find the adapter in the latest ``epoch_*`` folder; mode-switching
-    ones name it with ``checkpointer.adapter_checkpoint``.
+    The step checkpoint holds the adapter; the 0.6.1 resume of the plain run names
+    it with ``checkpointer.adapter_checkpoint``, that of the in-backward run
+    (adapter only) finds it in the latest ``epoch_*`` folder.
     """
+    common = {
+        "assets_dir": tiny_assets.root,
+        "epochs": 2,
+        "max_steps_per_epoch": STEPS_PER_EPOCH,
+        "resume_from_checkpoint": True,
+    }
     runs = {}
     for source in ("plain", "bwd"):
         for target in (False, True):
             # A fresh output_dir holding only what epoch 0 left.
             out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
-            for part in ("epoch_0", "recipe_state"):
-                shutil.copytree(adamw_runs[source].output_dir / part, out / part)
-            overrides = {
-                "assets_dir": tiny_assets.root,
-                "epochs": 2,
-                "max_steps_per_epoch": STEPS_PER_EPOCH,
-                "resume_from_checkpoint": True,
-                **_mode_overrides(target),
-            }
-            if source != _name(target):
-                overrides["checkpointer.adapter_checkpoint"] = (
-                    "epoch_0/adapter_model.pt"
-                )
-            runs[source, _name(target)] = tune_run_here(CONFIG, overrides, out)
+            _copy_epoch_0(adamw_runs[source], out, STEPS_PER_EPOCH)
+            runs[source, _name(target)] = tune_run_here(
+                CONFIG, common | _mode_overrides(target), out
+            )
+    for source, target in (("plain", True), ("bwd", False)):
+        out = tmp_path_factory.mktemp(f"resume_0_6_1_{source}_to_{_name(target)}")
+        _write_0_6_1_epoch_checkpoint(adamw_runs[source], out, STEPS_PER_EPOCH)
+        overrides = common | _mode_overrides(target)
+        if source == "plain":
+            overrides["checkpointer.adapter_checkpoint"] = "epoch_0/adapter_model.pt"
+        runs["0.6.1", _name(target)] = tune_run_here(CONFIG, overrides, out)
     return runs
 
 
@@ -272,7 +314,14 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
 
 @pytest.mark.parametrize(
     "source,target",
-    [("plain", "plain"), ("bwd", "bwd"), ("plain", "bwd"), ("bwd", "plain")],
+    [
+        ("plain", "plain"),
+        ("bwd", "bwd"),
+        ("plain", "bwd"),
+        ("bwd", "plain"),
+        ("0.6.1", "bwd"),
+        ("0.6.1", "plain"),
+    ],
     ids=lambda mode: mode,
 )
 def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
@@ -284,8 +333,13 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     # 0.6.1 failed this on CPU in every mode: its epoch-0 save merged the adapter
     # into the live base weights, so the uninterrupted epoch 1 trained a corrupted
     # model, while the resumed one started from clean base weights.
+    # The 0.6.1 checkpoints come from the run of the other mode (resumed_runs).
+    if source == "0.6.1":
+        source = "plain" if target == "bwd" else "bwd"
+        resumed = resumed_runs["0.6.1", target]
+    else:
+        resumed = resumed_runs[source, target]
     uninterrupted = adamw_runs[source]
-    resumed = resumed_runs[source, target]
     # The resumed run starts at the step after epoch 0, on the scheduler's position.
     assert_steps(uninterrupted, ALL_STEPS)
     steps = assert_steps(resumed, EPOCH_1)
@@ -499,7 +553,7 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
     overrides = {
         "assets_dir": tiny_assets.root,
         "output_dir": tmp_path,
-        "epochs": 2,  # epoch 0's checkpoint is an intermediate one: all of it
+        "epochs": 2,  # epoch 0's end: a step checkpoint and the export
         **_variant_overrides(variant, qlora_checkpoint_dir),
     }
     cfg = OmegaConf.merge(
@@ -516,7 +570,9 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
             param.normal_(1.0, 0.5, generator=generator)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    recipe._checkpoint_client.epoch_done(0, recipe.global_step, recipe.progress)
+    # What the loop does at an epoch's end.
+    recipe.progress.epochs_run += 1
+    recipe._checkpoint.save(epoch_end=True)
 
     after = model.state_dict()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -612,12 +668,13 @@ def bf16_runs(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, TuneRun]:
     """Two epochs of two AdamW steps in bf16, in each mode, and the in-backward run
-    resumed in-backward from its epoch-0 checkpoint."""
+    resumed in-backward from the step checkpoint of epoch 0's end."""
     overrides = {
         "assets_dir": tiny_assets.root,
         "dtype": "bf16",
         "epochs": 2,
         "max_steps_per_epoch": BF16_STEPS_PER_EPOCH,
+        **KEEP_EPOCH_STEPS,
     }
     runs = {
         _name(bwd): tune_run_here(
@@ -628,8 +685,7 @@ def bf16_runs(
         for bwd in (False, True)
     }
     out = tmp_path_factory.mktemp("bf16_resumed")
-    for part in ("epoch_0", "recipe_state"):
-        shutil.copytree(runs["bwd"].output_dir / part, out / part)
+    _copy_epoch_0(runs["bwd"], out, BF16_STEPS_PER_EPOCH)
     runs["resumed"] = tune_run_here(
         CONFIG,
         overrides
@@ -671,11 +727,10 @@ def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
 def test_resume_from_an_epoch_checkpoint_without_its_adapter_is_refused(
     tiny_assets: TinyAssets, adamw_runs: dict[str, TuneRun], tmp_path: Path
 ) -> None:
-    # Epoch 0's recipe state, but no adapter_model.pt. Without an adapter the
+    # A 0.6.1 epoch-0 recipe state, but no adapter_model.pt. Without an adapter the
     # checkpointer reads the model from output_dir, as for a full fine-tune: give it
     # one there, so that only the adapter is missing.
-    for part in ("epoch_0", "recipe_state"):
-        shutil.copytree(adamw_runs["plain"].output_dir / part, tmp_path / part)
+    _write_0_6_1_epoch_checkpoint(adamw_runs["plain"], tmp_path, STEPS_PER_EPOCH)
     (tmp_path / "epoch_0" / "adapter_model.pt").unlink()
     for name in tiny_assets.checkpoint_files:
         shutil.copy(tiny_assets.checkpoint_dir / name, tmp_path / name)

@@ -134,6 +134,11 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _sharded() -> bool:
+    """A ``torch.distributed`` run, whose models are sharded (FSDP2), one process too."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier() -> None:
     if _world_size() > 1:
         dist.barrier()
@@ -461,7 +466,11 @@ def _lora_export(
     is copied first: a CPU state dict may hold the live model's own tensors."""
     export = {
         training.ADAPTER_KEY: peft.get_adapter_state_dict(state_dict),
-        training.ADAPTER_CONFIG: adapter,
+        # A copy: checkpointers rewrite the config they save in place.
+        training.ADAPTER_CONFIG: {
+            **adapter,
+            "target_modules": [*adapter["target_modules"]],
+        },
     }
     if not adapter_only:
         for name in [n for n in state_dict if n.endswith("lora_a.weight")]:
@@ -928,7 +937,7 @@ class CheckpointManager:
         folder = self._resume_from
         self._run_id = _run_id_of(folder) or read_run_file(self._out)
         before = _hyperparameters(self._optimizer)
-        if _world_size() > 1:
+        if _sharded():
             (model,) = self._models.values()
             state = self._sharded_state(model)
             dcp.load(state, checkpoint_id=folder / MODEL_OPTIMIZER_DCP)
@@ -1020,9 +1029,9 @@ class CheckpointManager:
                 for n, p in m.named_parameters()
             ]
             state_dict = convert_legacy_optim_in_bwd_state_dict(
-                state_dict, None if _world_size() > 1 else named
+                state_dict, None if _sharded() else named
             )
-        if _world_size() > 1:
+        if _sharded():
             training.load_from_full_optimizer_state_dict(
                 models[0], self._optimizer, state_dict, self.options.device
             )
@@ -1090,7 +1099,7 @@ class CheckpointManager:
             self._lock()
 
     def _group(self) -> Any:
-        if self._async_group is None and _world_size() > 1:
+        if self._async_group is None and _sharded():
             # An asynchronous save runs collectives from a thread of its own.
             self._async_group = dist.new_group(backend="gloo")
         return self._async_group
@@ -1110,7 +1119,7 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         _barrier()
         future = None
-        if _world_size() > 1:
+        if _sharded():
             state, where = (
                 self._sharded_state(*self._models.values()),
                 partial / MODEL_OPTIMIZER_DCP,
@@ -1198,7 +1207,7 @@ class CheckpointManager:
         adapter, adapter_only = self.options.adapter_config, self.options.adapter_only
         adapter_only = adapter_only and adapter is not None
         for name, model in self._models.items():
-            if _world_size() > 1:
+            if _sharded():
                 state = training.gather_cpu_state_dict(
                     model,
                     _rank() == 0,
