@@ -1,12 +1,12 @@
 """Benchmark: what checking step checkpoints' content costs, per GB.
 
 A step checkpoint's manifest records the CRC-32 of every file
-(:func:`torchtune.training.checkpointing._step_checkpointer.file_checksum`): once
+(:func:`torchtune.training.checkpointing._checkpoint_manager.file_checksum`): once
 when it is saved, over files just written, and once before a resume loads it. This
 script writes a ``model_optimizer.pt`` of ``--mib`` MiB of float32 tensors with
 ``torch.save``, as a step checkpoint does, then times, on the same file:
 
-- ``torch.save`` (fsync included, as the step checkpointer writes it);
+- ``torch.save`` (fsync included, as the checkpoint manager writes it);
 - the CRC-32 right after the save (the file is in the page cache: the save's cost);
 - the CRC-32 again, as a resume does before loading (warm cache here too: this
   script never drops the page cache, which would slow every other process on the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from torchtune.training.checkpointing._step_checkpointer import file_checksum
+from torchtune.training.checkpointing._checkpoint_manager import file_checksum
 
 
 def _timed(fn, repeats: int) -> float:

@@ -89,7 +89,7 @@ _KEEP = {
 # Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
 _MEMORY = "torchtune/training/memory.py"
 _DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
-_CLIENT = "torchtune/training/checkpointing/_checkpoint_client.py"
+_MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _ONE_GROUP = (
     "a bucket's parameters are of one param group and have one owner, so its last "
     "parameter gives the same answer as its first"
@@ -145,11 +145,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "optimizer treats like a missing one (its step creates the entry anyway)"
     ),
     **{
-        (_CLIENT, "load_distributed_checkpoint", "core/NumberReplacer", line): (
-            "a placeholder that the DCP load replaces with the saved value"
+        (_MANAGER, "_restore_legacy", "core/NumberReplacer", line): (
+            "a placeholder that the DCP load of a torchtune 0.6.1 dist_epoch_N "
+            "checkpoint replaces with the saved value"
         )
-        for key in ("SEED_KEY", "EPOCHS_KEY", "TOTAL_EPOCHS_KEY", "MAX_STEPS_KEY")
-        for line in (f"training.{key}: 1,", f"training.{key}: -1,")
+        for line in (
+            "state = {training.MODEL_KEY: model.state_dict(), "
+            f"training.EPOCHS_KEY: {value}}}"
+            for value in (1, -1)
+        )
     },
 }
 

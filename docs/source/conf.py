@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from torchtune import training
 from torchtune.models.llama2 import llama2
 from torchtune.training import *
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
+from torchtune.training import (
+    CheckpointManager,
     TrainingProgress,
+    convert_legacy_optim_in_bwd_state_dict,
 )
-from torchtune.training import convert_legacy_optim_in_bwd_state_dict
 
 os.chdir(tempfile.mkdtemp())
 warnings.simplefilter("ignore", DeprecationWarning)

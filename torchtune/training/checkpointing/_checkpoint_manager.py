@@ -229,20 +229,25 @@ def read_manifest(folder: Path, name: str = MANIFEST) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(path.read_text())
-        version, files = manifest.get("version", 1), manifest["files"]
-        ok = all(
-            isinstance(e["size"], int) and isinstance(e["crc32"], str)
-            for e in files.values()
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        version = manifest.get("version", 1)
+    except (OSError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is damaged ({e!r})") from e
-    if version != MANIFEST_VERSION or not ok:
+    if version != MANIFEST_VERSION:
         raise CheckpointError(
             f"{path} is of manifest version {version}, written by an earlier build of "
             "this patch set, without checksums this one can verify. Resume it with "
             "the torchtune build that wrote it, or start a new run "
             "(resume_from_checkpoint=False)."
         )
+    try:
+        ok = all(
+            isinstance(e["size"], int) and isinstance(e["crc32"], str)
+            for e in manifest["files"].values()
+        )
+    except (KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path} is damaged: its file list is not a manifest's")
     return manifest
 
 
@@ -977,7 +982,10 @@ class CheckpointManager:
                 if e.isdigit() and int(e) >= self._progress.epochs_run
             ]
         if later:
-            reason = f"Resuming from {folder.name}, before the newest checkpoints of this run: this branch replaces their timeline"
+            reason = (
+                f"Resuming from {folder.name}: the later checkpoints of this run "
+                "(damaged, or of the timeline this resume branches from) go aside"
+            )
             _on_rank_zero(
                 lambda: _set_aside(
                     later, f"run_{self._run_id}-after-{folder.name}", reason
@@ -1090,8 +1098,9 @@ class CheckpointManager:
             key, value = self.options.length
             utils.log_rank_zero(
                 log,
-                f"Training done ({self._progress.epochs_run} epochs). Final weights in "
-                f"{self._export_dir}/epoch_{epoch} (verified); resumable state in "
+                f"Training done (epochs done: {self._progress.epochs_run}). Final "
+                f"weights in {self._export_dir}/epoch_{epoch} (every file "
+                "checksummed); resumable state in "
                 f"{self._out}/step_{step} (run {self._run_id}). To train this run "
                 "further, rerun with the same output_dir, resume_from_checkpoint=True "
                 f"and {key} greater than {value}.",
