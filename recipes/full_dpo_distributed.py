@@ -20,7 +20,6 @@ from torchtune import config, rlhf, training, utils
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.datasets import ConcatDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
 
 # Per-step means over the global batch of preference pairs, logged as named.
 _PAIR_METRICS = (
@@ -78,23 +77,21 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           clipping.
         - ``compile``: ``True`` compiles both models and the loss; a mapping with keys
           ``model``, ``loss`` and ``optimizer_step`` chooses each.
-        - Checkpointing at the end of every epoch (policy weights only), written by
-          rank 0 through ``checkpointer``; intermediate checkpoints carry the
-          optimizer and recipe state for ``resume_from_checkpoint`` (an optimizer
-          state saved by a torchtune 0.6.1 ``optimizer_in_bwd`` run loads too). With
-          ``enable_async_checkpointing`` intermediate checkpoints are saved
-          asynchronously as distributed checkpoints, and resuming reads the latest.
-          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
-          the end of every epoch to ``output_dir/step_{global_step}/``, written by
-          every rank: the policy's weights and optimizer state (a sharded distributed
-          checkpoint), the recipe state, and each rank's dataloader and RNG state;
-          written whole or not at all. The reference is never in it: it is frozen,
-          and read from ``ref_checkpointer`` again on resume.
-          ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K step
-          checkpoints. ``resume_from_checkpoint: True`` without
-          ``checkpointer.recipe_checkpoint`` continues from whichever whole
-          checkpoint is furthest along, mid-epoch included, on as many processes as
-          saved it; a damaged one is skipped with a warning.
+        - Checkpointing (``checkpointer``, ``resume_from_checkpoint``), by
+          :class:`~torchtune.training.CheckpointManager`, of the policy only: after
+          every epoch, rank 0 writes its weights to ``epoch_{N}`` through
+          ``checkpointer``, and every rank its shards of a step checkpoint (the
+          policy's weights and optimizer state, the recipe state, each rank's
+          dataloader and RNG state; written whole or not at all) to
+          ``output_dir/step_{global_step}/``. ``save_every_n_steps: N`` also saves one
+          every N steps, ``enable_async_checkpointing`` writes them in the background,
+          and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of them.
+          ``resume_from_checkpoint: True`` continues from the newest whole step
+          checkpoint, mid-epoch included (a damaged one is skipped with a warning), on
+          as many processes as saved it, or from a torchtune 0.6.1 epoch checkpoint
+          (an optimizer state saved by a 0.6.1 ``optimizer_in_bwd`` run loads too).
+          The reference is never saved: it is frozen, and read from
+          ``ref_checkpointer`` again on resume.
         - Logging from rank 0: loss, lr, grad_norm, tokens per second and the pair
           metrics ``rewards/{chosen,rejected,accuracies,margins}``,
           ``log_probs/{chosen,rejected}`` and ``logits/{chosen,rejected}``, each a
@@ -112,7 +109,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
             flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, such
             as bitsandbytes', see ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -132,15 +129,17 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
         # The policy's checkpoints; the reference is read once and never saved.
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
-        # Updated from the checkpoint on resume. All ranks agree on the seed
-        # (set_seed broadcasts a random one if it is null).
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        # All ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        # Where training stands; a resumed run takes it from the checkpoint.
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -159,7 +158,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             metric_logger, self._opts, world_size=self.world_size
         )
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        checkpoint_dict = self._checkpoint.load_base_checkpoint()
         # The reference always starts from the original weights, never from a
         # resumed policy, so its checkpointer never loads recipe state.
         ref_state_dict = config.instantiate(
@@ -193,11 +192,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             training.disable_dropout(model)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state; from a step or an asynchronous checkpoint
-        # the trained weights too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(
@@ -208,19 +202,26 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._dataloader = self._setup_data(
             cfg_dataset=cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size
         )
-        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the policy's trained weights, optimizer, data position, RNG and
+        # progress (the reference is never saved).
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -320,8 +321,6 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches (each already divided by the number of
         # batches in the step); averaged over ranks once per step.
         running = torch.zeros(1 + len(_PAIR_METRICS), device=self._device)
@@ -329,7 +328,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -398,7 +397,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 # gloo has no AVG reduction: sum, then divide.
                 torch.distributed.all_reduce(running)
@@ -411,7 +410,7 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 # num_tokens is summed over the ranks: the logger divides the
                 # throughput by world_size.
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=step_loss,
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
@@ -420,19 +419,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 )
                 running.zero_()
                 num_tokens.zero_()
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             # The policy's checkpoints; the reference is read from ref_checkpointer
             # again on resume.
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.close()
+        self._checkpoint.close()
         self._step_logger.close()
         destroy_process_group()
 

@@ -23,7 +23,6 @@ from torchtune.modules.common_utils import slice_str_to_array
 from torchtune.modules.early_exit_loss import EarlyExitCurriculum, early_exit_loss
 from torchtune.modules.layer_dropout import LayerDropout, prepare_layer_dropout
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -84,19 +83,17 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
           clipping.
         - ``compile``: ``True`` compiles model and loss; a mapping with keys ``model``,
           ``loss`` and ``optimizer_step`` chooses each.
-        - Checkpointing at the end of every epoch, written by rank 0 through the
-          configured checkpointer; intermediate checkpoints carry the optimizer and
-          recipe state for ``resume_from_checkpoint``. With
-          ``enable_async_checkpointing`` intermediate checkpoints are saved
-          asynchronously as distributed checkpoints, and resuming reads the latest one.
-          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
-          the end of every epoch to ``output_dir/step_{global_step}/``, sharded from
-          every rank (trainable weights, optimizer, recipe, dataloader and RNG state;
-          written whole or not at all); ``checkpointer.keep_last_n_checkpoints: K``
-          keeps the newest K of those. ``resume_from_checkpoint: True`` without
-          ``checkpointer.recipe_checkpoint`` continues from whichever whole checkpoint
-          is furthest along, mid-epoch included; a damaged one is skipped with a
-          warning.
+        - Checkpointing (``checkpointer``, ``resume_from_checkpoint``), by
+          :class:`~torchtune.training.CheckpointManager`: after every epoch, rank 0
+          writes the weights to ``epoch_{N}`` through the configured checkpointer,
+          and every rank its shards of a step checkpoint (trainable weights,
+          optimizer, recipe, dataloader and RNG state; written whole or not at all) to
+          ``output_dir/step_{global_step}/``. ``save_every_n_steps: N`` also saves one
+          every N steps, ``enable_async_checkpointing`` writes them in the background,
+          and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of them.
+          ``resume_from_checkpoint: True`` continues from the newest whole step
+          checkpoint, mid-epoch included (a damaged one is skipped with a warning), or
+          from a torchtune 0.6.1 epoch checkpoint.
         - Logging (metrics from rank 0), profiling and memory snapshots as in the other
           recipes.
 
@@ -109,7 +106,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
             flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
             ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -158,7 +155,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             raise ValueError(
                 "Tensor parallelism is currently incompatible with fused optimizer."
             )
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()
@@ -168,10 +165,12 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
             )
 
-        # Where training stands; a resumed run takes it from the checkpoint. All
-        # ranks agree on the seed (set_seed broadcasts a random one if it is null).
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        # All ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        # Where training stands; a resumed run takes it from the checkpoint.
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -190,15 +189,10 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             metric_logger, self._opts, world_size=self.world_size
         )
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        checkpoint_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(cfg, checkpoint_dict[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state; from a step or an asynchronous checkpoint
-        # the trained weights too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         # The early-exit loss copies the loss module with reduction="none", which a
@@ -216,13 +210,19 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained weights, optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
 
         # The curriculum knows the total steps and continues from the resumed one.
         self._early_exit_layers, self._early_exit_curriculum = (
@@ -237,7 +237,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -353,7 +353,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             do_output_hidden_states=layers,
             max_steps=self.progress.total_epochs * self._steps_per_epoch,
             train_last_layer=include_last_layer,
-            last_step=self.global_step,
+            last_step=self.progress.global_step,
             verbose=cfg_early_exit_loss.get("verbose", False),
         )
         return curriculum.get(), curriculum
@@ -404,7 +404,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         """
         for layer, dropout in enumerate(self._layer_dropouts):
             dropout.generator.manual_seed(
-                hash((self.progress.seed, self.global_step, layer)) & (2**63 - 1)
+                hash((self.seed, self.progress.global_step, layer)) & (2**63 - 1)
             )
 
     def _setup_data(
@@ -444,8 +444,6 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
@@ -453,7 +451,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         self._set_output_hidden_states()
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -531,7 +529,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
                 if self._early_exit_curriculum is not None:
                     self._early_exit_curriculum.step()
                     self._early_exit_layers = self._early_exit_curriculum.get()
@@ -539,7 +537,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
 
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=running_loss.item() / num_tokens.item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
@@ -547,17 +545,17 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.close()
+        self._checkpoint.close()
         self._step_logger.close()
         destroy_process_group()
 

@@ -4,7 +4,8 @@ The tiny config turns on the early-exit loss (both layers of the 2-layer model) 
 layer dropout (the last layer, probability 0.5), so every claim below covers them:
 
 - in-backward vs plain on the same seed and data, at every step;
-- in-backward resumed from an epoch-0 checkpoint vs uninterrupted;
+- in-backward resumed from the epoch-0 step checkpoint (``step_2``, written at
+  epoch 0's end) vs uninterrupted;
 - a refused config raises before anything and leaves output_dir untouched.
 
 Layer dropout draws from generators seeded by (seed, step, layer): both modes, and a
@@ -87,7 +88,14 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
-    return _train(runs_dir / "in_bwd", tiny_assets, optimizer_in_bwd=True)
+    # Without save_every_n_steps only the newest epoch-end step checkpoint is kept:
+    # keep epoch 0's too, to resume from.
+    return _train(
+        runs_dir / "in_bwd",
+        tiny_assets,
+        optimizer_in_bwd=True,
+        **{"checkpointer.keep_last_n_checkpoints": EPOCHS},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,19 +116,20 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
 ) -> None:
     # Its optimizer state holds every parameter, the last layer's included: the
-    # early-exit loss reads that layer's output, so it trains. The recipe state
-    # saved last is epoch 0's: none is saved after the last epoch.
+    # early-exit loss reads that layer's output, so it trains. Each epoch's end
+    # wrote a step checkpoint; the copy leaves out the last epoch's.
+    step_dirs = {p.name for p in in_bwd.output_dir.glob("step_*")}
+    assert step_dirs == {f"step_{STEPS}", f"step_{EPOCHS * STEPS}"}
     out = runs_dir / "in_bwd_resumed"
     shutil.copytree(
-        in_bwd.output_dir, out, ignore=shutil.ignore_patterns(".hf_datasets_cache")
+        in_bwd.output_dir,
+        out,
+        ignore=shutil.ignore_patterns(".hf_datasets_cache", f"step_{EPOCHS * STEPS}"),
     )
     resumed = _train(
-        out,
-        tiny_assets,
-        optimizer_in_bwd=True,
-        resume_from_checkpoint=True,
-        **{"checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"]},
+        out, tiny_assets, optimizer_in_bwd=True, resume_from_checkpoint=True
     )
+    assert f"Resumed from step checkpoint {out / f'step_{STEPS}'}." in resumed.output
     _assert_same_training(resumed, in_bwd, EXACT, range(STEPS + 1, EPOCHS * STEPS + 1))
 
 

@@ -7,14 +7,15 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 
 - 2 processes, in-backward vs plain: the same loss, pair metrics (rewards, log
   probabilities, logits) and grad norm at every step;
-- resumed from the epoch-0 checkpoint vs uninterrupted: in-backward -> in-backward
-  from a synchronous full checkpoint, and plain -> in-backward from an
-  asynchronous distributed (DCP) one;
+- resumed from the step checkpoint written at epoch 0's end (``step_3``) vs
+  uninterrupted: in-backward -> in-backward, saved synchronously, and plain ->
+  in-backward, saved asynchronously;
 - resumed mid-epoch from the sharded step checkpoint of step 4
   (``save_every_n_steps``, copied alone into a fresh ``output_dir``) vs
   uninterrupted, in-backward;
-- resumed from the epoch-0 checkpoint with its optimizer state rewritten in
-  torchtune 0.6.1's in-backward format vs uninterrupted, in both modes;
+- resumed from a torchtune 0.6.1 epoch-0 checkpoint (made from ``step_3``: the
+  ``epoch_0`` weights and ``recipe_state/recipe_state.pt``, its optimizer state in
+  0.6.1's in-backward format) vs uninterrupted, in both modes;
 - 1 process vs 2 at the same global batch.
 
 Besides: the shipped ``llama3_1/8B_full_dpo`` config trains on the tiny assets as
@@ -73,6 +74,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.testing import assert_close
 
 import torchtune
@@ -176,8 +178,10 @@ class Runs:
             self._train,
             "plain_async",
             optimizer_in_bwd=False,
-            # Its epoch-0 checkpoint is a distributed (DCP) one, saved asynchronously.
+            # Its step checkpoints are saved asynchronously. Without
+            # save_every_n_steps only the newest is kept: keep epoch 0's too.
             enable_async_checkpointing=True,
+            **{"checkpointer.keep_last_n_checkpoints": EPOCHS},
         )
         # The 1-process runs go in this process while the first subprocesses start
         # up; the resumed runs start after them (they set this process's
@@ -315,24 +319,22 @@ class Runs:
         edit: Callable[[Path], None] | None = None,
         **overrides: Any,
     ) -> TuneRun:
-        """Resume ``source_name`` from its epoch-0 checkpoint (its last
-        intermediate one), in a copy of its output_dir, which ``edit`` may rewrite.
-
-        Synchronous: the configured checkpointer reads the weights named here and
-        the recipe state the run saved. Asynchronous: the recipe reads everything
-        from the latest ``dist_epoch_*`` folder, which is ``dist_epoch_0``.
+        """Resume ``source_name`` from the step checkpoint of epoch 0's end, in a
+        copy of its output_dir without the step checkpoints further along, naming no
+        file: the recipe finds it. ``edit`` may rewrite the copy into a torchtune
+        0.6.1 epoch checkpoint, whose weights the configured checkpointer reads from
+        ``epoch_0``.
         """
         source = self[source_name]
         self._in_process_done.wait()
+        later = [f"step_{s}" for s in range(STEPS + 1, EPOCHS * STEPS + 1)]
         shutil.copytree(
             source.output_dir,
             self._root / name,
-            # Without its step checkpoints, which would be further along.
-            ignore=shutil.ignore_patterns(".hf_datasets_cache", "step_*"),
+            ignore=shutil.ignore_patterns(".hf_datasets_cache", *later),
         )
         if edit is not None:
             edit(self._root / name)
-        if not overrides.get("enable_async_checkpointing", False):
             weights = "epoch_0/model-00001-of-00001.safetensors"
             overrides["checkpointer.checkpoint_files"] = [weights]
         return self._train(name, resume_from_checkpoint=True, **overrides)
@@ -377,17 +379,29 @@ class Runs:
         )
 
 
+def _full_step_checkpoint(step_dir: Path) -> dict[str, Any]:
+    """The model and optimizer state of the sharded step checkpoint ``step_dir``,
+    gathered into full tensors (keyed by the policy's parameter names)."""
+    full = step_dir.parent / f"{step_dir.name}_full.pt"
+    dcp_to_torch_save(step_dir / "model_optimizer", full)
+    try:
+        return torch.load(full, weights_only=False)
+    finally:
+        full.unlink()
+
+
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
-    """Rewrite the optimizer state of ``output_dir``'s recipe state as torchtune
-    0.6.1's DPO recipe saved it with ``optimizer_in_bwd``: one optimizer per policy
+    """Rewrite ``output_dir`` as torchtune 0.6.1's DPO recipe left it after epoch 0
+    with ``optimizer_in_bwd``: the ``epoch_0`` weights and
+    ``recipe_state/recipe_state.pt``, which holds the optimizer state of the step
+    checkpoint of epoch 0's end as 0.6.1 saved it: one optimizer per policy
     parameter, keyed by ``model.named_parameters()`` names (which include activation
     checkpointing's wrapper where it was on), each saved as its own full state dict
     (keyed by the clean name). Only the first one holds the scheduler's
-    ``initial_lr``: 0.6.1 built the scheduler on that one alone.
+    ``initial_lr``: 0.6.1 built the scheduler on that one alone. Nothing of this
+    patch set's checkpoints is left, nor anything after epoch 0.
     """
-    path = output_dir / "recipe_state" / "recipe_state.pt"
-    recipe_state = torch.load(path, weights_only=False)
-    saved = recipe_state["optimizer"]
+    saved = _full_step_checkpoint(output_dir / f"step_{STEPS}")["optimizer"]
     (group,) = saved["param_groups"]
     legacy = {}
     for i, fqn in enumerate(group["params"]):
@@ -402,8 +416,22 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
             "param_groups": [hyperparameters | {"params": [fqn]}],
         }
     assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
-    recipe_state["optimizer"] = legacy
-    torch.save(recipe_state, path)
+    for entry in output_dir.iterdir():
+        if entry.name.startswith(("step_", "epoch_")) and entry.name != "epoch_0":
+            shutil.rmtree(entry)
+    (output_dir / "torchtune_run.json").unlink()
+    (output_dir / "epoch_0" / ".torchtune_manifest.json").unlink()
+    (output_dir / "recipe_state").mkdir()
+    torch.save(
+        {
+            "optimizer": legacy,
+            "seed": 0,
+            "epochs_run": 1,
+            "total_epochs": EPOCHS,
+            "max_steps_per_epoch": STEPS,
+        },
+        output_dir / "recipe_state" / "recipe_state.pt",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -472,6 +500,8 @@ def test_in_backward_resume_from_sync_epoch_0_equals_uninterrupted_run(
     runs: Runs,
 ) -> None:
     resumed, uninterrupted = runs["in_bwd_from_in_bwd"], runs["in_bwd"]
+    step_checkpoint = resumed.output_dir / f"step_{STEPS}"
+    assert f"Resumed from step checkpoint {step_checkpoint}." in resumed.output
     assert list(resumed.metrics) == list(EPOCH_1)
     _assert_same(
         resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
@@ -483,7 +513,13 @@ def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
     runs: Runs,
 ) -> None:
     resumed, uninterrupted = runs["in_bwd_from_plain_async"], runs["plain_async"]
-    assert (uninterrupted.output_dir / "dist_epoch_0" / ".metadata").is_file()
+    # Each epoch's end wrote a sharded step checkpoint, in the background.
+    step_dirs = {p.name for p in uninterrupted.output_dir.glob("step_*")}
+    assert step_dirs == {f"step_{STEPS}", f"step_{EPOCHS * STEPS}"}
+    step_checkpoint = uninterrupted.output_dir / f"step_{STEPS}"
+    assert (step_checkpoint / "model_optimizer" / ".metadata").is_file()
+    copied = resumed.output_dir / step_checkpoint.name
+    assert f"Resumed from step checkpoint {copied}." in resumed.output
     assert list(resumed.metrics) == list(EPOCH_1)
     # The plain run's AdamW state, loaded from DCP into the in-backward optimizer,
     # gives the same updates (module docstring).
@@ -497,7 +533,7 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
     runs: Runs,
 ) -> None:
     uninterrupted = runs["in_bwd"]
-    # Every SAVE_EVERY steps, and at each epoch's end before the epoch checkpoint.
+    # Every SAVE_EVERY steps, and at each epoch's end before the epoch export.
     step_dirs = {p.name for p in uninterrupted.output_dir.glob("step_*")}
     assert step_dirs == {"step_2", "step_3", "step_4", "step_6"}
     # Each rank wrote its own shards and its own dataloader position.
@@ -527,6 +563,7 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_equals_uninterrupted_run(
     name: str, runs: Runs
 ) -> None:
     resumed, uninterrupted = runs[name], runs["in_bwd"]
+    assert "Resumed from step checkpoint" not in resumed.output
     assert list(resumed.metrics) == list(EPOCH_1)
     # Same updates in either mode (module docstring). Moments that failed to load
     # would restart AdamW's bias correction and move the losses after the first and
@@ -570,12 +607,13 @@ def test_checkpoints_hold_the_trained_policy_and_its_optimizer_state(
     for key, tensor in final.items():
         assert tensor.shape == base[key].shape and tensor.dtype == base[key].dtype
     assert any(not torch.equal(final[k], base[k]) for k in final)
-    # Only the policy is optimized: one AdamW state per policy parameter, in the
-    # plain format whichever mode saved it.
-    saved = torch.load(
-        run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
-    )["optimizer"]
-    assert len(saved["state"]) == len(base)
+    # The last step checkpoint holds the policy alone (the reference is frozen and
+    # read from ref_checkpointer) and its optimizer: one AdamW state per policy
+    # parameter, in the plain format whichever mode saved it.
+    step = _full_step_checkpoint(run.output_dir / f"step_{EPOCHS * STEPS}")
+    assert len(step["model"]) == len(base)
+    saved = step["optimizer"]
+    assert saved["state"].keys() == step["model"].keys()
     assert {"step", "exp_avg", "exp_avg_sq"} <= set(next(iter(saved["state"].values())))
 
 

@@ -110,6 +110,8 @@ def adamw_runs(
         "assets_dir": tiny_assets.root,
         "epochs": 2,
         "max_steps_per_epoch": STEPS_PER_EPOCH,
+        # Keep epoch 0's step checkpoint too (only the newest by default).
+        "checkpointer.keep_last_n_checkpoints": 2,
     }
     return {
         "plain": run_tune(
@@ -173,10 +175,10 @@ def resumed_runs(
     runs = {}
     for source in ("plain", "bwd"):
         for target in (False, True):
-            # A fresh output_dir holding only what epoch 0 left.
+            # A fresh output_dir holding only epoch 0's step checkpoint.
             out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
-            for part in ("epoch_0", "recipe_state"):
-                shutil.copytree(adamw_runs[source].output_dir / part, out / part)
+            epoch_end = f"step_{STEPS_PER_EPOCH}"
+            shutil.copytree(adamw_runs[source].output_dir / epoch_end, out / epoch_end)
             runs[source, _name(target)] = tune_run_here(
                 CONFIG,
                 {
@@ -184,8 +186,6 @@ def resumed_runs(
                     "epochs": 2,
                     "max_steps_per_epoch": STEPS_PER_EPOCH,
                     "resume_from_checkpoint": True,
-                    "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
-                    "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
                     **_mode_overrides(target),
                 },
                 out,
@@ -207,9 +207,18 @@ def resumed_from_0_6_1(
     from torchtune.models.llama2 import llama2
 
     out = tmp_path_factory.mktemp(f"resume_0_6_1_to_{request.param}")
-    shutil.copytree(adamw_runs["plain"].output_dir / "epoch_0", out / "epoch_0")
-    recipe_state = adamw_runs["plain"].output_dir / "recipe_state" / "recipe_state.pt"
-    state = torch.load(recipe_state, weights_only=False)
+    # What 0.6.1 left after epoch 0: its weights (no manifest) and its recipe state.
+    source = adamw_runs["plain"].output_dir
+    ignore = shutil.ignore_patterns(".torchtune_manifest.json")
+    shutil.copytree(source / "epoch_0", out / "epoch_0", ignore=ignore)
+    epoch_end = source / f"step_{STEPS_PER_EPOCH}" / "model_optimizer.pt"
+    state = {
+        training.OPT_KEY: torch.load(epoch_end, weights_only=False)["optimizer"],
+        training.SEED_KEY: 0,
+        training.EPOCHS_KEY: 1,
+        training.TOTAL_EPOCHS_KEY: 2,
+        training.MAX_STEPS_KEY: STEPS_PER_EPOCH,
+    }
     # 0.6.1: {parameter name: that parameter's own optimizer's state_dict()}.
     names = [name for name, _ in llama2(**tiny_assets.model_kwargs).named_parameters()]
     optimizer, (group,) = (
@@ -367,6 +376,7 @@ def bf16_runs(
         "dtype": "bf16",
         "epochs": 2,
         "max_steps_per_epoch": BF16_STEPS_PER_EPOCH,
+        "checkpointer.keep_last_n_checkpoints": 2,
     }
     runs = {
         _name(bwd): tune_run_here(
@@ -377,17 +387,13 @@ def bf16_runs(
         for bwd in (False, True)
     }
     out = tmp_path_factory.mktemp("bf16_resumed")
-    for part in ("epoch_0", "recipe_state"):
-        shutil.copytree(runs["bwd"].output_dir / part, out / part)
+    epoch_end = f"step_{BF16_STEPS_PER_EPOCH}"
+    shutil.copytree(runs["bwd"].output_dir / epoch_end, out / epoch_end)
     runs["resumed"] = tune_run_here(
         CONFIG,
         overrides
         | _mode_overrides(True, clip_grad_norm=None)
-        | {
-            "resume_from_checkpoint": True,
-            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
-            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
-        },
+        | {"resume_from_checkpoint": True},
         out,
     )
     return runs

@@ -79,6 +79,7 @@ PREVIOUS_RUNS, OPTIMIZER_COMPONENT, TRAJECTORY = (
 HYPERPARAMETERS = "optimizer_param_group_hyperparameters"
 # The config values that set a run's step count and data order.
 TRAJECTORY_KEYS = (
+    "seed",
     "batch_size",
     "gradient_accumulation_steps",
     "max_steps_per_epoch",
@@ -834,8 +835,7 @@ class CheckpointManager:
             threading.Thread(target=_heartbeat, args=(lock, stop), daemon=True).start()
         self._lock = weakref.finalize(self, _release_lock, lock, stop)
         if self._resume_from is None:
-            _on_rank_zero(self._start_run)
-            self._run_id = read_run_file(self._out)
+            self._run_id = _on_rank_zero(self._start_run)
             utils.log_rank_zero(
                 log, f"New run {self._run_id}: checkpoints go to {self._out}."
             )
@@ -858,7 +858,7 @@ class CheckpointManager:
             )
             self._lock()
 
-    def _start_run(self) -> None:
+    def _start_run(self) -> str:
         folders = {self._out, self._export_dir}
         folders |= {Path(e._output_dir) for e in self._exporters.values()}
         keep = [k.absolute() for k in self.options.keep]
@@ -884,6 +884,7 @@ class CheckpointManager:
             )
         run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:8]
         _write_run_file(self._out, run_id)
+        return run_id
 
     def _verified_recipe_state(self) -> dict[str, Any]:
         """The recipe state of the newest resume point whose every byte is verified
@@ -970,9 +971,13 @@ class CheckpointManager:
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
-        # Resuming before the newest checkpoints branches: the old timeline's later
-        # checkpoints and exports are moved aside, so that pruning and later resumes
-        # see this branch only.
+        _on_rank_zero(lambda: self._branch(folder))
+        utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
+
+    def _branch(self, folder: Path) -> None:
+        """Resuming before the newest checkpoints branches: the old timeline's later
+        checkpoints and exports are moved aside, so that pruning and later resumes
+        see this branch only."""
         later = [p for p in _step_dirs(self._out) if step_of(p) > step_of(folder)]
         for exports in {Path(e._output_dir) for e in self._exporters.values()}:
             epochs = [(p, p.name[6:]) for p in exports.glob("epoch_*")]
@@ -986,22 +991,18 @@ class CheckpointManager:
                 f"Resuming from {folder.name}: the later checkpoints of this run "
                 "(damaged, or of the timeline this resume branches from) go aside"
             )
-            _on_rank_zero(
-                lambda: _set_aside(
-                    later, f"run_{self._run_id}-after-{folder.name}", reason
-                )
-            )
-        utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
+            _set_aside(later, f"run_{self._run_id}-after-{folder.name}", reason)
 
     def _restore_legacy(self) -> None:
         """Resume a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
         checkpointer, or the newest ``dist_epoch_{N}`` of DCP."""
-        self._run_id = read_run_file(self._out)
-        if self._run_id is None:
-            _on_rank_zero(
-                lambda: _write_run_file(self._out, f"0.6.1-{uuid.uuid4().hex[:8]}")
-            )
-            self._run_id = read_run_file(self._out)
+
+        def run_id() -> str:
+            if read_run_file(self._out) is None:
+                _write_run_file(self._out, f"0.6.1-{uuid.uuid4().hex[:8]}")
+            return read_run_file(self._out)
+
+        self._run_id = _on_rank_zero(run_id)
         before = _hyperparameters(self._optimizer)
         if self._resume_from == "dcp":
             (model,) = self._models.values()
