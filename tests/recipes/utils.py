@@ -561,7 +561,13 @@ def run_tune(
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun's workers may sit in sessions of their own: kill every
+        # descendant, or one left holding stdout would block communicate().
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         output, _ = proc.communicate()
         raise TuneRunError(
             f"tune run {recipe} ran past its {timeout:.0f} s timeout and was killed",
@@ -598,6 +604,23 @@ def run_tune(
         output=output,
         wall_s=wall_s,
     )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def run_tune_in_process(
