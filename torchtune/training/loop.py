@@ -283,6 +283,9 @@ def stateful_dataloader(
         sampler=sampler,
         collate_fn=collate_fn,
         drop_last=True,
+        # Its own generator: iterating the loader then never draws from the global
+        # RNG, whose state a mid-epoch resume restores (dropout's draws).
+        generator=torch.Generator(),
     )
 
 

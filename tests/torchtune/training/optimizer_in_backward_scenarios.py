@@ -1,9 +1,9 @@
-"""Distributed checks of OptimizerInBackward and CheckpointClient, run on 2 CPU
+"""Distributed checks of OptimizerInBackward and CheckpointManager, run on 2 CPU
 processes with gloo by ``tests/torchtune/conftest.py`` (one launch for all of them:
 starting processes costs more than every check together).
 
 Each scenario runs on every rank and is reported per rank as ``"ok"`` or a traceback;
-the tests in ``test_memory.py`` and ``checkpointing/test_checkpoint_client.py`` assert
+the tests in ``test_memory.py`` and ``checkpointing/test_checkpoint_manager.py`` assert
 on those reports. Run by hand with ``torchrun --nproc-per-node 2 -m
 tests.torchtune.training.optimizer_in_backward_scenarios OUT_DIR`` from the repo root.
 
@@ -16,7 +16,6 @@ order, reduced across ranks by DTensor): parameters and norms must agree bitwise
 
 from __future__ import annotations
 
-import copy
 import io
 import time
 import traceback
@@ -28,7 +27,7 @@ import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
 import torchao.optim
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,15 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import default_collate
 
 from tests.torchtune.distributed_launcher import main_from_argv, write_report
 from torchtune import training
 from torchtune.training import OptimizerInBackward
-from torchtune.training.checkpointing._checkpoint_client import (
-    CheckpointClient,
-    TrainingProgress,
-)
-from torchtune.training.checkpointing._step_checkpointer import StepCheckpointer
 
 BITWISE = {"rtol": 0, "atol": 0}
 ADAMW = {"lr": 0.01, "weight_decay": 0.1}
@@ -402,71 +397,47 @@ def _add_resume_scenarios() -> None:
 _add_resume_scenarios()
 
 
-# -- step checkpoints --------------------------------------------------------------
+# -- the checkpoint manager --------------------------------------------------------
 
 
-def check_step_checkpoint_resume(
-    tmp: Path, save_in_backward: bool, optimizer_name: str = "adamw"
-) -> None:
-    """A sharded step checkpoint written by both ranks resumes, into the other kind
-    of optimizer, to exactly the uninterrupted run."""
-    width = OPTIMIZERS[optimizer_name][2]
-    reference = build_model("fsdp", width=width)
-    train(reference, make_optimizer(False, reference, optimizer_name), "fsdp", range(4))
+class Samples(torch.utils.data.Dataset):
+    """16 map-style samples: 4 batches of 2 per rank, 4 optimizer steps an epoch."""
 
-    model = build_model("fsdp", width=width)
-    optimizer = make_optimizer(save_in_backward, model, optimizer_name)
-    train(model, optimizer, "fsdp", range(2))
-    checkpointer = StepCheckpointer(tmp, every_n_steps=2)
-    path = checkpointer.save(2, model, optimizer, {"epochs_run": 0}, {"rank": rank()})
-    if save_in_backward:
-        optimizer.remove_hooks()
+    def __init__(self, width: int) -> None:
+        self.width = width
 
-    resumed = build_model("fsdp", seed=1, width=width)
-    new_optimizer = make_optimizer(not save_in_backward, resumed, optimizer_name)
-    assert checkpointer.find_latest() == path
-    recipe_state, rank_state = checkpointer.load(path, resumed, new_optimizer)
-    assert recipe_state["global_step"] == 2 and rank_state["rank"] == rank()
-    train(resumed, new_optimizer, "fsdp", range(2, 4))
-    assert_same_params(reference, resumed)
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(self.width, generator=torch.Generator().manual_seed(i))
 
 
-@scenario
-def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
-    check_step_checkpoint_resume(tmp, save_in_backward=True)
-
-
-@scenario
-def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
-    check_step_checkpoint_resume(tmp, save_in_backward=False)
-
-
-@scenario
-def torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(
-    tmp: Path,
-) -> None:
-    # Sharded step checkpoints save torchao's quantized state, which full-state
-    # (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
-    check_step_checkpoint_resume(tmp, True, "torchao_adamw8bit")
-
-
-# -- checkpoint client -------------------------------------------------------------
-
-
-def client_config(tmp: Path, resume: bool) -> OmegaConf:
-    checkpoint_dir = tmp / "base"
-    if rank() == 0:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({}, checkpoint_dir / "model.pt")
+def manager_config(
+    tmp: Path, optimizer_name: str, *, asynchronous: bool, resume: bool = False
+) -> DictConfig:
+    """A recipe config: the base checkpoint (the unsharded model of seed 0) in
+    ``tmp/base``, step checkpoints and exports in ``tmp/out``, a step checkpoint
+    every 3 steps, 2 epochs."""
+    cls, kwargs, width = OPTIMIZERS[optimizer_name]
+    base = tmp / "base"
+    if rank() == 0 and not base.exists():
+        base.mkdir(parents=True)
+        torch.save(build_model("plain", width=width).state_dict(), base / "model.pt")
     dist.barrier()
     return OmegaConf.create(
         {
             "device": "cpu",
+            "output_dir": str(tmp / "out"),
+            "epochs": 2,
+            "batch_size": 2,
+            "save_every_n_steps": 3,
             "resume_from_checkpoint": resume,
-            "enable_async_checkpointing": True,
+            "enable_async_checkpointing": asynchronous,
+            "optimizer": {"_component_": f"{cls.__module__}.{cls.__qualname__}"},
             "checkpointer": {
                 "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
-                "checkpoint_dir": str(checkpoint_dir),
+                "checkpoint_dir": str(base),
                 "checkpoint_files": ["model.pt"],
                 "output_dir": str(tmp / "out"),
                 "model_type": "LLAMA2",
@@ -475,80 +446,142 @@ def client_config(tmp: Path, resume: bool) -> OmegaConf:
     )
 
 
-def check_client_async_round_trip(tmp: Path, load_in_backward: bool) -> None:
-    reference = build_model("fsdp")
-    train(reference, make_optimizer(False, reference), "fsdp", range(4))
-
-    model = build_model("fsdp")
-    optimizer = make_optimizer(True, model)
-    train(model, optimizer, "fsdp", range(2))
-    saved_state = copy.deepcopy(get_optimizer_state_dict(model, optimizer))
-    client = CheckpointClient(client_config(tmp, resume=False))
-    progress = TrainingProgress(
-        seed=7, epochs_run=1, total_epochs=3, max_steps_per_epoch=2
-    )
-    client.save_checkpoint(model, optimizer, progress, epoch=0)
-    client.wait_for_async_save()
-    dist.barrier()
-
-    resumed = build_model("fsdp", seed=1)
-    new_optimizer = make_optimizer(load_in_backward, resumed)
-    loaded = CheckpointClient(
-        client_config(tmp, resume=True)
-    ).load_distributed_checkpoint(resumed, new_optimizer)
-    assert loaded[training.EPOCHS_KEY] == 1 and loaded[training.SEED_KEY] == 7
-    # The optimizer state itself survived (0.6.1 restored none, silently).
-    torch.testing.assert_close(
-        get_optimizer_state_dict(resumed, new_optimizer)["state"],
-        saved_state["state"],
-        **BITWISE,
-    )
-    train(resumed, new_optimizer, "fsdp", range(2, 4))
-    assert_same_params(reference, resumed)
-
-
-@scenario
-def checkpoint_client_async_save_then_load_restores_in_bwd_state(tmp: Path) -> None:
-    check_client_async_round_trip(tmp, load_in_backward=True)
-
-
-@scenario
-def checkpoint_client_async_in_bwd_checkpoint_loads_into_plain(tmp: Path) -> None:
-    check_client_async_round_trip(tmp, load_in_backward=False)
-
-
-@scenario
-def checkpoint_client_sync_save_holds_full_in_bwd_state(tmp: Path) -> None:
-    reference = build_model("fsdp")
-    train(reference, make_optimizer(False, reference), "fsdp", range(4))
-
-    model = build_model("fsdp")
-    optimizer = make_optimizer(True, model)
-    train(model, optimizer, "fsdp", range(2))
-    cfg = client_config(tmp, resume=False)
-    cfg.enable_async_checkpointing = False
-    progress = TrainingProgress(
-        seed=7, epochs_run=1, total_epochs=3, max_steps_per_epoch=2
-    )
-    CheckpointClient(cfg).save_checkpoint(model, optimizer, progress, epoch=0)
-    (recipe_state,) = (tmp / "out").rglob("recipe_state.pt")
-    checkpoint = torch.load(recipe_state, weights_only=False)
-    (weights,) = (tmp / "out" / "epoch_0").glob("*.bin")
-    dist.barrier()
-
-    resumed = build_model("fsdp", seed=1)
+def train_with_manager(
+    cfg: DictConfig,
+    in_backward: bool,
+    optimizer_name: str,
+    stop_after: int | None = None,
+) -> tuple[nn.Module, int]:
+    """A distributed recipe's setup and loop, checkpointed by the CheckpointManager;
+    ``stop_after``: stop right after that step's ``save()`` (``close()`` then lets
+    an asynchronous save in flight complete, as a run stopped by a signal does).
+    Returns the model and the step it started from."""
+    width = OPTIMIZERS[optimizer_name][2]
+    manager = training.CheckpointManager.from_config(cfg)
+    state = manager.load_base_checkpoint()
+    model = build_model("fsdp", seed=1, width=width)  # the base replaces its weights
     training.load_from_full_model_state_dict(
-        resumed,
-        torch.load(weights, weights_only=True),
-        torch.device("cpu"),
-        strict=True,
+        model, state[training.MODEL_KEY], torch.device("cpu"), strict=True
     )
-    new_optimizer = make_optimizer(True, resumed)
-    training.load_from_full_optimizer_state_dict(
-        resumed, new_optimizer, checkpoint[training.OPT_KEY], torch.device("cpu")
+    optimizer = make_optimizer(in_backward, model, optimizer_name)
+    loader = training.stateful_dataloader(
+        Samples(width),
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        collate_fn=default_collate,
+        num_replicas=dist.get_world_size(),
+        rank=rank(),
     )
-    train(resumed, new_optimizer, "fsdp", range(2, 4))
-    assert_same_params(reference, resumed)
+    steps_per_epoch = len(loader)
+    progress = training.TrainingProgress(total_epochs=cfg.epochs)
+    manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
+    started_at = progress.global_step
+    try:
+        for epoch in range(progress.epochs_run, progress.total_epochs):
+            for _, x in training.epoch_batches(
+                loader,
+                epoch,
+                steps_done=progress.global_step - epoch * steps_per_epoch,
+                steps_per_epoch=steps_per_epoch,
+            ):
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress.global_step += 1
+                manager.save()
+                if progress.global_step == stop_after:
+                    return model, started_at
+            progress.epochs_run += 1
+            manager.save(epoch_end=True)
+    finally:
+        manager.close()
+        # close() releases output_dir on rank 0 alone: the next run's ranks must not
+        # see this run's lock.
+        dist.barrier()
+    return model, started_at
+
+
+# The uninterrupted run's parameters, per optimizer (the same in every scenario).
+_UNINTERRUPTED: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def check_manager_resume(
+    tmp: Path,
+    *,
+    asynchronous: bool,
+    save_in_backward: bool,
+    load_in_backward: bool,
+    optimizer_name: str = "adamw",
+) -> None:
+    """A run stopped after step 7 resumes from its mid-epoch step_6 (sharded by DCP,
+    each rank's data position in its own file) into the given optimizer, and ends
+    exactly where the uninterrupted run (plain optimizer) ends."""
+    if optimizer_name not in _UNINTERRUPTED:
+        cfg = manager_config(
+            tmp / "uninterrupted", optimizer_name, asynchronous=asynchronous
+        )
+        model, _ = train_with_manager(cfg, False, optimizer_name)
+        _UNINTERRUPTED[optimizer_name] = full_params(model)
+    cfg = manager_config(tmp / "run", optimizer_name, asynchronous=asynchronous)
+    train_with_manager(cfg, save_in_backward, optimizer_name, stop_after=7)
+    cfg.resume_from_checkpoint = True
+    resumed, started_at = train_with_manager(cfg, load_in_backward, optimizer_name)
+    assert started_at == 6, started_at
+    torch.testing.assert_close(
+        full_params(resumed), _UNINTERRUPTED[optimizer_name], **BITWISE
+    )
+
+
+@scenario
+def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
+    check_manager_resume(
+        tmp, asynchronous=False, save_in_backward=True, load_in_backward=False
+    )
+
+
+@scenario
+def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
+    check_manager_resume(
+        tmp, asynchronous=False, save_in_backward=False, load_in_backward=True
+    )
+
+
+@scenario
+def torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(
+    tmp: Path,
+) -> None:
+    # Sharded step checkpoints save torchao's quantized state, which full-state
+    # (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
+    check_manager_resume(
+        tmp,
+        asynchronous=False,
+        save_in_backward=True,
+        load_in_backward=False,
+        optimizer_name="torchao_adamw8bit",
+    )
+
+
+@scenario
+def checkpoint_manager_async_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
+    check_manager_resume(
+        tmp, asynchronous=True, save_in_backward=True, load_in_backward=True
+    )
+
+
+@scenario
+def checkpoint_manager_async_in_bwd_to_plain_resumes_mid_epoch_bitwise(
+    tmp: Path,
+) -> None:
+    check_manager_resume(
+        tmp, asynchronous=True, save_in_backward=True, load_in_backward=False
+    )
+
+
+@scenario
+def checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
+    check_manager_resume(
+        tmp, asynchronous=False, save_in_backward=True, load_in_backward=True
+    )
 
 
 def main(out_dir: Path) -> None:

@@ -316,9 +316,12 @@ def _write_run_file(folder: Path, run_id: str) -> None:
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
 
 
-def _set_aside(entries: list[Path], label: str, reason: str) -> None:
-    """Move ``entries`` into ``previous_runs/{label}/`` of their folders."""
-    for folder in sorted({e.parent for e in entries}):
+def _set_aside(
+    entries: list[Path], label: str, reason: str, copies: list[Path] = ()
+) -> None:
+    """Move ``entries`` (and copy ``copies``, which stay in use) into
+    ``previous_runs/{label}/`` of their folders."""
+    for folder in sorted({e.parent for e in [*entries, *copies]}):
         target, suffix = folder / PREVIOUS_RUNS / label, 1
         while target.exists():  # never merge into an earlier move
             suffix += 1
@@ -327,9 +330,14 @@ def _set_aside(entries: list[Path], label: str, reason: str) -> None:
         moved = sorted(e.name for e in entries if e.parent == folder)
         for name in moved:
             os.replace(folder / name, target / name)
+        copied = sorted(e.name for e in copies if e.parent == folder)
+        for name in copied:
+            copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
+            copy(folder / name, target / name)
         _fsync_dir(folder)
+        also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
         log.warning(
-            f"{reason}: moved {', '.join(moved)} to {target} (nothing deleted)."
+            f"{reason}: moved {', '.join(moved)}{also} to {target} (nothing deleted)."
         )
 
 
@@ -581,7 +589,8 @@ class CheckpointManager:
         check_writable("output_dir", self._out)
         if self._export_dir.absolute() != self._out.absolute():
             check_writable("checkpointer.output_dir", self._export_dir)
-        _check_lock(self._out)
+        if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
+            _check_lock(self._out)
         # A new run: None; else the step checkpoints to try, newest first, or
         # torchtune 0.6.1's "epoch" or "dcp" (async) epoch checkpoint.
         self._resume_from = self._resume_points() if o.resume else None
@@ -862,16 +871,23 @@ class CheckpointManager:
         folders = {self._out, self._export_dir}
         folders |= {Path(e._output_dir) for e in self._exporters.values()}
         keep = [k.absolute() for k in self.options.keep]
-        found = [
+        outputs = [
             e
             for folder in folders
             if folder.is_dir()
             for e in folder.iterdir()
             if _RUN_OUTPUTS.match(e.name)
-            and not any(k == e.absolute() or e.absolute() in k.parents for k in keep)
         ]
-        if any(e.name != RUN_FILE for e in found):
-            newest = time.gmtime(max(e.stat().st_mtime for e in found))
+        # The base this run reads stays in place; a copy is kept, as this run's
+        # epoch exports may overwrite it.
+        read = [
+            e
+            for e in outputs
+            if any(k == e.absolute() or e.absolute() in k.parents for k in keep)
+        ]
+        found = [e for e in outputs if e not in read]
+        if any(e.name != RUN_FILE for e in found + read):
+            newest = time.gmtime(max(e.stat().st_mtime for e in found + read))
             earlier = read_run_file(self._out) or time.strftime(
                 "before-%Y%m%d-%H%M%S", newest
             )
@@ -881,6 +897,7 @@ class CheckpointManager:
                 f"{self._out} held the checkpoints of an earlier run, which this new "
                 "run must neither overwrite nor resume from (to continue that run "
                 "instead, move them back and set resume_from_checkpoint=True)",
+                copies=read,
             )
         run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:8]
         _write_run_file(self._out, run_id)
@@ -910,13 +927,14 @@ class CheckpointManager:
             )
         self._resume_from = folder
         recipe_state = torch.load(folder / RECIPE_STATE, weights_only=False)
-        saved = recipe_state.get(
-            TRAJECTORY, {"world_size": recipe_state.get("world_size", 1)}
-        )
+        # A checkpoint of an earlier build recorded its world size alone.
+        saved = recipe_state.get(TRAJECTORY)
+        keys = ["world_size"] if saved is None else {*saved, *self._trajectory}
+        saved = saved or {"world_size": recipe_state.get("world_size", 1)}
         changes = {
-            k: (v, self._trajectory.get(k))
-            for k, v in saved.items()
-            if _differs(v, self._trajectory.get(k))
+            k: (saved.get(k), self._trajectory.get(k))
+            for k in keys
+            if _differs(saved.get(k), self._trajectory.get(k))
         }
         listed = ", ".join(
             f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changes.items()
@@ -1267,6 +1285,7 @@ class CheckpointManager:
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
         self._lock()
+        _barrier()  # a next run in these processes finds the lock released
 
 
 __all__ = [

@@ -1,0 +1,1380 @@
+"""Tests for torchtune/training/checkpointing/_checkpoint_manager.py: saving a run and
+resuming it exactly, that no crash, damaged file or second run makes a checkpoint
+unusable or lost, and the refusals that keep a resume on the run's trajectory.
+
+Each test drives :class:`CheckpointManager` the way a recipe does (``from_config``,
+``load_base_checkpoint``, ``load``, ``save`` after every optimizer step and
+``save(epoch_end=True)`` after every epoch) over a tiny model, a map-style dataset of
+8 samples and a ``StatefulDataLoader`` (batch size 2: 4 optimizer steps an epoch, 2
+epochs), with a ``FullModelTorchTuneCheckpointer`` reading a base checkpoint saved
+with ``torch.save``. The 2-process FSDP2 runs are scenarios of
+``tests/torchtune/training/optimizer_in_backward_scenarios.py``.
+
+Tolerances: resumed runs are compared with uninterrupted ones bitwise (``rtol=0,
+atol=0``). A checkpoint holds exactly the tensors it was given, with the data
+position and the RNG state, and the resumed run then applies the same CPU kernels to
+the same values in the same order, so any difference at all is a resume that
+restored something wrongly, not rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset, default_collate
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from tests.torchtune.distributed_launcher import (
+    DistributedRun,
+    run_distributed,
+    write_report,
+)
+from tests.torchtune.training.optimizer_in_backward_scenarios import SCENARIOS
+from torchtune import training
+from torchtune.config._utils import _get_component_from_path
+from torchtune.modules import peft
+from torchtune.training import OptimizerInBackward
+from torchtune.training.checkpointing._checkpoint_manager import (
+    EXPORT_MANIFEST,
+    LOCK_FILE,
+    LOCK_STALE_AFTER_S,
+    MANIFEST,
+    MODEL_OPTIMIZER_FILE,
+    PREVIOUS_RUNS,
+    RECIPE_STATE,
+    RUN_FILE,
+    TRAJECTORY_KEYS,
+    CheckpointError,
+    CheckpointManager,
+    TrainingProgress,
+    file_checksum,
+    read_manifest,
+    read_run_file,
+    step_of,
+    verify,
+)
+from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+
+BITWISE = {"rtol": 0, "atol": 0}
+EXPORT_FILE = "model-00001-of-00001.bin"
+STEPS_PER_EPOCH = 4  # 8 samples, batch_size 2
+
+
+# -- a recipe in miniature -------------------------------------------------------------
+
+
+class Samples(Dataset):
+    """``n`` map-style samples; ``offset`` changes their contents."""
+
+    def __init__(self, n: int = 8, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randn(6, generator=torch.Generator().manual_seed(self.offset + i))
+
+
+def make_model(seed: int = 0, *, dropout: bool = False) -> nn.Sequential:
+    """With ``dropout``, training draws from the global RNG, so an exact resume needs
+    the RNG state too."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        nn.Dropout(0.5) if dropout else nn.Identity(),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    )
+
+
+class TinyLoRA(nn.Module):
+    """One LoRA (or DoRA) projection, as ``lora_attn_modules: [q_proj]`` adapts."""
+
+    def __init__(self, dora: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        linear = peft.DoRALinear if dora else peft.LoRALinear
+        self.q_proj = linear(6, 6, rank=2, alpha=4.0)
+        self.output = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(torch.tanh(self.q_proj(x)))
+
+
+def make_config(
+    tmp_path: Path,
+    *,
+    checkpointer: dict[str, Any] | None = None,
+    base: dict[str, torch.Tensor] | None = None,
+    **options: Any,
+) -> DictConfig:
+    """A recipe config: the base checkpoint in ``tmp_path/base``, step checkpoints and
+    exports in ``tmp_path/out``, a step checkpoint every 3 steps; ``options`` and
+    ``checkpointer`` override."""
+    folder = tmp_path / "base"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        weights = make_model(seed=1).state_dict() if base is None else base
+        torch.save(weights, folder / "model.pt")
+    cfg = OmegaConf.create(
+        {
+            "device": "cpu",
+            "output_dir": str(tmp_path / "out"),
+            "epochs": 2,
+            "batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "max_steps_per_epoch": None,
+            "save_every_n_steps": 3,
+            "optimizer": {
+                "_component_": "torch.optim.AdamW",
+                "lr": 0.05,
+                "weight_decay": 0.1,
+            },
+            "checkpointer": {
+                "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
+                "checkpoint_dir": str(folder),
+                "checkpoint_files": ["model.pt"],
+                "output_dir": str(tmp_path / "out"),
+                "model_type": "LLAMA2",
+            },
+        }
+    )
+    return OmegaConf.merge(cfg, {"checkpointer": checkpointer or {}}, options)
+
+
+def base_model(state: dict[str, Any], **kwargs: Any) -> nn.Module:
+    model = make_model(seed=2, **kwargs)  # other weights: the base replaces them
+    model.load_state_dict(state[training.MODEL_KEY])
+    return model
+
+
+def dropout_model(state: dict[str, Any]) -> nn.Module:
+    return base_model(state, dropout=True)
+
+
+def frozen_model(state: dict[str, Any]) -> nn.Module:
+    model = base_model(state)
+    model[0].requires_grad_(False)  # frozen: always the base checkpoint's
+    return model
+
+
+def make_optimizer(
+    model: nn.Module, cfg: DictConfig, in_backward: bool
+) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    cls = _get_component_from_path(cfg.optimizer._component_)
+    kwargs = {k: v for k, v in cfg.optimizer.items() if k != "_component_"}
+    if in_backward:
+        return OptimizerInBackward(params, cls, **kwargs)
+    return cls(params, **kwargs)
+
+
+def make_loader(dataset: Dataset, batch_size: int) -> StatefulDataLoader:
+    return training.stateful_dataloader(
+        dataset, batch_size=batch_size, shuffle=True, collate_fn=default_collate
+    )
+
+
+@dataclass
+class Run:
+    manager: CheckpointManager
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    progress: TrainingProgress
+    resumed_at: int
+    """``progress.global_step`` right after ``load``: where the run started."""
+
+
+def train(
+    cfg: DictConfig,
+    *,
+    in_backward: bool = False,
+    stop_after: int | None = None,
+    dataset: Dataset | None = None,
+    build: Callable[[dict[str, Any]], nn.Module] = base_model,
+) -> Run:
+    """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
+    process is killed right after that step's ``save()`` (before the epoch-end save
+    of an epoch's last step)."""
+    manager = CheckpointManager.from_config(cfg)
+    model = build(manager.load_base_checkpoint())
+    optimizer = make_optimizer(model, cfg, in_backward)
+    loader = make_loader(dataset or Samples(), cfg.batch_size)
+    steps_per_epoch = training.steps_per_epoch(
+        len(loader),
+        cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch", None),
+    )
+    progress = TrainingProgress(total_epochs=cfg.epochs)
+    manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
+    run = Run(manager, model, optimizer, progress, progress.global_step)
+    for epoch in range(progress.epochs_run, progress.total_epochs):
+        for _, batch in training.epoch_batches(
+            loader,
+            epoch,
+            steps_done=progress.global_step - epoch * steps_per_epoch,
+            steps_per_epoch=steps_per_epoch,
+        ):
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            progress.global_step += 1
+            manager.save()
+            if progress.global_step == stop_after:
+                return run
+        progress.epochs_run += 1
+        manager.save(epoch_end=True)
+    return run
+
+
+def resume(cfg: DictConfig, **kwargs: Any) -> Run:
+    """The same run restarted in a new process: another RNG state."""
+    torch.manual_seed(1234)
+    return train(OmegaConf.merge(cfg, {"resume_from_checkpoint": True}), **kwargs)
+
+
+def uninterrupted(tmp_path: Path, **kwargs: Any) -> nn.Module:
+    """The model of the same run trained start to end, in a folder of its own."""
+    return train(make_config(tmp_path / "uninterrupted"), **kwargs).model
+
+
+def assert_same_weights(actual: nn.Module, expected: nn.Module) -> None:
+    torch.testing.assert_close(actual.state_dict(), expected.state_dict(), **BITWISE)
+
+
+def step_names(out: Path) -> list[str]:
+    return sorted(
+        (p.name for p in out.iterdir() if step_of(p) is not None),
+        key=lambda n: int(n[5:]),
+    )
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def rewrite(step_dir: Path, name: str, obj: Any) -> None:
+    """Replace a file of a step checkpoint and its manifest entry: a checkpoint that
+    verifies, holding ``obj``."""
+    torch.save(obj, step_dir / name)
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["files"][name] = {
+        "size": (step_dir / name).stat().st_size,
+        "crc32": file_checksum(step_dir / name),
+    }
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def warnings_text(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+    )
+
+
+# -- resuming exactly ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("save_in_backward", "load_in_backward"),
+    [(False, False), (True, True), (False, True), (True, False)],
+    ids=["plain_to_plain", "in_bwd_to_in_bwd", "plain_to_in_bwd", "in_bwd_to_plain"],
+)
+def test_a_mid_epoch_resume_continues_bitwise_with_either_optimizer(
+    tmp_path: Path, save_in_backward: bool, load_in_backward: bool
+) -> None:
+    cfg = make_config(tmp_path)
+    # Killed after step 7: step_6 (mid-epoch 1, its data position) is the newest.
+    train(cfg, in_backward=save_in_backward, stop_after=7)
+    run = resume(cfg, in_backward=load_in_backward)
+    assert run.resumed_at == 6 and run.progress.epochs_run == 2
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_an_epoch_end_resume_restores_the_rng_state(tmp_path: Path) -> None:
+    # Dropout draws from the global RNG; resume() starts from another RNG state.
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5, build=dropout_model)
+    run = resume(cfg, build=dropout_model)
+    assert run.resumed_at == 4
+    expected = uninterrupted(tmp_path, build=dropout_model)
+    assert_same_weights(run.model, expected)
+
+
+def test_a_mid_epoch_resume_of_a_model_with_dropout_continues_bitwise(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7, build=dropout_model)
+    run = resume(cfg, build=dropout_model)
+    assert run.resumed_at == 6
+    expected = uninterrupted(tmp_path, build=dropout_model)
+    assert_same_weights(run.model, expected)
+
+
+def test_a_partly_frozen_models_step_checkpoint_holds_its_trainable_part(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7, build=frozen_model)
+    saved = torch.load(
+        tmp_path / "out" / "step_6" / MODEL_OPTIMIZER_FILE, weights_only=False
+    )
+    assert sorted(saved["model"]) == ["3.bias", "3.weight"]
+    run = resume(cfg, build=frozen_model)
+    assert run.resumed_at == 6
+    assert_same_weights(run.model, uninterrupted(tmp_path, build=frozen_model))
+
+    # A model whose trainable part the checkpoint lacks is refused, naming entries.
+    def larger(state: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(*frozen_model(state), nn.Linear(3, 3))
+
+    with pytest.raises(
+        CheckpointError, match=r"missing trainable entries \['4\.bias', '4\.weight'\]"
+    ):
+        resume(cfg, build=larger)
+
+
+def test_a_resume_loads_the_base_weights_through_the_checkpointer(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    manager = CheckpointManager.from_config(cfg)
+    loaded = manager.load_base_checkpoint()
+    assert set(loaded) == {training.MODEL_KEY}
+    torch.testing.assert_close(
+        loaded[training.MODEL_KEY], make_model(seed=1).state_dict(), **BITWISE
+    )
+    train(cfg, stop_after=5)
+    # Resuming a step checkpoint, the checkpointer reads the base again (its trained
+    # weights come from the step checkpoint, in load()).
+    manager = CheckpointManager.from_config(
+        OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
+    )
+    loaded = manager.load_base_checkpoint()
+    assert set(loaded) == {training.MODEL_KEY}
+    torch.testing.assert_close(
+        loaded[training.MODEL_KEY], make_model(seed=1).state_dict(), **BITWISE
+    )
+
+
+def test_training_progress_round_trips_but_keeps_the_configs_total_epochs() -> None:
+    progress = TrainingProgress(total_epochs=3, epochs_run=2, global_step=9)
+    assert progress.state_dict() == {
+        training.EPOCHS_KEY: 2,
+        training.TOTAL_EPOCHS_KEY: 3,
+        "global_step": 9,
+    }
+    resumed = TrainingProgress(total_epochs=5)  # a resumed run may train longer
+    resumed.load_state_dict(progress.state_dict())
+    assert resumed == TrainingProgress(total_epochs=5, epochs_run=2, global_step=9)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        train(cfg)
+    assert (
+        f"Training done (epochs done: 2). Final weights in {out}/epoch_1 (every "
+        f"file checksummed); resumable state in {out}/step_8" in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert run.resumed_at == 8
+    assert (
+        f"resume_from_checkpoint=True: {out / 'step_8'} is at the end of training (2 "
+        "epochs done, epochs=2): nothing left to do." in warnings_text(caplog)
+    )
+    assert not (out / LOCK_FILE).exists()
+
+
+@pytest.fixture
+def gloo_world_of_one() -> Iterator[None]:
+    """A one-process gloo group, torn down after the test."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_model(state: dict[str, Any]) -> nn.Module:
+    """The model FSDP2-sharded over the one process, as a distributed recipe run on
+    one device shards it."""
+    model = make_model(seed=2)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    training.load_from_full_model_state_dict(
+        model, state[training.MODEL_KEY], torch.device("cpu"), strict=True
+    )
+    return model
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v
+        for k, v in model.state_dict().items()
+    }
+
+
+# DCP notes that it saves and loads in a single process: intended here.
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
+    tmp_path: Path,
+    gloo_world_of_one: None,
+    asynchronous: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process group of one takes the distributed paths: sharded step checkpoints
+    written by DCP (in the background, with ``enable_async_checkpointing``) and
+    exports gathered from the shards."""
+    in_background = []
+    real_async_save = dcp.async_save
+
+    def async_save(*args: Any, **kwargs: Any) -> Any:
+        in_background.append(kwargs["checkpoint_id"].parent.name)
+        return real_async_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "async_save", async_save)
+    cfg = make_config(tmp_path, enable_async_checkpointing=asynchronous)
+    stopped = train(cfg, in_backward=True, stop_after=7, build=sharded_model)
+    stopped.manager.close()  # a save still in flight completes
+    expected_background = [".step_3.partial", ".step_4.partial", ".step_6.partial"]
+    assert in_background == (expected_background if asynchronous else [])
+    out = tmp_path / "out"
+    assert (out / "step_6" / "model_optimizer" / ".metadata").is_file()
+    assert not (out / "step_6" / MODEL_OPTIMIZER_FILE).exists()
+    run = resume(cfg, build=sharded_model)
+    run.manager.close()
+    assert run.resumed_at == 6
+    expected = full_state(uninterrupted(tmp_path, build=sharded_model))
+    torch.testing.assert_close(full_state(run.model), expected, **BITWISE)
+    torch.testing.assert_close(
+        torch.load(out / "epoch_1" / EXPORT_FILE, weights_only=True),
+        expected,
+        **BITWISE,
+    )
+
+
+# -- what a save writes, and when ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("every", "expected"), [(2, [2, 4, 6, 8]), (3, [3, 4, 6, 8])], ids=["2", "3"]
+)
+def test_save_writes_every_n_steps_and_an_epochs_last_step_only_at_its_end(
+    tmp_path: Path, every: int, expected: list[int]
+) -> None:
+    train(make_config(tmp_path, save_every_n_steps=every))
+    out = tmp_path / "out"
+    assert step_names(out) == [f"step_{n}" for n in expected]
+    # Steps 4 and 8 end epochs: save() left them to save(epoch_end=True), which saved
+    # each once (a second save would have set the first aside) without a data
+    # position (the next epoch starts its loader afresh).
+    assert not (out / PREVIOUS_RUNS).exists()
+    for n in expected:
+        recipe_state = torch.load(out / f"step_{n}" / RECIPE_STATE, weights_only=False)
+        rank_state = torch.load(out / f"step_{n}" / "rank_0.pt", weights_only=False)
+        assert recipe_state["epoch_end"] == (n % STEPS_PER_EPOCH == 0), n
+        assert (rank_state[training.DATALOADER_KEY] is None) == (
+            n % STEPS_PER_EPOCH == 0
+        ), n
+        assert recipe_state["global_step"] == n
+    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+
+
+def test_without_save_every_n_steps_only_the_newest_epoch_end_checkpoint_is_kept(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path, save_every_n_steps=None)
+    out = tmp_path / "out"
+    train(cfg, stop_after=5)
+    assert step_names(out) == ["step_4"]
+    train(make_config(tmp_path / "full", save_every_n_steps=None))
+    out = tmp_path / "full" / "out"
+    assert step_names(out) == ["step_8"]
+    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+
+
+def test_keep_last_n_keeps_the_newest(tmp_path: Path) -> None:
+    cfg = make_config(
+        tmp_path, save_every_n_steps=1, checkpointer={"keep_last_n_checkpoints": 2}
+    )
+    train(cfg)
+    assert step_names(tmp_path / "out") == ["step_7", "step_8"]
+
+
+def test_saving_a_step_again_sets_the_earlier_one_aside(tmp_path: Path) -> None:
+    run = train(make_config(tmp_path), stop_after=3)
+    out, run_id = tmp_path / "out", read_run_file(tmp_path / "out")
+    saves = [(out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes()]
+    for _ in range(2):
+        with torch.no_grad():
+            run.model[0].weight.add_(1.0)
+        run.manager.save()  # global_step is still 3: due again
+        saves.append((out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes())
+    assert len(set(saves)) == 3
+    replaced = out / PREVIOUS_RUNS / f"run_{run_id}-replaced"
+    # Never merged into an earlier move: the second goes beside the first.
+    for folder, data in (
+        (replaced / "step_3", saves[0]),
+        (replaced.with_name(replaced.name + ".2") / "step_3", saves[1]),
+        (out / "step_3", saves[2]),
+    ):
+        verify(folder)
+        assert (folder / MODEL_OPTIMIZER_FILE).read_bytes() == data, folder
+    saved = torch.load(out / "step_3" / MODEL_OPTIMIZER_FILE, weights_only=False)
+    torch.testing.assert_close(saved["model"], run.model.state_dict(), **BITWISE)
+
+
+def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
+    tmp_path: Path,
+) -> None:
+    run = train(make_config(tmp_path), stop_after=5)
+    out = tmp_path / "out"
+    manifest = json.loads((out / "step_3" / MANIFEST).read_text())
+    assert manifest["version"] == 2 and manifest["global_step"] == 3
+    assert read_run_file(out) is not None
+    assert manifest["run_id"] == read_run_file(out)
+    assert manifest["world_size"] == 1
+    assert sorted(manifest["files"]) == [
+        MODEL_OPTIMIZER_FILE,
+        "rank_0.pt",
+        RECIPE_STATE,
+    ]
+    for name, entry in manifest["files"].items():
+        data = (out / "step_3" / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+    assert read_manifest(out / "step_3") == manifest
+    # The epoch export: the weights alone (no optimizer state), with a manifest.
+    export = json.loads((out / "epoch_0" / EXPORT_MANIFEST).read_text())
+    data = (out / "epoch_0" / EXPORT_FILE).read_bytes()
+    assert export["run_id"] == manifest["run_id"]
+    assert export["files"] == {
+        EXPORT_FILE: {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    }
+    verify(out / "epoch_0", EXPORT_MANIFEST)
+    assert not (out / "recipe_state").exists()  # 0.6.1's epoch recipe state
+    # epoch_0 holds the model after step 4; the run trained on to step 5 since.
+    after_4 = torch.load(out / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False)
+    weights = torch.load(out / "epoch_0" / EXPORT_FILE, weights_only=True)
+    torch.testing.assert_close(weights, after_4["model"], **BITWISE)
+    assert set(weights) == set(run.model.state_dict())
+
+
+def test_file_checksum_covers_files_larger_than_one_16_mib_chunk(
+    tmp_path: Path,
+) -> None:
+    data = os.urandom((16 << 20) + 4099)
+    (tmp_path / "large").write_bytes(data)
+    assert file_checksum(tmp_path / "large") == f"{zlib.crc32(data):08x}"
+    (tmp_path / "empty").write_bytes(b"")  # cannot be memory-mapped
+    assert file_checksum(tmp_path / "empty") == "00000000"
+
+
+# -- crashes and damage ----------------------------------------------------------------
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config(tmp_path)
+    real_save = torch.save
+
+    def killed_while_saving_step_6(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        # The recipe state is written after the weights and the rank's state.
+        if isinstance(obj, dict) and obj.get("global_step") == 6:
+            raise KeyboardInterrupt("killed while writing step_6")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", killed_while_saving_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.undo()
+    out = tmp_path / "out"
+    assert step_names(out) == ["step_3", "step_4"]
+    assert (out / ".step_6.partial").is_dir()
+    run = resume(cfg)
+    assert run.resumed_at == 4
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    assert not list(out.glob(".step_*"))  # saving step 6 again cleared the partial
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated", "first byte", "middle byte", "last byte"]
+)
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    damaged = out / "step_4" / MODEL_OPTIMIZER_FILE
+    size = damaged.stat().st_size
+    if damage == "truncated":
+        damaged.write_bytes(damaged.read_bytes()[:100])
+    else:
+        # The last byte is in the zip's end record, which torch.load reads first.
+        where = {"first byte": 0, "middle byte": size // 2, "last byte": size - 1}
+        flip_byte(damaged, where[damage])
+        assert damaged.stat().st_size == size  # a size check alone misses it
+    damaged_bytes = damaged.read_bytes()
+
+    # Named, it is an error that names the file, raised before anything is loaded.
+    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
+    with pytest.raises(CheckpointError, match=re.escape(f"{damaged} is damaged")):
+        resume(named)
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert f"Skipping step checkpoint {out / 'step_4'}: {damaged} is damaged" in (
+        warnings_text(caplog)
+    )
+    assert run.resumed_at == 3
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    # The damaged one is set aside, not deleted.
+    (aside,) = (out / PREVIOUS_RUNS).rglob(MODEL_OPTIMIZER_FILE)
+    assert aside.read_bytes() == damaged_bytes
+
+
+def test_a_folder_without_manifest_is_not_a_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    (out / "step_9").mkdir()
+    (out / "step_9" / MODEL_OPTIMIZER_FILE).write_bytes(b"half written")
+    with pytest.raises(CheckpointError, match=f"has no {MANIFEST}"):
+        verify(out / "step_9")
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert f"Skipping step checkpoint {out / 'step_9'}" in warnings_text(caplog)
+    assert run.resumed_at == 4
+
+
+@pytest.mark.parametrize(
+    "entries", ["sizes_as_version_1_wrote_them", "checksums_but_version_1"]
+)
+def test_a_version_1_manifest_is_refused_naming_the_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, entries: str
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
+    files = manifest["files"]
+    # Version 1 (an earlier build of this patch set) recorded each file's size.
+    legacy = {
+        "version": 1,
+        "global_step": 4,
+        "world_size": 1,
+        "files": {n: e["size"] for n, e in files.items()}
+        if entries == "sizes_as_version_1_wrote_them"
+        else files,
+    }
+    (out / "step_4" / MANIFEST).write_text(json.dumps(legacy))
+    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
+    with pytest.raises(CheckpointError, match="of manifest version 1"):
+        resume(named)
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert "of manifest version 1" in warnings_text(caplog)
+    assert run.resumed_at == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "manifest missing"])
+def test_a_damaged_epoch_export_is_rewritten_on_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    export = out / "epoch_0" / EXPORT_FILE
+    original_bytes = export.read_bytes()
+    original = torch.load(export, weights_only=True)
+    if damage == "truncated":  # a crash or a full disk while it was written
+        export.write_bytes(original_bytes[: len(original_bytes) // 2])
+    else:
+        (out / "epoch_0" / EXPORT_MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg, stop_after=5)
+    assert run.resumed_at == 4  # the epoch-end checkpoint of epoch 0
+    assert "The export of epoch 0 is not whole" in warnings_text(caplog)
+    verify(out / "epoch_0", EXPORT_MANIFEST)
+    torch.testing.assert_close(
+        torch.load(export, weights_only=True), original, **BITWISE
+    )
+    assert export.read_bytes() == original_bytes
+
+
+# -- runs and their folders ------------------------------------------------------------
+
+
+def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path))
+    earlier = read_run_file(out)
+    before = snapshot(out)
+    # The new run starts from the earlier run's last export.
+    cfg = make_config(
+        tmp_path,
+        checkpointer={
+            "checkpoint_dir": str(out / "epoch_1"),
+            "checkpoint_files": [EXPORT_FILE],
+        },
+    )
+    with caplog.at_level(logging.WARNING):
+        run = train(cfg, stop_after=2)
+    aside = out / PREVIOUS_RUNS / f"run_{earlier}"
+    assert "moved " in warnings_text(caplog) and str(aside) in warnings_text(caplog)
+    assert read_run_file(out) not in (None, earlier)
+    assert read_run_file(aside) == earlier and (aside / RUN_FILE).is_file()
+    assert step_names(out) == []  # stopped before its first save
+    # Every file is still there, unchanged: the base in place, the rest set aside.
+    for name, data in before.items():
+        where = out / name if name.startswith("epoch_1") else aside / name
+        assert where.exists(), name
+        if data is not None:
+            assert where.read_bytes() == data, name
+    torch.testing.assert_close(
+        torch.load(out / "epoch_1" / EXPORT_FILE, weights_only=True),
+        torch.load(aside / "step_8" / MODEL_OPTIMIZER_FILE, weights_only=False)[
+            "model"
+        ],
+        **BITWISE,
+    )
+    assert run.resumed_at == 0
+
+
+def test_a_new_run_never_overwrites_an_earlier_runs_export_it_started_from(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path))
+    earlier_export = (out / "epoch_1" / EXPORT_FILE).read_bytes()
+    cfg = make_config(
+        tmp_path,
+        checkpointer={
+            "checkpoint_dir": str(out / "epoch_1"),
+            "checkpoint_files": [EXPORT_FILE],
+        },
+    )
+    train(cfg)
+    kept = [p for p in out.rglob(EXPORT_FILE) if p.read_bytes() == earlier_export]
+    assert kept, "the earlier run's epoch_1 weights are gone"
+
+
+def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path, save_every_n_steps=1))  # run A: step_1 ... step_8
+    run_a = read_run_file(out)
+    train(make_config(tmp_path), stop_after=5)  # run B: step_3, step_4; A set aside
+    # Someone moves two of run A's checkpoints back.
+    for name in ("step_1", "step_7"):
+        os.replace(out / PREVIOUS_RUNS / f"run_{run_a}" / name, out / name)
+    a_files = snapshot(out / "step_1")
+    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1})
+    run = resume(cfg)
+    assert run.resumed_at == 4  # run B's newest, not run A's step_7
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    # Pruning to 1 kept run B's newest and left run A's step_1 as it was; run A's
+    # later step_7 was set aside, not deleted.
+    assert step_names(out) == ["step_1", "step_8"]
+    assert snapshot(out / "step_1") == a_files
+    assert json.loads((out / "step_1" / MANIFEST).read_text())["run_id"] == run_a
+    assert [p.parent.name for p in (out / PREVIOUS_RUNS).rglob(MANIFEST)].count(
+        "step_7"
+    ) == 1
+
+
+def test_resuming_an_earlier_step_branches_and_prunes_within_the_branch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path))  # step_3, step_4, step_6, step_8, epoch_0, epoch_1
+    run_id = read_run_file(out)
+    before = snapshot(out)
+    cfg = make_config(
+        tmp_path,
+        checkpointer={"recipe_checkpoint": "step_3", "keep_last_n_checkpoints": 2},
+    )
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg, stop_after=5)
+    assert run.resumed_at == 3
+    branch = out / PREVIOUS_RUNS / f"run_{run_id}-after-step_3"
+    assert str(branch) in warnings_text(caplog)
+    assert sorted(p.name for p in branch.iterdir()) == [
+        "epoch_0",
+        "epoch_1",
+        "step_4",
+        "step_6",
+        "step_8",
+    ]
+    for name, data in before.items():  # set aside whole
+        if name.split("/")[0] in ("step_4", "step_6", "step_8", "epoch_0", "epoch_1"):
+            assert (branch / name).exists() and (
+                data is None or (branch / name).read_bytes() == data
+            ), name
+    # The old timeline's newer step_6 and step_8 no longer count: pruning to 2 keeps
+    # the branch's new step_4.
+    assert step_names(out) == ["step_3", "step_4"]
+    # The branch is the run now: resumed again, it continues from its newest.
+    run = resume(make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 2}))
+    assert run.resumed_at == 4
+    assert step_names(out) == ["step_6", "step_8"]
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_a_named_step_checkpoint_that_does_not_exist_lists_those_there(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    named = OmegaConf.merge(
+        cfg,
+        {
+            "resume_from_checkpoint": True,
+            "checkpointer": {"recipe_checkpoint": "step_9"},
+        },
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"^checkpointer.recipe_checkpoint=step_9 names the step checkpoint "
+        r".*step_9, which does not exist. The step checkpoints in .* are "
+        r"\['step_4', 'step_3'\]: name one of them",
+    ):
+        CheckpointManager.from_config(named)
+
+
+def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match="^resume_from_checkpoint=True, but there is nothing"
+    ):
+        CheckpointManager.from_config(
+            make_config(tmp_path, resume_from_checkpoint=True)
+        )
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+def test_another_optimizer_class_is_refused_when_the_manager_is_built(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    resuming = OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
+    # The same class under another path resumes.
+    resuming.optimizer._component_ = "torch.optim.adamw.AdamW"
+    CheckpointManager.from_config(resuming)
+    resuming.optimizer._component_ = "torch.optim.SGD"
+    with pytest.raises(
+        ValueError,
+        match=r"^optimizer._component_=torch.optim.SGD cannot resume from "
+        rf"{re.escape(str(tmp_path / 'out' / 'step_4'))}: its optimizer state was "
+        r"saved by torch.optim.AdamW, and another optimizer class cannot load it",
+    ):
+        CheckpointManager.from_config(resuming)
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "message"),
+    [
+        ("dataset_length", {"dataset": Samples(10)}, "8 then, 10 now"),
+        (
+            "dataset_fingerprint",
+            {"dataset": Samples(offset=100)},
+            "'[0-9a-f]{16}' then, '[0-9a-f]{16}' now",
+        ),
+        ("batch_size", {"batch_size": 4}, "2 then, 4 now"),
+        (
+            "gradient_accumulation_steps",
+            {"gradient_accumulation_steps": 2},
+            "1 then, 2 now",
+        ),
+        ("max_steps_per_epoch", {"max_steps_per_epoch": 3}, "None then, 3 now"),
+    ],
+)
+def test_a_resume_with_another_trajectory_is_refused_before_any_file_changes(
+    tmp_path: Path, key: str, change: dict[str, Any], message: str
+) -> None:
+    assert key in TRAJECTORY_KEYS or key.startswith("dataset")
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7)
+    change = dict(change)
+    dataset = change.pop("dataset", None)
+    resuming = OmegaConf.merge(cfg, change)
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{key}: {message}"):
+        resume(resuming, dataset=dataset)
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_allow_changes_continues_with_another_trajectory_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7)
+    with caplog.at_level(logging.WARNING):
+        run = resume(
+            OmegaConf.merge(cfg, {"resume_allow_changes": True}),
+            dataset=Samples(offset=100),
+        )
+    assert run.resumed_at == 6 and run.progress.global_step == 8
+    assert re.search(
+        r"resume_allow_changes=True: resuming .*step_6 with other settings "
+        r"\(dataset_fingerprint: '[0-9a-f]{16}' then, '[0-9a-f]{16}' now\)",
+        warnings_text(caplog),
+    )
+
+
+def test_a_trajectory_setting_added_on_resume_is_refused(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path)
+    del cfg["max_steps_per_epoch"]
+    train(cfg, stop_after=5)
+    with pytest.raises(CheckpointError, match="max_steps_per_epoch"):
+        resume(OmegaConf.merge(cfg, {"max_steps_per_epoch": 3}))
+
+
+def test_another_world_size_is_refused_even_with_resume_allow_changes(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    step_4 = tmp_path / "out" / "step_4"
+    recipe_state = torch.load(step_4 / RECIPE_STATE, weights_only=False)
+    recipe_state["trajectory"]["world_size"] = 2  # as a 2-process run saves it
+    rewrite(step_4, RECIPE_STATE, recipe_state)
+    with pytest.raises(CheckpointError, match=r"\(world_size: 2 then, 1 now\)"):
+        resume(OmegaConf.merge(cfg, {"resume_allow_changes": True}))
+
+
+def test_a_changed_optimizer_setting_is_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7)
+    with caplog.at_level(logging.WARNING):
+        run = resume(OmegaConf.merge(cfg, {"optimizer": {"lr": 0.01}}))
+    assert (
+        "its optimizer state replaces optimizer.lr=0.01 (the checkpoint's: 0.05)"
+        in warnings_text(caplog)
+    )
+    # It trained on with the checkpoint's lr.
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    manager = CheckpointManager.from_config(cfg)
+    model = base_model(manager.load_base_checkpoint())
+    loader = make_loader(Samples(1), batch_size=2)  # no full batch
+    before = snapshot(tmp_path)
+    with pytest.raises(
+        ValueError, match="^An epoch has no optimizer step: 1 samples make 0 batches"
+    ):
+        manager.load(
+            model,
+            make_optimizer(model, cfg, False),
+            loader,
+            TrainingProgress(total_epochs=2),
+            steps_per_epoch=0,
+        )
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"save_every_n_steps": 0}, "save_every_n_steps=0"),
+        ({"save_every_n_steps": 2.5}, "save_every_n_steps=2.5"),
+        (
+            {"checkpointer": {"keep_last_n_checkpoints": 0}},
+            "checkpointer.keep_last_n_checkpoints=0",
+        ),
+    ],
+)
+def test_invalid_options_are_refused_naming_the_key(
+    tmp_path: Path, options: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=f"^{re.escape(named)} must be a positive integer or null"
+    ):
+        CheckpointManager.from_config(make_config(tmp_path, **options))
+
+
+def test_a_distributed_checkpointer_is_refused_as_the_configured_checkpointer(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    cfg.checkpointer = {
+        "_component_": "torchtune.training.DistributedCheckpointer",
+        "checkpoint_dir": str(tmp_path / "base"),
+        "output_dir": str(tmp_path / "out"),
+    }
+    with pytest.raises(ValueError, match="reads no weights to start from"):
+        CheckpointManager.from_config(cfg)
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config(tmp_path)
+    cfg.output_dir = str(tmp_path / "new" / "nested")  # made later: fine
+    cfg.checkpointer.output_dir = str(tmp_path / "ckpt")
+    CheckpointManager.from_config(cfg)
+    (tmp_path / "a_file").write_text("")
+    cfg.checkpointer.output_dir = str(tmp_path / "a_file" / "out")
+    with pytest.raises(
+        PermissionError,
+        match=f"^checkpointer.output_dir={tmp_path}/a_file/out cannot be made: "
+        f"{tmp_path}/a_file is a file",
+    ):
+        CheckpointManager.from_config(cfg)
+    # As a user without write permission in tmp_path sees it (root may write
+    # anywhere, so permissions cannot show it here).
+    real_access = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode: Path(path) != tmp_path and real_access(path, mode),
+    )
+    cfg.checkpointer.output_dir = str(tmp_path / "ckpt")
+    with pytest.raises(
+        PermissionError,
+        match=f"^output_dir={tmp_path}/new/nested cannot be written: this process has "
+        f"no write permission in {tmp_path}",
+    ):
+        CheckpointManager.from_config(cfg)
+
+
+# -- the one-run lock ------------------------------------------------------------------
+
+
+def write_lock(out: Path, pid: int, host: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK_FILE
+    lock.write_text(
+        json.dumps({"pid": pid, "host": host, "started": "2026-01-02 03:04:05 UTC"})
+    )
+    return lock
+
+
+def assert_held_by_this_process(lock: Path) -> None:
+    owner = json.loads(lock.read_text())
+    assert (owner["pid"], owner["host"]) == (os.getpid(), socket.gethostname())
+
+
+def test_a_live_processs_lock_refuses_the_run_and_a_dead_ones_is_taken_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    host = socket.gethostname()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        lock = write_lock(tmp_path / "out", sleeper.pid, host)
+        with pytest.raises(
+            CheckpointError,
+            match=re.escape(
+                f"is in use by another run (process {sleeper.pid} on host {host}, "
+                "started 2026-01-02 03:04:05 UTC)"
+            ),
+        ):
+            CheckpointManager.from_config(cfg)
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_FILE]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # Its process is gone: the lock is stale.
+    with caplog.at_level(logging.WARNING):
+        run = train(cfg, stop_after=1)
+    assert f"Taking over {lock}" in warnings_text(caplog)
+    assert str(sleeper.pid) in warnings_text(caplog)
+    assert_held_by_this_process(lock)
+    assert run.progress.global_step == 1
+
+
+def test_another_hosts_lock_is_refused_until_its_heartbeat_is_stale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    lock = write_lock(tmp_path / "out", 1, "another-host")
+    with pytest.raises(CheckpointError, match=r"process 1 on host another-host"):
+        CheckpointManager.from_config(cfg)
+    fresh = time.time() - LOCK_STALE_AFTER_S + 60
+    os.utime(lock, (fresh, fresh))
+    with pytest.raises(CheckpointError, match=r"process 1 on host another-host"):
+        CheckpointManager.from_config(cfg)
+    stale = time.time() - LOCK_STALE_AFTER_S - 60
+    os.utime(lock, (stale, stale))
+    with caplog.at_level(logging.WARNING):
+        run = train(cfg, stop_after=1)  # still running: it holds the lock
+    assert f"Taking over {lock}" in warnings_text(caplog)
+    assert_held_by_this_process(lock)
+    assert run.progress.global_step == 1
+
+
+def judge_lock_on_two_hosts(out_dir: Path) -> None:
+    """Run by each of 2 processes, rank 1 as if on another host: a 2-node job whose
+    output_dir is on a shared file system. Each builds the manager from the config
+    in ``out_dir`` (before the process group, as the distributed recipes do) and
+    reports whether it was refused."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        socket.gethostname = lambda: "node-1"  # this child process only
+    try:
+        CheckpointManager.from_config(OmegaConf.load(out_dir / "config.yaml"))
+        outcome = "accepted"
+    except CheckpointError as e:
+        outcome = f"refused: {e}"
+    write_report(out_dir, rank, {"outcome": outcome})
+
+
+def test_every_rank_of_a_two_node_run_judges_a_stale_lock_alike(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    OmegaConf.save(cfg, tmp_path / "config.yaml")
+    crashed = subprocess.Popen(["true"])
+    crashed.wait()
+    write_lock(tmp_path / "out", crashed.pid, socket.gethostname())
+    run = run_distributed(
+        __name__, "judge_lock_on_two_hosts", tmp_path, world_size=2, timeout_s=120
+    )
+    outcomes = [report.get("outcome") for report in run.reports]
+    assert None not in outcomes, run.output
+    assert outcomes[0] == outcomes[1], outcomes
+
+
+def test_the_lock_is_held_while_training_and_released_after_the_last_save(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    lock = tmp_path / "out" / LOCK_FILE
+    manager = CheckpointManager.from_config(cfg)
+    manager.load_base_checkpoint()
+    assert not lock.exists()  # from_config and the base checkpoint take nothing
+    run = train(cfg, stop_after=8)  # before its epoch-end save
+    assert_held_by_this_process(lock)
+    with pytest.raises(CheckpointError, match="in use by another run"):
+        # Another process's view: the lock's owner is alive.
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(os, "getpid", lambda: -1)
+            CheckpointManager.from_config(cfg)
+    run.progress.epochs_run += 1
+    run.manager.save(epoch_end=True)
+    assert not lock.exists()
+
+
+# -- LoRA exports ----------------------------------------------------------------------
+
+
+def lora_config(tmp_path: Path, dora: bool, adapter_only: bool) -> DictConfig:
+    base = {k: v for k, v in TinyLoRA(dora).state_dict().items() if "lora" not in k}
+    base = {k: v for k, v in base.items() if "magnitude" not in k}
+    return make_config(
+        tmp_path,
+        base=base,
+        epochs=1,
+        save_adapter_weights_only=adapter_only,
+        model={
+            "lora_rank": 2,
+            "lora_alpha": 4.0,
+            "lora_attn_modules": ["q_proj"],
+            "apply_lora_to_mlp": False,
+        },
+    )
+
+
+def lora_model(dora: bool) -> Callable[[dict[str, Any]], nn.Module]:
+    def build(state: dict[str, Any]) -> nn.Module:
+        model = TinyLoRA(dora)
+        model.load_state_dict(state[training.MODEL_KEY], strict=False)
+        if dora:
+            model.q_proj.initialize_dora_magnitude()
+        peft.set_trainable_params(model, peft.get_adapter_params(model))
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize(
+    ("dora", "adapter_only"),
+    [(False, False), (True, False), (False, True)],
+    ids=["lora", "dora", "adapter_only"],
+)
+def test_a_lora_export_merges_into_copies_and_leaves_the_live_weights(
+    tmp_path: Path, dora: bool, adapter_only: bool
+) -> None:
+    cfg = lora_config(tmp_path, dora, adapter_only)
+    run = train(cfg, stop_after=4, build=lora_model(dora))  # before the epoch's end
+    assert run.manager.options.adapter_config == {
+        "r": 2,
+        "lora_alpha": 4.0,
+        "target_modules": ["q_proj"],
+        "peft_type": "LORA",
+    }
+    live = {k: v.clone() for k, v in run.model.state_dict().items()}
+    lora_a, lora_b = live["q_proj.lora_a.weight"], live["q_proj.lora_b.weight"]
+    assert lora_b.abs().sum() > 0  # trained: merging changes the weight
+    run.progress.epochs_run += 1
+    run.manager.save(epoch_end=True)
+
+    torch.testing.assert_close(run.model.state_dict(), live, **BITWISE)
+    epoch_0 = tmp_path / "out" / "epoch_0"
+    adapter_names = sorted(k for k in live if "lora" in k or "magnitude" in k)
+    adapter = torch.load(epoch_0 / "adapter_model.pt", weights_only=True)
+    torch.testing.assert_close(adapter, {k: live[k] for k in adapter_names}, **BITWISE)
+    # The step checkpoint holds the trainable part, the adapter, alone.
+    saved = torch.load(
+        tmp_path / "out" / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False
+    )
+    assert sorted(saved["model"]) == adapter_names
+    if adapter_only:
+        assert not (epoch_0 / EXPORT_FILE).exists()
+        return
+    merged = torch.load(epoch_0 / EXPORT_FILE, weights_only=True)
+    assert sorted(merged) == ["output.bias", "output.weight", "q_proj.weight"]
+    weight = live["q_proj.weight"] + (4.0 / 2) * lora_b @ lora_a
+    if dora:
+        norm = torch.linalg.norm(weight, dim=1)
+        weight = weight * (live["q_proj.magnitude"] / norm).view(-1, 1)
+    # The same operations on the same values as the merge: bitwise.
+    torch.testing.assert_close(merged["q_proj.weight"], weight, **BITWISE)
+    torch.testing.assert_close(
+        merged["output.weight"], live["output.weight"], **BITWISE
+    )
+
+
+def test_a_lora_resume_of_a_0_6_1_epoch_checkpoint_without_adapter_is_refused(
+    tmp_path: Path,
+) -> None:
+    cfg = lora_config(tmp_path, dora=False, adapter_only=False)
+    out = tmp_path / "out"
+    # 0.6.1's layout: the weights of epoch_0, the recipe state, and no adapter.
+    (out / "epoch_0").mkdir(parents=True)
+    torch.save(
+        torch.load(tmp_path / "base" / "model.pt"), out / "epoch_0" / EXPORT_FILE
+    )
+    (out / "recipe_state").mkdir()
+    torch.save({training.EPOCHS_KEY: 1}, out / "recipe_state" / "recipe_state.pt")
+    manager = CheckpointManager.from_config(
+        OmegaConf.merge(
+            cfg,
+            {
+                "resume_from_checkpoint": True,
+                "checkpointer": {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]},
+            },
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "resume_from_checkpoint=True, but no adapter weights were found. Set "
+            "checkpointer.adapter_checkpoint, or resume from an output_dir whose "
+            "latest epoch_* folder holds adapter_model.pt."
+        ),
+    ):
+        manager.load_base_checkpoint()
+
+
+# -- torchtune 0.6.1 epoch checkpoints -------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("layout", ["epoch", "dcp"])
+def test_a_0_6_1_epoch_checkpoint_resumes_at_its_epochs_end(
+    tmp_path: Path, layout: str
+) -> None:
+    """0.6.1 saved the weights in ``epoch_{N}/`` and the progress and optimizer state
+    in ``recipe_state/recipe_state.pt`` or, asynchronously, all of it in DCP's
+    ``dist_epoch_{N}/``; no data position or RNG state, which an epoch's end of a
+    model without dropout does not need."""
+    after_epoch_0 = train(make_config(tmp_path / "first"), stop_after=4)
+    model, optimizer = after_epoch_0.model, after_epoch_0.optimizer
+    out = tmp_path / "out"
+    recipe_state = {
+        training.SEED_KEY: 0,
+        training.EPOCHS_KEY: 1,
+        training.TOTAL_EPOCHS_KEY: 2,
+        training.MAX_STEPS_KEY: None,
+        training.OPT_KEY: optimizer.state_dict(),
+    }
+    options: dict[str, Any] = {"resume_from_checkpoint": True}
+    if layout == "epoch":
+        (out / "epoch_0").mkdir(parents=True)
+        (out / "recipe_state").mkdir()
+        torch.save(model.state_dict(), out / "epoch_0" / EXPORT_FILE)
+        torch.save(recipe_state, out / "recipe_state" / "recipe_state.pt")
+        options["checkpointer"] = {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]}
+    else:
+        recipe_state[training.MODEL_KEY] = model.state_dict()
+        DistributedCheckpointer(
+            checkpoint_dir=str(tmp_path / "base"), output_dir=str(out)
+        ).save_checkpoint(recipe_state, epoch=0)
+        options["enable_async_checkpointing"] = True
+    cfg = make_config(tmp_path, **options)
+    run = train(cfg, in_backward=layout == "dcp")
+    assert run.resumed_at == STEPS_PER_EPOCH
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    assert read_run_file(out).startswith("0.6.1-")
+
+
+# -- two processes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scenario", [n for n in SCENARIOS if n.startswith("checkpoint_manager")]
+)
+def test_two_gloo_processes_fsdp2(
+    optimizer_in_backward_distributed_run: DistributedRun, scenario: str
+) -> None:
+    """FSDP2 runs on 2 gloo processes stopped mid-epoch and resumed, synchronously
+    and asynchronously, into either optimizer, bitwise; see
+    optimizer_in_backward_scenarios.py."""
+    outcome = optimizer_in_backward_distributed_run.outcome(scenario)
+    assert outcome == "ok", outcome
