@@ -221,6 +221,8 @@ def _metadata(upstream: bytes, cfg: dict) -> bytes:
     for line in head.splitlines():
         if line.startswith("Version:"):
             line = f"Version: {_version(cfg)}"
+        if line.startswith("Requires-Python:") and cfg.get("requires-python"):
+            line = f"Requires-Python: {cfg['requires-python']}"
         lines.append(line)
     lines += [f"Requires-Dist: {req}" for req in cfg.get("requires", [])]
     for extra, reqs in cfg.get("extras", {}).items():

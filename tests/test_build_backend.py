@@ -93,6 +93,8 @@ def test_wheel_metadata_keeps_upstream_requirements_and_adds_pins(built_wheel):
     assert "torchao==0.13.0" in requires
     assert "torchdata==0.11.0" in requires and "omegaconf" in requires
     assert "tune = torchtune._cli.tune:main" in entry_points
+    # What the code runs on (3.10 syntax), not upstream's >=3.9.
+    assert "Requires-Python: >=3.10" in headers
 
 
 def test_wheel_record_hashes_every_file(built_wheel):
