@@ -52,20 +52,17 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     - Memory (``enable_activation_checkpointing``, ``enable_activation_offloading``).
     - ``torch.compile`` (``compile``): a bool compiles the model and the loss, as in
       0.6.1; a mapping with keys ``model``, ``loss`` and ``optimizer_step`` picks them
-      one by one (``optimizer_step`` compiles the plain optimizer's ``step``; with
-      torch 2.13 a compiled Adam/AdamW step at ``lr=0``, e.g. the first step of a
-      warmup from 0, writes NaN where the second moment is 0: pytorch/pytorch#126514).
+      one by one (``optimizer_step`` compiles the plain optimizer's ``step``; a
+      compiled Adam/AdamW step at ``lr=0``, the first step of a warmup from 0, can
+      write NaN: pytorch/pytorch#126514).
     - Data (``dataset``, one or a list, ``packed`` or not; ``collate_fn``,
       ``batch_size``, ``shuffle``; ``epochs``, ``max_steps_per_epoch``).
     - Checkpointing (``checkpointer``: HF, Meta or torchtune format;
-      ``resume_from_checkpoint``): model weights after every epoch; optimizer and
-      recipe state too for every epoch but the last, to resume from.
-      ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at the
-      end of every epoch to ``output_dir/step_{global_step}/`` (model, optimizer,
-      recipe, dataloader and RNG state; written whole or not at all), and
-      ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of those. ``resume_from_checkpoint: True`` without
-      ``checkpointer.recipe_checkpoint`` continues from whichever whole checkpoint is
-      furthest along, mid-epoch included; a damaged one is skipped with a warning.
+      ``save_every_n_steps``, ``resume_from_checkpoint``), by
+      :class:`~torchtune.training.CheckpointManager`: a step checkpoint
+      (``output_dir/step_{N}/``) when one is due and at every epoch's end, then the
+      epoch's weights (``epoch_{N}/``); a resume continues exactly where the newest
+      whole one left off (``docs/source/step_checkpoints.rst``).
     - Logging (``metric_logger``, ``log_every_n_steps``, ``log_peak_memory_stats``):
       ``loss``, ``lr``, ``tokens_per_second_per_gpu``, ``grad_norm`` and, on devices
       that report them, peak memory stats. Profiling (``profiler``; its
@@ -76,21 +73,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg (DictConfig): the parsed config, command-line overrides applied.
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation,
-            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
-            flag that is not a bool; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
-            from, a named step checkpoint that does not exist, or another optimizer
-            class than the checkpoint's); an optimizer the recipe cannot step
-            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
-            backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
-        RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
-            without ``enable_activation_checkpointing``; an inference-only
-            ``collate_fn``; ``dtype=bf16`` on hardware without bf16.
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
 
         Every refusal happens here, before anything is built or written.
     """

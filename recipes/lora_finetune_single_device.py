@@ -64,8 +64,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
       0.6.1; a mapping with keys ``model``, ``loss`` and ``optimizer_step`` picks them
       one by one (``optimizer_step`` compiles the plain optimizer's ``step``).
       Beware: a compiled Adam/AdamW step at lr=0 (the first step of torchtune's
-      warmup schedules) writes NaN where the second moment is 0, i.e. every
-      ``lora_a`` at step 0 (pytorch/pytorch#126514, still in torch 2.13).
+      warmup schedules) can write NaN where the second moment is 0, i.e. every
+      ``lora_a`` at step 0 (pytorch/pytorch#126514).
     - Data (``dataset``, one or a list, ``packed`` or not; ``collate_fn``,
       ``batch_size``, ``shuffle``; ``epochs``, ``max_steps_per_epoch``).
     - Checkpointing (``checkpointer``, ``save_adapter_weights_only``,

@@ -1034,7 +1034,7 @@ class OptimizerInBackward(Optimizer):
 
         Accepts what that class accepts, whether saved from this class or from the
         plain optimizer. A torchtune 0.6.1 in-backward checkpoint (a dict keyed by
-        parameter name) is converted first, with
+        parameter name) is refused: convert it first with
         :func:`convert_legacy_optim_in_bwd_state_dict`.
 
         Args:

@@ -216,9 +216,8 @@ def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
     optimizer's ``_component_`` from the config. It imports the component, not the
     config's other arguments.
 
-    What works (measured with 2 gloo processes on CPU, torch 2.13, torchao 0.13,
-    bitsandbytes 0.50): ``torch.optim`` optimizers and ``torchao.optim._AdamW``
-    train and checkpoint. torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``,
+    ``torch.optim`` optimizers and ``torchao.optim._AdamW`` train and checkpoint
+    (what was measured, on which versions: ``docs/source/optimizer_in_backward.rst``). torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``,
     ``AdamWFp8`` and their Adam variants) train, with the plain losses in-backward,
     but saving their state in an epoch checkpoint fails: its quantized tensors
     support neither the all-gather of a full checkpoint nor the copy an asynchronous
