@@ -18,7 +18,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -58,19 +57,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
           clipping.
         - ``compile``: ``True`` compiles model and loss; a mapping with keys ``model``,
           ``loss`` and ``optimizer_step`` chooses each.
-        - Checkpointing at the end of every epoch, written by rank 0 through the
-          configured checkpointer; intermediate checkpoints carry the optimizer and
-          recipe state for ``resume_from_checkpoint``. With
-          ``enable_async_checkpointing`` intermediate checkpoints are saved
-          asynchronously as distributed checkpoints, and resuming reads the latest one.
-          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
-          the end of every epoch to ``output_dir/step_{global_step}/``, sharded from
-          every rank (trainable weights, optimizer, recipe, dataloader and RNG state;
-          written whole or not at all); ``checkpointer.keep_last_n_checkpoints: K``
-          keeps the newest K of those. ``resume_from_checkpoint: True`` without
-          ``checkpointer.recipe_checkpoint`` continues from whichever whole checkpoint
-          is furthest along, mid-epoch included; a damaged one is skipped with a
-          warning.
+        - Checkpointing (``checkpointer``, ``resume_from_checkpoint``), by
+          :class:`~torchtune.training.CheckpointManager`: after every epoch, rank 0
+          writes the weights to ``epoch_{N}`` through the configured checkpointer, and
+          every rank its shards of a step checkpoint (trainable weights, optimizer,
+          recipe, dataloader and RNG state; written whole or not at all) to
+          ``output_dir/step_{global_step}/``. ``save_every_n_steps: N`` also saves one
+          every N steps, ``enable_async_checkpointing`` writes them in the background,
+          and ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of them.
+          ``resume_from_checkpoint: True`` continues from the newest whole step
+          checkpoint, mid-epoch included (a damaged one is skipped with a warning), or
+          from a torchtune 0.6.1 epoch checkpoint.
         - Logging (metrics from rank 0), profiling and memory snapshots as in the other
           recipes.
 
@@ -83,7 +80,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
             flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
             ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -104,7 +101,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg, distributed=True)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
         self._tp_dim = cfg.get("tensor_parallel_dim", 1)
         self._tp_plan = config.instantiate(cfg.get("tensor_parallel_plan", None))
         if self._tp_dim > 1 and self._tp_plan is None:
@@ -124,10 +121,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"world_size {self.world_size} must be divisible by tensor_parallel_dim {self._tp_dim}"
             )
 
-        # Where training stands; a resumed run takes it from the checkpoint. All
-        # ranks agree on the seed (set_seed broadcasts a random one if it is null).
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        # All ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        # Where training stands; a resumed run takes it from the checkpoint.
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def setup(self, cfg: DictConfig) -> None:
         """
@@ -146,15 +145,10 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             metric_logger, self._opts, world_size=self.world_size
         )
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        checkpoint_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(cfg, checkpoint_dict[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state; from a step or an asynchronous checkpoint
-        # the trained weights too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(
@@ -170,20 +164,26 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained weights, optimizer, data position, RNG and progress.
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler
             and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
             # After the scheduler, which wraps step() to check the call order.
             compile_step=self._opts.compile["optimizer_step"],
         )
@@ -288,15 +288,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -353,11 +351,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=running_loss.item() / num_tokens.item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
@@ -365,17 +363,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.close()
+        self._checkpoint.close()
         self._step_logger.close()
         destroy_process_group()
 

@@ -19,7 +19,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
 from torchtune.recipe_interfaces import FTRecipeInterface
-from torchtune.training import CheckpointClient, TrainingProgress
 
 log = utils.get_logger("DEBUG")
 
@@ -67,23 +66,21 @@ class QATRecipeDistributed(FTRecipeInterface):
           backward pass. ``grad_norm``, logged in every mode, is the norm before
           clipping.
         - An optional ``lr_scheduler``; without one the lr stays constant.
-        - Checkpointing at the end of every epoch, written by rank 0 through the
-          configured checkpointer; intermediate checkpoints carry the optimizer and
-          recipe state for ``resume_from_checkpoint``. With
-          ``enable_async_checkpointing`` intermediate checkpoints are saved
-          asynchronously as distributed checkpoints, and resuming reads the latest one.
-          ``save_every_n_steps: N`` also saves a step checkpoint every N steps and at
-          the end of every epoch to ``output_dir/step_{global_step}/``, written by
-          every rank: the QAT-prepared model's weights (its fake-quantized layers
-          keep the base names and hold no state of their own) and the optimizer
-          state (a sharded distributed checkpoint), the recipe state, and each
-          rank's dataloader and RNG state; written whole or not at all.
-          ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K step
-          checkpoints. ``resume_from_checkpoint: True`` without
-          ``checkpointer.recipe_checkpoint`` continues from whichever whole
-          checkpoint is furthest along, mid-epoch included, on as many processes as
-          saved it; a damaged one is skipped with a warning. Fake quantization is set
-          from the resumed step count, as in the interrupted run.
+        - Checkpointing (``checkpointer``, ``resume_from_checkpoint``), by
+          :class:`~torchtune.training.CheckpointManager`: after every epoch, rank 0
+          writes the weights to ``epoch_{N}`` through the configured checkpointer, and
+          every rank its shards of a step checkpoint (the QAT-prepared model's
+          weights, whose fake-quantized layers keep the base names and hold no state
+          of their own, the optimizer, recipe, dataloader and RNG state; written whole
+          or not at all) to ``output_dir/step_{global_step}/``.
+          ``save_every_n_steps: N`` also saves one every N steps,
+          ``enable_async_checkpointing`` writes them in the background, and
+          ``checkpointer.keep_last_n_checkpoints: K`` keeps the newest K of them.
+          ``resume_from_checkpoint: True`` continues from the newest whole step
+          checkpoint, mid-epoch included (a damaged one is skipped with a warning), on
+          as many processes as saved it, or from a torchtune 0.6.1 epoch checkpoint.
+          Fake quantization is set from the resumed step count, as in the
+          interrupted run.
         - Logging (metrics from rank 0), profiling and memory snapshots as in the other
           recipes.
 
@@ -95,7 +92,7 @@ class QATRecipeDistributed(FTRecipeInterface):
             (``optimizer_in_bwd=True`` with gradient accumulation, or clipping and
             activation offloading; fp16; a flag that is not a bool; an optimizer FSDP2
             cannot train or checkpoint, see ``training.check_fsdp_optimizer``; ...) or
-            by :class:`~torchtune.training.CheckpointClient` (``save_every_n_steps``,
+            by :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
             ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
             from, a named step checkpoint that does not exist, or another optimizer
             class than the checkpoint's); an optimizer the recipe cannot step
@@ -136,16 +133,18 @@ class QATRecipeDistributed(FTRecipeInterface):
                 "fake_quant_after_n_steps must be null or an integer >= 0, got "
                 f"{self._fake_quant_after_n_steps!r}."
             )
-        self._checkpoint_client = CheckpointClient(cfg)
+        self._checkpoint = training.CheckpointManager.from_config(cfg)
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
 
-        # Where training stands; a resumed run takes it from the checkpoint. All
-        # ranks agree on the seed (set_seed broadcasts a random one if it is null).
-        self.progress = TrainingProgress.from_config(cfg)
-        self.global_step = 0
+        # All ranks agree on the seed (set_seed broadcasts a random one if it is null).
+        self.seed = training.set_seed(
+            seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)
+        )
+        # Where training stands; a resumed run takes it from the checkpoint.
+        self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
 
     def _setup_quantizer(self, cfg_quantizer: DictConfig | None) -> Any:
         """Builds the QAT quantizer, computing in the training dtype.
@@ -187,7 +186,7 @@ class QATRecipeDistributed(FTRecipeInterface):
             metric_logger, self._opts, world_size=self.world_size
         )
 
-        checkpoint_dict = self._checkpoint_client.load_base_checkpoint()
+        checkpoint_dict = self._checkpoint.load_base_checkpoint()
         # The quantizer swaps in fake-quantized linear layers (on the meta device,
         # before sharding); they keep the names and shapes of the layers they
         # replace, so the base checkpoint, and a step checkpoint of the prepared
@@ -212,11 +211,6 @@ class QATRecipeDistributed(FTRecipeInterface):
         )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
-        # On resume: the optimizer state; from a step or an asynchronous checkpoint
-        # the trained weights too.
-        self.progress = self._checkpoint_client.resume_progress(
-            self._model, self._optimizer, checkpoint_dict, self.progress
-        )
 
         # Compiled if asked; a chunked output loss sets the model's logit chunks.
         self._loss_fn = training.setup_loss(config.instantiate(cfg.loss), self._model)
@@ -228,22 +222,28 @@ class QATRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._checkpoint_client.track(self._model, self._optimizer, self._dataloader)
         self._steps_per_epoch = training.steps_per_epoch(
             len(self._dataloader),
             self._opts.gradient_accumulation_steps,
-            self.progress.max_steps_per_epoch,
+            cfg.get("max_steps_per_epoch", None),
         )
-        # Fake quantization follows the resumed step (_update_fake_quant, before
-        # each batch).
-        self.global_step = self._checkpoint_client.global_step(self._steps_per_epoch)
+        # On resume: the trained weights, optimizer, data position, RNG and progress;
+        # fake quantization follows the resumed step (_update_fake_quant, before each
+        # batch).
+        self._checkpoint.load(
+            self._model,
+            self._optimizer,
+            self._dataloader,
+            self.progress,
+            steps_per_epoch=self._steps_per_epoch,
+        )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler
             and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.global_step,
+            global_step=self.progress.global_step,
         )
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
         self._profiler, self._memory_window = training.setup_profiler(
@@ -315,13 +315,13 @@ class QATRecipeDistributed(FTRecipeInterface):
         the interrupted one had at the same step."""
         enabled = (
             self._fake_quant_after_n_steps is None
-            or self.global_step >= self._fake_quant_after_n_steps
+            or self.progress.global_step >= self._fake_quant_after_n_steps
         )
         if enabled == self._fake_quant_enabled:
             return
         utils.log_rank_zero(
             log,
-            f"Step {self.global_step}: fake quantization "
+            f"Step {self.progress.global_step}: fake quantization "
             f"{'enabled' if enabled else 'disabled'}.",
         )
         # torchao's generic switch for every fake-quantized linear layer; its
@@ -340,15 +340,13 @@ class QATRecipeDistributed(FTRecipeInterface):
         training.cleanup_before_training()
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Resuming mid-run: draw (dropout) what the interrupted run would have.
-        self._checkpoint_client.restore_rng_state()
         # Summed over the step's batches; all-reduced over ranks once per step.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
-            steps_done = self.global_step - curr_epoch * self._steps_per_epoch
+            steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
             batches = training.epoch_batches(
                 self._dataloader,
                 curr_epoch,
@@ -406,11 +404,11 @@ class QATRecipeDistributed(FTRecipeInterface):
                     )
                 # Update (a no-op after an in-backward backward), zero_grad, LR step.
                 training.optimizer_step(self._optimizer, self._lr_scheduler)
-                self.global_step += 1
+                self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
-                    self.global_step,
+                    self.progress.global_step,
                     loss=running_loss.item() / num_tokens.item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
@@ -418,17 +416,17 @@ class QATRecipeDistributed(FTRecipeInterface):
                 )
                 running_loss.zero_()
                 num_tokens.zero_()
-                self._checkpoint_client.step_done(self.global_step, self.progress)
+                # A step checkpoint, when one is due.
+                self._checkpoint.save()
 
             self.progress.epochs_run += 1
-            self._checkpoint_client.epoch_done(
-                curr_epoch, self.global_step, self.progress
-            )
+            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 
     def cleanup(self) -> None:
         # An asynchronous save still in flight needs the process group.
-        self._checkpoint_client.close()
+        self._checkpoint.close()
         self._step_logger.close()
         destroy_process_group()
 

@@ -3,15 +3,18 @@
 Every claim is an equivalence between runs on the same seed and data:
 
 - in-backward vs plain, 2 processes vs 1 at the same global batch;
-- resumed vs uninterrupted, from a synchronous full checkpoint and from an
-  asynchronous distributed (DCP) checkpoint, within a mode and across modes;
-- FSDP x tensor parallel on 4 processes, resumed from a 2-process FSDP run's full
-  checkpoint, vs that run;
-- resumed from a torchtune 0.6.1 in-backward checkpoint (made from this tree's by
-  rewriting its optimizer state in 0.6.1's format) vs uninterrupted, in both modes;
+- resumed vs uninterrupted, from the step checkpoint of an epoch's end, written
+  synchronously or in the background (``enable_async_checkpointing``), within a
+  mode and across modes;
+- FSDP x tensor parallel on 4 processes, resumed from a torchtune 0.6.1 epoch
+  checkpoint (a full one, which any process layout resumes) made of a 2-process
+  FSDP run's, vs that run;
+- resumed from a torchtune 0.6.1 in-backward checkpoint (made of this tree's step
+  checkpoint, its optimizer state rewritten in 0.6.1's format) vs uninterrupted, in
+  both modes;
 - a partly frozen model: its checkpoint's optimizer state holds the parameters
-  0.6.1's did, and resumes (from this tree's format and from 0.6.1's) as
-  uninterrupted;
+  0.6.1's did, and resumes (from this tree's step checkpoint and from 0.6.1's
+  format) as uninterrupted;
 - torchao's 8-bit AdamW in-backward vs plain on 2 processes;
 - bf16 on 2 processes: in-backward vs plain, and an in-backward resume vs
   uninterrupted.
@@ -22,7 +25,8 @@ the final weights each run wrote: those hold the updates of the last steps too, 
 a resume from epoch 1 is checked through both of its updates, not only through the
 one its second loss shows. Runs are shared through module-scoped fixtures; every
 run is configured for the same ``EPOCHS`` x ``STEPS`` (the cosine schedule depends
-on the total), and resumes start from an epoch-0 or epoch-1 checkpoint.
+on the total) and keeps the step checkpoint of every epoch's end, and resumes start
+from an epoch-0 or epoch-1 checkpoint.
 
 Tolerances, from the arithmetic; each set is about ten times the largest difference
 measured on this project's x86 CPU (``assert_series_close`` and
@@ -135,6 +139,9 @@ RESUMED_ACROSS_LAYOUTS_2D = _tolerances(
 # The grad norm the clipping runs clip at: the tiny model's norms cross it.
 CLIP = 4.0
 SHARD = "model-00001-of-00001.safetensors"
+# Every run keeps the step checkpoint of every epoch's end (by default only the
+# newest one stays), for the resumes.
+KEEP_EPOCH_STEPS = {"checkpointer.keep_last_n_checkpoints": EPOCHS}
 
 
 def _train(
@@ -145,6 +152,7 @@ def _train(
         "epochs": EPOCHS,
         "max_steps_per_epoch": STEPS,
         "clip_grad_norm": CLIP,
+        **KEEP_EPOCH_STEPS,
     }
     return run_tune(
         RECIPE, CONFIG, base | overrides, nproc=nproc, output_dir=out, timeout=TIMEOUT_S
@@ -154,24 +162,17 @@ def _train(
 def _resume(
     source: TuneRun, epoch: int, out: Path, assets: TinyAssets, **overrides: Any
 ) -> TuneRun:
-    """Resume from ``source``'s checkpoint of ``epoch``, in a copy of its output_dir.
-
-    Synchronous: the configured checkpointer reads the weights named here and the
-    recipe state that the run saved last (so ``epoch`` must be its last intermediate
-    one). Asynchronous: the recipe loads the latest ``dist_epoch_*``, so later ones
-    are left out of the copy.
-    """
-    later_dcp = [f"dist_epoch_{e}" for e in range(epoch + 1, EPOCHS)]
+    """Resume from the step checkpoint of ``source``'s ``epoch`` end, in a copy of
+    its output_dir without the later step checkpoints: the newest one there."""
+    later = [f"step_{(e + 1) * STEPS}" for e in range(epoch + 1, EPOCHS)]
     shutil.copytree(
         source.output_dir,
         out,
-        ignore=shutil.ignore_patterns(".hf_datasets_cache", *later_dcp),
+        ignore=shutil.ignore_patterns(".hf_datasets_cache", *later),
     )
-    resume: dict[str, Any] = {"resume_from_checkpoint": True}
-    if not overrides.get("enable_async_checkpointing", False):
-        weights = f"epoch_{epoch}/model-00001-of-00001.safetensors"
-        resume["checkpointer.checkpoint_files"] = [weights]
-    run = _train(out, assets, **resume, **overrides)
+    run = _train(out, assets, resume_from_checkpoint=True, **overrides)
+    step_dir = out / f"step_{(epoch + 1) * STEPS}"
+    assert f"Resumed from step checkpoint {step_dir}." in run.output
     assert list(run.metrics) == list(_steps_after(epoch)), run.metrics
     return run
 
@@ -189,6 +190,7 @@ def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
         "clip_grad_norm": CLIP,
         # 1 process x 8 = 2 processes x 4: the same samples per step.
         "batch_size": 8,
+        **KEEP_EPOCH_STEPS,
     }
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
@@ -266,7 +268,7 @@ def in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
 
 @pytest.fixture(scope="module")
 def plain_async(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
-    """Plain optimizer, intermediate checkpoints saved asynchronously by DCP."""
+    """Plain optimizer, step checkpoints written in the background."""
     return _train(
         runs_dir / "plain_async",
         tiny_assets,
@@ -279,8 +281,8 @@ def plain_async(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
 def in_bwd_async_from_plain(
     plain_async: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
 ) -> TuneRun:
-    """In-backward, resumed from the plain run's epoch-0 DCP checkpoint; it saves
-    its own (in-backward) epoch-1 DCP checkpoint."""
+    """In-backward, resumed from the plain run's epoch-0 step checkpoint; it saves
+    its own (in-backward) ones in the background."""
     return _resume(
         plain_async,
         0,
@@ -344,7 +346,10 @@ def test_plain_resume_from_in_backward_sync_checkpoint_equals_uninterrupted_run(
 def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run(
     plain_async: TuneRun, in_bwd_async_from_plain: TuneRun
 ) -> None:
-    assert (plain_async.output_dir / "dist_epoch_0" / ".metadata").is_file()
+    # Every rank wrote its shards (a distributed checkpoint); no 0.6.1 dist_epoch_*.
+    step = plain_async.output_dir / f"step_{STEPS}"
+    assert (step / "model_optimizer" / ".metadata").is_file()
+    assert not list(plain_async.output_dir.glob("dist_epoch_*"))
     _assert_same_training(
         in_bwd_async_from_plain, plain_async, ACROSS_MODES, _steps_after(0)
     )
@@ -368,6 +373,56 @@ def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
         _steps_after(1),
         reference_steps=_steps_after(0),
     )
+
+
+def _full_optimizer_state(
+    step_dir: Path, names: list[str] | None = None
+) -> dict[str, Any]:
+    """The optimizer state of the step checkpoint ``step_dir`` as one full state
+    dict keyed by parameter name (what torch's full-state API gives): from its
+    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
+    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
+    (``names``: the model's parameter names)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if (step_dir / "model_optimizer").is_dir():
+        full = step_dir.parent / f".{step_dir.name}_full.pt"
+        dcp_to_torch_save(step_dir / "model_optimizer", full)
+        try:
+            return torch.load(full, weights_only=False)["optimizer"]
+        finally:
+            full.unlink()
+    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
+    saved = saved["optimizer"]
+    return {
+        "state": {names[i]: state for i, state in saved["state"].items()},
+        "param_groups": [
+            g | {"params": [names[i] for i in g["params"]]}
+            for g in saved["param_groups"]
+        ],
+    }
+
+
+def _write_0_6_1_epoch_checkpoint(
+    source: TuneRun, epoch: int, out: Path, names: list[str] | None = None
+) -> None:
+    """Write into ``out`` the checkpoint of ``epoch`` torchtune 0.6.1 would have left:
+    ``source``'s ``epoch_{epoch}`` and a ``recipe_state/recipe_state.pt`` holding the
+    optimizer state of the step checkpoint of that epoch's end, keyed by parameter
+    name (``names``: see ``_full_optimizer_state``)."""
+    from torchtune import training
+
+    shutil.copytree(source.output_dir / f"epoch_{epoch}", out / f"epoch_{epoch}")
+    step_dir = source.output_dir / f"step_{(epoch + 1) * STEPS}"
+    state = {
+        training.OPT_KEY: _full_optimizer_state(step_dir, names),
+        training.SEED_KEY: 0,
+        training.EPOCHS_KEY: epoch + 1,
+        training.TOTAL_EPOCHS_KEY: EPOCHS,
+        training.MAX_STEPS_KEY: STEPS,
+    }
+    (out / "recipe_state").mkdir()
+    torch.save(state, out / "recipe_state" / "recipe_state.pt")
 
 
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
@@ -410,9 +465,7 @@ def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
     # forward in backward runs the same kernels on the same values, so the run
     # stays bitwise equal to the uninterrupted one.
     out = runs_dir / "in_bwd_from_0_6_1"
-    shutil.copytree(
-        in_bwd.output_dir, out, ignore=shutil.ignore_patterns(".hf_datasets_cache")
-    )
+    _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
     _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=True)
     resumed = _train(
         out,
@@ -433,8 +486,7 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
     # reference: across modes and layouts (module docstring). Moments that failed
     # to load would restart Adam's bias correction and move the loss by far more.
     out = runs_dir / "plain_from_0_6_1"
-    for part in ("epoch_1", "recipe_state"):
-        shutil.copytree(in_bwd.output_dir / part, out / part)
+    _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
     _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
     resumed = _train_here(
         out,
@@ -474,8 +526,9 @@ def test_a_partly_frozen_models_optimizer_state_holds_what_0_6_1_saved(
     names = [name for name, _ in model.named_parameters()]
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert 0 < len(trainable) < len(names)
-    recipe_state = frozen_in_bwd.output_dir / "recipe_state" / "recipe_state.pt"
-    saved = torch.load(recipe_state, weights_only=False)["optimizer"]
+    # The step checkpoint of the last epoch's end.
+    step_dir = frozen_in_bwd.output_dir / f"step_{EPOCHS * STEPS}"
+    saved = _full_optimizer_state(step_dir, names)
     # 0.6.1's optimizer held every parameter, in model order, and had state for
     # those that train (plain: one optimizer over model.parameters(); in-backward:
     # one per parameter, the frozen ones never stepped). This tree's holds the same.
@@ -501,16 +554,25 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
     tiny_assets: TinyAssets,
 ) -> None:
     out = runs_dir / f"frozen_resumed_from_{checkpoint_format.replace(' ', '_')}"
-    for part in ("epoch_1", "recipe_state"):
-        shutil.copytree(frozen_in_bwd.output_dir / part, out / part)
     if checkpoint_format == "0.6.1 in-backward":
+        model = partly_frozen_llama2(FROZEN, **tiny_assets.model_kwargs)
+        names = [name for name, _ in model.named_parameters()]
+        _write_0_6_1_epoch_checkpoint(frozen_in_bwd, 1, out, names)
         _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
+        resume = {"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]}
+    else:
+        # What epoch 1 left: its export, the step checkpoint of its end, the run id.
+        source = frozen_in_bwd.output_dir
+        for part in ("epoch_1", f"step_{2 * STEPS}"):
+            shutil.copytree(source / part, out / part)
+        shutil.copy(source / "torchtune_run.json", out / "torchtune_run.json")
+        resume = {}
     resumed = _train_here(
         out,
         tiny_assets,
         resume_from_checkpoint=True,
         optimizer_in_bwd=True,
-        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
+        **resume,
         **PARTLY_FROZEN,
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
@@ -521,20 +583,25 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
 @pytest.fixture(scope="module")
 def in_bwd_2d(in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
     """In-backward on 4 processes, FSDP over 2 x tensor parallel over 2, resumed from
-    the 2-process FSDP run's full checkpoint: 2 replicas of batch 4 read the same 8
-    samples per step as the 2 FSDP ranks."""
-    return _resume(
-        in_bwd,
-        1,
-        runs_dir / "in_bwd_2d",
+    a full checkpoint of the 2-process FSDP run's epoch 1 (a step checkpoint resumes
+    on as many processes as saved it only; 0.6.1's full format resumes on any): 2
+    replicas of batch 4 read the same 8 samples per step as the 2 FSDP ranks."""
+    out = runs_dir / "in_bwd_2d"
+    _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
+    run = _train(
+        out,
         tiny_assets,
         nproc=4,
+        resume_from_checkpoint=True,
         optimizer_in_bwd=True,
         tensor_parallel_dim=2,
         **{
-            "tensor_parallel_plan._component_": "torchtune.models.llama3.base_llama_tp_plan"
+            "checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS],
+            "tensor_parallel_plan._component_": "torchtune.models.llama3.base_llama_tp_plan",
         },
     )
+    assert list(run.metrics) == list(_steps_after(1)), run.metrics
+    return run
 
 
 def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
@@ -711,7 +778,7 @@ BF16_ALL_STEPS = range(1, 2 * BF16_STEPS + 1)
 @pytest.fixture(scope="module")
 def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
     """2 processes in bf16, two epochs of two steps, in each mode; then the
-    in-backward run resumed in-backward from its epoch-0 checkpoint. The ranks are
+    in-backward run resumed in-backward from the step checkpoint of epoch 0's end. The ranks are
     forked from this process, so no interpreter start or import is paid."""
     out = runs_dir / "bf16"
     out.mkdir()
@@ -723,6 +790,8 @@ def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
             "epochs": 2,
             "max_steps_per_epoch": BF16_STEPS,
             "clip_grad_norm": CLIP,
+            # Keep epoch 0's step checkpoint, to resume from.
+            "checkpointer": {"keep_last_n_checkpoints": 2},
         }
     )
     OmegaConf.save(cfg, out / "config.yaml")
@@ -730,13 +799,13 @@ def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
         out,
         {"plain": {"optimizer_in_bwd": False}, "in_bwd": {"optimizer_in_bwd": True}},
     )
-    for part in ("epoch_0", "recipe_state"):
+    # What epoch 0 left: its export, the step checkpoint of its end and the run id.
+    for part in ("epoch_0", f"step_{BF16_STEPS}"):
         shutil.copytree(out / "in_bwd" / part, out / "resumed" / part)
-    resume = {
-        "optimizer_in_bwd": True,
-        "resume_from_checkpoint": True,
-        "checkpointer": {"checkpoint_files": [f"epoch_0/{SHARD}"]},
-    }
+    shutil.copy(
+        out / "in_bwd" / "torchtune_run.json", out / "resumed" / "torchtune_run.json"
+    )
+    resume = {"optimizer_in_bwd": True, "resume_from_checkpoint": True}
     return runs | _fork_runs(out, {"resumed": resume})
 
 

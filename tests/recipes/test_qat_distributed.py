@@ -5,9 +5,10 @@ int8 dynamic activation + int4 weight fake quantization (torchao's
 Every claim is an equivalence between runs on the same seed and data:
 
 - in-backward vs plain, with fake quantization on;
-- resumed from epoch 0 vs uninterrupted: in-backward from its own checkpoint, and
-  plain from the in-backward checkpoint rewritten in torchtune 0.6.1's in-backward
-  layout (with activation checkpointing and separately sharded layers added);
+- resumed from epoch 0 vs uninterrupted: in-backward from its own step checkpoint
+  of epoch 0's end (``step_2``), and plain from a torchtune 0.6.1 epoch-0 checkpoint
+  made of the in-backward run's, its optimizer state in 0.6.1's in-backward layout
+  (with activation checkpointing and separately sharded layers added);
 - resumed from the in-backward run's mid-epoch step checkpoint (``step_1``, before
   fake quantization starts) vs uninterrupted;
 - 2 processes vs 1 at the same global batch;
@@ -113,10 +114,21 @@ def _train(
 def _resume(
     source: TuneRun, out: Path, assets: TinyAssets, data: Path, **overrides: Any
 ) -> TuneRun:
-    """Resume from what ``source``'s epoch 0 left, in a fresh output_dir."""
-    for part in ("epoch_0", "recipe_state"):
-        if not (out / part).exists():
-            shutil.copytree(source.output_dir / part, out / part)
+    """Resume from the step checkpoint of ``source``'s epoch 0 end, in a fresh
+    output_dir that holds what epoch 0 left: its export, that step checkpoint and
+    the run's id."""
+    for part in ("epoch_0", f"step_{STEPS}"):
+        shutil.copytree(source.output_dir / part, out / part)
+    shutil.copy(source.output_dir / "torchtune_run.json", out / "torchtune_run.json")
+    run = _train(out, assets, data, resume_from_checkpoint=True, **overrides)
+    assert f"Resumed from step checkpoint {out / f'step_{STEPS}'}." in run.output
+    assert list(run.metrics) == list(EPOCH_1), run.metrics
+    return run
+
+
+def _resume_0_6_1(out: Path, assets: TinyAssets, data: Path, **overrides: Any):
+    """Resume from the torchtune 0.6.1 epoch-0 checkpoint in ``out`` (``epoch_0``
+    and ``recipe_state/recipe_state.pt``), naming both, as 0.6.1's users did."""
     run = _train(
         out,
         assets,
@@ -130,6 +142,34 @@ def _resume(
     )
     assert list(run.metrics) == list(EPOCH_1), run.metrics
     return run
+
+
+def _full_optimizer_state(
+    step_dir: Path, names: list[str] | None = None
+) -> dict[str, Any]:
+    """The optimizer state of the step checkpoint ``step_dir`` as one full state
+    dict keyed by parameter name (what torch's full-state API gives): from its
+    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
+    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
+    (``names``: the model's parameter names)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if (step_dir / "model_optimizer").is_dir():
+        full = step_dir.parent / f".{step_dir.name}_full.pt"
+        dcp_to_torch_save(step_dir / "model_optimizer", full)
+        try:
+            return torch.load(full, weights_only=False)["optimizer"]
+        finally:
+            full.unlink()
+    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
+    saved = saved["optimizer"]
+    return {
+        "state": {names[i]: state for i, state in saved["state"].items()},
+        "param_groups": [
+            g | {"params": [names[i] for i in g["params"]]}
+            for g in saved["param_groups"]
+        ],
+    }
 
 
 def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
@@ -303,12 +343,17 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     wrapped_names = [name for name, _ in model.named_parameters()]
     assert any(_CHECKPOINT_PREFIX in name for name in wrapped_names)
 
+    # 0.6.1's epoch-0 checkpoint: the export, and the recipe state of epoch 0's end
+    # (the optimizer state of the step checkpoint there).
     out = runs_dir / "plain_from_0_6_1"
     shutil.copytree(in_bwd.output_dir / "epoch_0", out / "epoch_0")
-    state = torch.load(
-        in_bwd.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
-    )
-    optimizer = state[training.OPT_KEY]
+    optimizer = _full_optimizer_state(in_bwd.output_dir / f"step_{STEPS}")
+    state = {
+        training.SEED_KEY: 0,
+        training.EPOCHS_KEY: 1,
+        training.TOTAL_EPOCHS_KEY: EPOCHS,
+        training.MAX_STEPS_KEY: STEPS,
+    }
     (group,) = optimizer["param_groups"]
     # The inner state dicts came from torch's full-state API: unwrapped names.
     state[training.OPT_KEY] = {
@@ -326,8 +371,7 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     (out / "recipe_state").mkdir()
     torch.save(state, out / "recipe_state" / "recipe_state.pt")
 
-    resumed = _resume(
-        in_bwd,
+    resumed = _resume_0_6_1(
         out,
         tiny_assets,
         train_data,
@@ -355,10 +399,8 @@ def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_k
 def test_rank_0_alone_writes_the_epoch_checkpoints(in_bwd: TuneRun) -> None:
     # Every rank takes part in gathering the full state; only rank 0 writes it, once.
     out = in_bwd.output_dir
-    for saved in (
-        *(f"{out / f'epoch_{epoch}' / SHARD}" for epoch in range(EPOCHS)),
-        f"{out / 'recipe_state' / 'recipe_state.pt'}",
-    ):
+    for epoch in range(EPOCHS):
+        saved = f"{out / f'epoch_{epoch}' / SHARD}"
         assert in_bwd.output.count(f" saved to {saved}\n") == 1, saved
 
 
@@ -418,9 +460,8 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     names = [name for name, _ in model.named_parameters()]
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert 0 < len(trainable) < len(names)
-    saved = torch.load(
-        run.output_dir / "recipe_state" / "recipe_state.pt", weights_only=False
-    )["optimizer"]
+    # The step checkpoint of the last epoch's end.
+    saved = _full_optimizer_state(run.output_dir / f"step_{EPOCHS * STEPS}", names)
     (group,) = saved["param_groups"]
     assert group["params"] == names
     assert sorted(saved["state"]) == sorted(trainable)
@@ -468,7 +509,7 @@ def test_every_upstream_config_of_the_recipe_resolves(name: str, path: Path) -> 
 
 NOT_QAT = "torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
 # The refusals that are this recipe's own; those it shares with the other recipes
-# (RecipeOptions, CheckpointClient) are tested once for all in test_shared_refusals.
+# (RecipeOptions, CheckpointManager) are tested once for all in test_shared_refusals.
 REFUSALS = {
     "compile": (
         ["compile=True"],
