@@ -71,6 +71,7 @@ import os
 import re
 import shutil
 import socket
+import time
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
@@ -633,20 +634,31 @@ def test_fsdp_with_tensor_parallel_logs_the_global_grad_norm(
 
 
 def _torchao_8bit_in_both_modes(out_dir: Path) -> None:
-    """Each forked rank of the torchao test: ``out_dir/config.yaml`` (one epoch of
-    torchao.optim.AdamW8bit) plain, then in-backward. Reports ``"ok"`` or the
-    traceback for each mode, and the kinds of state tensor the optimizer held."""
+    """Each forked rank of the torchao test: ``out_dir/config.yaml`` (two epochs of
+    torchao.optim.AdamW8bit) plain, then in-backward, then the in-backward run resumed
+    from its epoch-0 step checkpoint. Reports ``"ok"`` or the traceback for each run,
+    and the kinds of state tensor the optimizer held."""
     recipe_cls = _load_recipe_class()
     rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
     os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     report = {}
-    for i, optimizer_in_bwd in enumerate((False, True)):
-        name = "in_bwd" if optimizer_in_bwd else "plain"
+    for i, name in enumerate(("plain", "in_bwd", "resumed")):
         # Each run starts its own process group (its cleanup destroys it).
         os.environ["MASTER_PORT"] = str(first_port + i)
         cfg = OmegaConf.load(out_dir / "config.yaml")
-        cfg.optimizer_in_bwd = optimizer_in_bwd
+        cfg.optimizer_in_bwd = name != "plain"
         cfg.output_dir = str(out_dir / name)
+        if name == "resumed":
+            cfg.resume_from_checkpoint = True
+            # A fresh output_dir with epoch 0's step checkpoint, made whole by rank 0
+            # (a rename) before any rank looks for it.
+            if rank == 0:
+                shutil.copytree(
+                    out_dir / "in_bwd" / "step_2", out_dir / "tmp" / "step_2"
+                )
+                os.replace(out_dir / "tmp", out_dir / name)
+            while not (out_dir / name).is_dir():
+                time.sleep(0.1)
         try:
             # torchao compiles its per-parameter step, one compile per shape: over a
             # minute here. Eager runs the same update; both modes run it.
@@ -673,19 +685,20 @@ def _torchao_8bit_in_both_modes(out_dir: Path) -> None:
 def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
     runs_dir: Path, tiny_assets: TinyAssets
 ) -> None:
-    # One epoch: torchao's quantized state trains under FSDP2 but cannot be saved,
-    # which the recipe refuses for more epochs (test_refused_config_...). The ranks
-    # are forked from this process, so no interpreter start or import is paid.
+    # Two epochs of two steps: torchao's quantized state trains under FSDP2, and saves
+    # and resumes in the sharded step checkpoint of epoch 0. The ranks are forked
+    # from this process, so no interpreter start or import is paid.
     out = runs_dir / "torchao_8bit"
     out.mkdir()
     cfg = OmegaConf.load(CONFIG)
     cfg.merge_with(
         {
             "assets_dir": str(tiny_assets.root),
-            "epochs": 1,
-            "max_steps_per_epoch": 4,
+            "epochs": 2,
+            "max_steps_per_epoch": 2,
             "clip_grad_norm": None,
             "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
+            "checkpointer": {"keep_last_n_checkpoints": 2},
             # Every step updates the weights (the tiny config's warmup starts at 0).
             "lr_scheduler": {"num_warmup_steps": 0},
         }
@@ -694,19 +707,30 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
     run = run_distributed(
         __name__, "_torchao_8bit_in_both_modes", out, timeout_s=TIMEOUT_S
     )
-    for name in ("plain", "in_bwd"):
+    for name in ("plain", "in_bwd", "resumed"):
         assert run.outcome(name) == "ok", run.outcome(name)
         # The embedding and the projections (>= 4096 weights) hold 8-bit moments.
         assert "OptimState8bit" in run.reports[0][f"{name} state"].split(",")
     in_bwd, plain = (_forked_run(out / name) for name in ("in_bwd", "plain"))
+    # Resumed from the quantized state it saved: the same steps 3 and 4, bitwise.
+    resumed = _forked_run(out / "resumed")
+    for name in ("loss", "grad_norm", "lr"):
+        assert_series_close(
+            resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **EXACT
+        )
+    assert_weights_close(
+        load_weights(resumed.output_dir / "epoch_1" / SHARD),
+        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
+        **EXACT,
+    )
     steps = assert_same_steps(in_bwd, plain, range(1, 5))
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     assert (series(in_bwd, "grad_norm", steps) > 0).all()
     for name in ("loss", "grad_norm", "lr"):
         assert_series_close(in_bwd, plain, name, steps, **EXACT)
     assert_weights_close(
-        load_weights(in_bwd.output_dir / "epoch_0" / SHARD),
-        load_weights(plain.output_dir / "epoch_0" / SHARD),
+        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
+        load_weights(plain.output_dir / "epoch_1" / SHARD),
         **EXACT,
     )
 

@@ -389,18 +389,17 @@ def _bitsandbytes_refusal(component: str) -> str:
         "DTensor, and bitsandbytes' update kernels take plain tensors only (8-bit ones "
         "fail with 'got mixed torch.Tensor and DTensor', 32-bit ones with 'no sharding "
         "strategy registered'). Use torch.optim.AdamW or torchao.optim._AdamW; for "
-        "low-bit optimizer state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit "
-        "with epochs=1; or this optimizer in a single-device recipe."
+        "low-bit optimizer state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit; "
+        "or this optimizer in a single-device recipe."
     )
 
 
 TORCHAO_REFUSAL = (
-    "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with epochs=2 "
-    "under FSDP2: every epoch but the last ends with a checkpoint of the optimizer "
-    "state, which cannot hold this optimizer's quantized state (its tensors support "
-    "neither the all-gather of a full checkpoint nor the copy of an asynchronous "
-    "one). Set epochs=1 (step checkpoints, save_every_n_steps, are sharded and do "
-    "hold it), or use torch.optim.AdamW or torchao.optim._AdamW."
+    "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with "
+    "enable_async_checkpointing=True under FSDP2: an asynchronous save first copies "
+    "the optimizer state, and this optimizer's quantized tensors cannot be copied that "
+    "way. Set enable_async_checkpointing=False (the sharded synchronous step "
+    "checkpoints hold its state), or use torch.optim.AdamW or torchao.optim._AdamW."
 )
 
 
@@ -419,14 +418,17 @@ TORCHAO_REFUSAL = (
             _bitsandbytes_refusal("bitsandbytes.optim.PagedAdamW"),
         ),
         (
-            {"optimizer": {"_component_": "torchao.optim.AdamW8bit"}, "epochs": 2},
+            {
+                "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
+                "enable_async_checkpointing": True,
+            },
             TORCHAO_REFUSAL,
         ),
     ],
     ids=[
         "bitsandbytes_8bit_in_backward",
         "bitsandbytes_32bit_paged_plain",
-        "torchao_low_bit_with_intermediate_checkpoints",
+        "torchao_low_bit_with_asynchronous_saves",
     ],
 )
 def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(

@@ -208,37 +208,31 @@ _TORCHAO_LOW_BIT_OPTIMIZERS = (
 )
 
 
-def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
+def check_fsdp_optimizer(optimizer_component: str, *, async_save: bool) -> None:
     """Refuse an optimizer that cannot train, or cannot be checkpointed, on parameters
     sharded with FSDP2 (DTensors), with or without ``optimizer_in_bwd``.
 
     The distributed recipes call this before they build anything, with the
     optimizer's ``_component_`` from the config. It imports the component, not the
-    config's other arguments.
-
-    ``torch.optim`` optimizers and ``torchao.optim._AdamW`` train and checkpoint
-    (what was measured, on which versions: ``docs/source/optimizer_in_backward.rst``). torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``,
-    ``AdamWFp8`` and their Adam variants) train, with the plain losses in-backward,
-    but saving their state in an epoch checkpoint fails: its quantized tensors
-    support neither the all-gather of a full checkpoint nor the copy an asynchronous
-    one makes. Step checkpoints (``save_every_n_steps``), which torch distributed
-    checkpointing writes shard by shard, do save and resume it. bitsandbytes'
-    optimizers fail in their first update, 8-bit and 32-bit, paged or not.
+    config's other arguments. ``torch.optim`` optimizers and ``torchao.optim._AdamW``
+    train and checkpoint; bitsandbytes' fail in their first update; torchao's low-bit
+    ones train, and their quantized state saves in the sharded step checkpoints, but
+    not in the copy an asynchronous save makes (what was measured, on which versions:
+    ``docs/source/optimizer_in_backward.rst``).
 
     Args:
         optimizer_component (str): the optimizer's ``_component_``, e.g.
             ``"torch.optim.AdamW"``.
-        epochs (int): the ``epochs`` option. Every epoch but the last ends with a
-            checkpoint that holds the optimizer state.
+        async_save (bool): the ``enable_async_checkpointing`` option.
 
     Raises:
         ValueError: if the optimizer is a bitsandbytes one (its update kernels take
-            plain tensors only), or a torchao low-bit one with ``epochs > 1``.
+            plain tensors only), or a torchao low-bit one with ``async_save``.
         InstantiationError: if ``optimizer_component`` cannot be imported.
 
     Example:
-        >>> check_fsdp_optimizer("torchao.optim.AdamW8bit", epochs=1)
-        >>> check_fsdp_optimizer("bitsandbytes.optim.PagedAdamW8bit", epochs=1)
+        >>> check_fsdp_optimizer("torchao.optim.AdamW8bit", async_save=False)
+        >>> check_fsdp_optimizer("bitsandbytes.optim.PagedAdamW8bit", async_save=False)
         Traceback (most recent call last):
         ...
         ValueError: optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot ...
@@ -256,22 +250,22 @@ def check_fsdp_optimizer(optimizer_component: str, *, epochs: int) -> None:
                 "plain tensors only (8-bit ones fail with 'got mixed torch.Tensor and "
                 "DTensor', 32-bit ones with 'no sharding strategy registered'). Use "
                 "torch.optim.AdamW or torchao.optim._AdamW; for low-bit optimizer "
-                "state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit with "
-                "epochs=1; or this optimizer in a single-device recipe."
+                "state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit; or this "
+                "optimizer in a single-device recipe."
             )
-    if package == "torchao" and epochs > 1:
+    if package == "torchao" and async_save:
         import torchao.optim
 
         low_bit = [getattr(torchao.optim, n, None) for n in _TORCHAO_LOW_BIT_OPTIMIZERS]
         if optimizer_cls in low_bit:
             raise ValueError(
                 f"optimizer._component_={optimizer_component} cannot be combined with "
-                f"epochs={epochs} under FSDP2: every epoch but the last ends with a "
-                "checkpoint of the optimizer state, which cannot hold this optimizer's "
-                "quantized state (its tensors support neither the all-gather of a full "
-                "checkpoint nor the copy of an asynchronous one). Set epochs=1 (step "
-                "checkpoints, save_every_n_steps, are sharded and do hold it), or use "
-                "torch.optim.AdamW or torchao.optim._AdamW."
+                "enable_async_checkpointing=True under FSDP2: an asynchronous save "
+                "first copies the optimizer state, and this optimizer's quantized "
+                "tensors cannot be copied that way. Set "
+                "enable_async_checkpointing=False (the sharded synchronous step "
+                "checkpoints hold its state), or use torch.optim.AdamW or "
+                "torchao.optim._AdamW."
             )
 
 
@@ -534,7 +528,10 @@ class RecipeOptions:
                 optimizer_in_bwd=cfg.get("optimizer_in_bwd", False) is True,
             )
         if distributed:
-            check_fsdp_optimizer(cfg.optimizer._component_, epochs=cfg.epochs)
+            check_fsdp_optimizer(
+                cfg.optimizer._component_,
+                async_save=cfg.get("enable_async_checkpointing", False) is True,
+            )
         fsdp_cpu_offload = cfg.get("fsdp_cpu_offload", False)
         log_peak_memory_stats = cfg.get("log_peak_memory_stats", False)
         if device.type == "cpu":

@@ -97,7 +97,7 @@ def test_check_fsdp_optimizer_refuses_bitsandbytes_8_and_32_bit_paged_or_not(
     component,
 ):
     with pytest.raises(ValueError) as info:
-        training.check_fsdp_optimizer(component, epochs=1)
+        training.check_fsdp_optimizer(component, async_save=False)
     message = str(info.value)
     # what was asked, why it fails, and what works instead
     assert message.startswith(f"optimizer._component_={component} cannot train")
@@ -108,17 +108,18 @@ def test_check_fsdp_optimizer_refuses_bitsandbytes_8_and_32_bit_paged_or_not(
 @pytest.mark.parametrize(
     "component", ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit"]
 )
-def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_when_an_epoch_saves_it(
+def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_with_asynchronous_saves(
     component,
 ):
-    training.check_fsdp_optimizer(component, epochs=1)
+    training.check_fsdp_optimizer(component, async_save=False)
     with pytest.raises(ValueError) as info:
-        training.check_fsdp_optimizer(component, epochs=2)
+        training.check_fsdp_optimizer(component, async_save=True)
     message = str(info.value)
     assert message.startswith(
-        f"optimizer._component_={component} cannot be combined with epochs=2"
+        f"optimizer._component_={component} cannot be combined with "
+        "enable_async_checkpointing=True"
     )
-    assert "Set epochs=1 (step checkpoints, save_every_n_steps, are sharded" in message
+    assert "Set enable_async_checkpointing=False" in message
 
 
 @pytest.mark.parametrize(
@@ -134,7 +135,7 @@ def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_when_an_epoch_saves_i
 def test_check_fsdp_optimizer_accepts_optimizers_that_train_and_checkpoint_sharded(
     component,
 ):
-    training.check_fsdp_optimizer(component, epochs=3)
+    training.check_fsdp_optimizer(component, async_save=True)
 
 
 @pytest.mark.parametrize(
