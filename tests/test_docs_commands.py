@@ -13,6 +13,7 @@ with a placeholder config (``<your config>``, ``...``) are skipped.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import shlex
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_the_docs_show_the_commands_this_test_checks() -> None:
     "where,command", COMMANDS, ids=[where for where, _ in COMMANDS]
 )
 def test_a_shown_command_resolves_and_passes_the_option_checks(
-    where: str, command: str
+    where: str, command: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     args = shlex.split(command)[2:]  # after "tune run"
     while args[0].startswith("--nproc"):
@@ -93,4 +94,7 @@ def test_a_shown_command_resolves_and_passes_the_option_checks(
     )
     cfg = _merge_yaml_and_cli_args(yaml_args, cli_args)
     assert OmegaConf.is_config(cfg)
-    training.RecipeOptions.from_config(cfg, distributed=recipe in DISTRIBUTED)
+    with caplog.at_level(logging.WARNING):
+        training.RecipeOptions.from_config(cfg, distributed=recipe in DISTRIBUTED)
+    # No key of the command is one that no recipe reads (a typo).
+    assert "no recipe reads" not in caplog.text, caplog.text

@@ -5,12 +5,17 @@ recipe can build)."""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib.util
+import logging
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from torchtune import utils
 from torchtune.config._utils import _get_component_from_path
@@ -339,6 +344,51 @@ def _check_count(key: str, value: object) -> None:
         )
 
 
+# Top-level keys the recipes and the library read that shipped configs may leave out.
+LIBRARY_KEYS = (
+    "fake_quant_after_n_steps",
+    "fsdp_reshard_after_forward",
+    "optimizer_in_bwd_bucket_cap_mb",
+    "save_every_n_steps",
+    "resume_allow_changes",
+    "enable_async_checkpointing",
+    "fsdp_cpu_offload",
+    "log_every_n_steps",
+    "log_peak_memory_stats",
+    "cudnn_deterministic_mode",
+    "collate_fn",
+)
+
+
+@functools.cache
+def _known_keys() -> frozenset[str]:
+    """The top-level keys of every shipped config, and :data:`LIBRARY_KEYS`."""
+    # recipes/ is not a package to import (its __init__ refuses): find it.
+    configs = Path(importlib.util.find_spec("recipes").origin).parent / "configs"
+    keys = set(LIBRARY_KEYS)
+    for path in configs.rglob("*.yaml"):
+        keys.update(OmegaConf.load(path).keys())
+    return frozenset(keys)
+
+
+def warn_unknown_keys(cfg: DictConfig) -> None:
+    """Warn about each top-level key that no shipped config has and no recipe option
+    reads, most likely a typo, naming the closest known key. A key that the config
+    uses in an interpolation (``${key}``) counts as read. Keys inside a section with
+    a ``_component_`` are checked when it is instantiated."""
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    for key in cfg:
+        if key in _known_keys() or "${" + str(key) in text:
+            continue
+        close = difflib.get_close_matches(str(key), _known_keys(), n=1)
+        hint = f": did you mean {close[0]}?" if close else "."
+        utils.log_rank_zero(
+            log,
+            f"{key}={cfg[key]!r} is a key no recipe reads, so it has no effect{hint}",
+            level=logging.WARNING,
+        )
+
+
 def _clip_grad_norm_value(value: object) -> object:
     # torchtune documents clip_grad_norm='inf' (measure and log the norm, never
     # clip): a string that reads as a number is that number.
@@ -511,6 +561,7 @@ class RecipeOptions:
             RuntimeError: as the class does.
         """
         device = utils.get_device(device=cfg.device)
+        warn_unknown_keys(cfg)
         for key in COUNT_KEYS:
             if key in cfg and not (key == "max_steps_per_epoch" and cfg[key] is None):
                 _check_count(key, cfg[key])

@@ -3,12 +3,15 @@ the recipes share, read and checked once), ``parse_compile_config`` (the ``compi
 option every recipe reads), ``check_optimizer_in_bwd_options`` and
 ``check_fsdp_optimizer``."""
 
+import logging
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from torchtune import training
 from torchtune.training import TORCH_PROFILER
+from torchtune.training.recipe_options import warn_unknown_keys
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -309,3 +312,48 @@ def test_recipe_options_from_config_refuse_an_inference_collate_function() -> No
     cfg = _cfg(collate_fn="torchtune.data.left_pad_sequence")
     with pytest.raises(RuntimeError, match="is for inference only"):
         training.RecipeOptions.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "closest"),
+    [
+        ("save_every_n_step", "save_every_n_steps"),
+        ("optimizer_in_bwd_buket_cap_mb", "optimizer_in_bwd_bucket_cap_mb"),
+        ("gradient_accumulation_step", "gradient_accumulation_steps"),
+    ],
+)
+def test_a_key_no_recipe_reads_is_named_with_the_closest_known_key(
+    key, closest, caplog
+):
+    cfg = OmegaConf.create({"device": "cpu", "dtype": "fp32", key: 2})
+    with caplog.at_level(logging.WARNING):
+        training.RecipeOptions.from_config(cfg)
+    assert (
+        f"{key}=2 is a key no recipe reads, so it has no effect: did you mean "
+        f"{closest}?" in caplog.text
+    )
+
+
+def test_shipped_test_and_demo_configs_name_no_unknown_key(caplog):
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    shipped = Path(importlib.util.find_spec("recipes").origin).parent / "configs"
+    paths = [
+        *shipped.rglob("*.yaml"),
+        *(repo / "tests" / "recipes" / "configs").glob("*.yaml"),
+        *(repo / "demo").glob("*.yaml"),
+    ]
+    assert len(paths) > 50
+    with caplog.at_level(logging.WARNING):
+        for path in paths:
+            warn_unknown_keys(OmegaConf.load(path))
+    assert "no recipe reads" not in caplog.text
+
+
+def test_a_key_read_by_interpolation_is_known(caplog):
+    cfg = OmegaConf.create({"my_root": "/data", "output_dir": "${my_root}/out"})
+    with caplog.at_level(logging.WARNING):
+        warn_unknown_keys(cfg)
+    assert "no recipe reads" not in caplog.text
