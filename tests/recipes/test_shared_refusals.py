@@ -145,7 +145,7 @@ REFUSALS = {
         {"resume_from_checkpoint": True},
         ValueError,
         "resume_from_checkpoint=True, but there is nothing to resume from: no whole "
-        "step checkpoint (step_N/, saved with save_every_n_steps) in output_dir=",
+        "step checkpoint (step_N/) of this run in output_dir=",
     ),
     "a resume from a step checkpoint that does not exist": (
         {
