@@ -112,6 +112,7 @@ def run_distributed(
     *,
     world_size: int = 2,
     timeout_s: float = 300.0,
+    fork: bool = True,
 ) -> DistributedRun:
     """Run ``module.function(out_dir)`` on ``world_size`` local processes, with the
     ``torchrun`` environment variables set (the function initializes the group).
@@ -124,6 +125,10 @@ def run_distributed(
         world_size (int): number of processes. Default: ``2``
         timeout_s (float): deadline for the whole run; processes still running then
             are killed. Default: ``300.0``
+        fork (bool): fork this process (no interpreter start or import to pay) where
+            the platform can; ``False`` starts fresh interpreters, which inherit
+            nothing of what this process ran before (a compile worker pool, say).
+            Default: ``True``
 
     Returns:
         DistributedRun: the reports, return codes and output.
@@ -132,7 +137,7 @@ def run_distributed(
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_paths = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    can_fork = "fork" in multiprocessing.get_all_start_methods()
+    can_fork = fork and "fork" in multiprocessing.get_all_start_methods()
     procs: list = []
     for rank in range(world_size):
         env = _rank_env(rank, world_size, port)
