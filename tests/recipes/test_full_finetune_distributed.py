@@ -91,6 +91,7 @@ from tests.recipes.utils import (
     assert_series_close,
     assert_steps,
     assert_weights_close,
+    full_optimizer_state,
     load_weights,
     read_disk_log,
     run_tune,
@@ -376,47 +377,19 @@ def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
     )
 
 
-def _full_optimizer_state(
-    step_dir: Path, names: list[str] | None = None
-) -> dict[str, Any]:
-    """The optimizer state of the step checkpoint ``step_dir`` as one full state
-    dict keyed by parameter name (what torch's full-state API gives): from its
-    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
-    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
-    (``names``: the model's parameter names)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    if (step_dir / "model_optimizer").is_dir():
-        full = step_dir.parent / f".{step_dir.name}_full.pt"
-        dcp_to_torch_save(step_dir / "model_optimizer", full)
-        try:
-            return torch.load(full, weights_only=False)["optimizer"]
-        finally:
-            full.unlink()
-    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
-    saved = saved["optimizer"]
-    return {
-        "state": {names[i]: state for i, state in saved["state"].items()},
-        "param_groups": [
-            g | {"params": [names[i] for i in g["params"]]}
-            for g in saved["param_groups"]
-        ],
-    }
-
-
 def _write_0_6_1_epoch_checkpoint(
     source: TuneRun, epoch: int, out: Path, names: list[str] | None = None
 ) -> None:
     """Write into ``out`` the checkpoint of ``epoch`` torchtune 0.6.1 would have left:
     ``source``'s ``epoch_{epoch}`` and a ``recipe_state/recipe_state.pt`` holding the
     optimizer state of the step checkpoint of that epoch's end, keyed by parameter
-    name (``names``: see ``_full_optimizer_state``)."""
+    name (``names``: see ``utils.full_optimizer_state``)."""
     from torchtune import training
 
     shutil.copytree(source.output_dir / f"epoch_{epoch}", out / f"epoch_{epoch}")
     step_dir = source.output_dir / f"step_{(epoch + 1) * STEPS}"
     state = {
-        training.OPT_KEY: _full_optimizer_state(step_dir, names),
+        training.OPT_KEY: full_optimizer_state(step_dir, names),
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: epoch + 1,
         training.TOTAL_EPOCHS_KEY: EPOCHS,
@@ -529,7 +502,7 @@ def test_a_partly_frozen_models_optimizer_state_holds_what_0_6_1_saved(
     assert 0 < len(trainable) < len(names)
     # The step checkpoint of the last epoch's end.
     step_dir = frozen_in_bwd.output_dir / f"step_{EPOCHS * STEPS}"
-    saved = _full_optimizer_state(step_dir, names)
+    saved = full_optimizer_state(step_dir, names)
     # 0.6.1's optimizer held every parameter, in model order, and had state for
     # those that train (plain: one optimizer over model.parameters(); in-backward:
     # one per parameter, the frozen ones never stepped). This tree's holds the same.

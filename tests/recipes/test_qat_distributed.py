@@ -64,6 +64,7 @@ from tests.assets.make_assets import TinyAssets
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
+    full_optimizer_state,
     run_tune,
     run_tune_in_process,
     snapshot_files,
@@ -142,34 +143,6 @@ def _resume_0_6_1(out: Path, assets: TinyAssets, data: Path, **overrides: Any):
     )
     assert list(run.metrics) == list(EPOCH_1), run.metrics
     return run
-
-
-def _full_optimizer_state(
-    step_dir: Path, names: list[str] | None = None
-) -> dict[str, Any]:
-    """The optimizer state of the step checkpoint ``step_dir`` as one full state
-    dict keyed by parameter name (what torch's full-state API gives): from its
-    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
-    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
-    (``names``: the model's parameter names)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    if (step_dir / "model_optimizer").is_dir():
-        full = step_dir.parent / f".{step_dir.name}_full.pt"
-        dcp_to_torch_save(step_dir / "model_optimizer", full)
-        try:
-            return torch.load(full, weights_only=False)["optimizer"]
-        finally:
-            full.unlink()
-    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
-    saved = saved["optimizer"]
-    return {
-        "state": {names[i]: state for i, state in saved["state"].items()},
-        "param_groups": [
-            g | {"params": [names[i] for i in g["params"]]}
-            for g in saved["param_groups"]
-        ],
-    }
 
 
 def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
@@ -347,7 +320,7 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
     # (the optimizer state of the step checkpoint there).
     out = runs_dir / "plain_from_0_6_1"
     shutil.copytree(in_bwd.output_dir / "epoch_0", out / "epoch_0")
-    optimizer = _full_optimizer_state(in_bwd.output_dir / f"step_{STEPS}")
+    optimizer = full_optimizer_state(in_bwd.output_dir / f"step_{STEPS}")
     state = {
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: 1,
@@ -461,7 +434,7 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert 0 < len(trainable) < len(names)
     # The step checkpoint of the last epoch's end.
-    saved = _full_optimizer_state(run.output_dir / f"step_{EPOCHS * STEPS}", names)
+    saved = full_optimizer_state(run.output_dir / f"step_{EPOCHS * STEPS}", names)
     (group,) = saved["param_groups"]
     assert group["params"] == names
     assert sorted(saved["state"]) == sorted(trainable)

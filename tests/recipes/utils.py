@@ -684,6 +684,34 @@ def run_tune_in_process(
     )
 
 
+def full_optimizer_state(
+    step_dir: Path, names: list[str] | None = None
+) -> dict[str, Any]:
+    """The optimizer state of the step checkpoint ``step_dir`` as one full state
+    dict keyed by parameter name (what torch's full-state API gives): from its
+    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
+    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
+    (``names``: the model's parameter names)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if (step_dir / "model_optimizer").is_dir():
+        full = step_dir.parent / f".{step_dir.name}_full.pt"
+        dcp_to_torch_save(step_dir / "model_optimizer", full)
+        try:
+            return torch.load(full, weights_only=False)["optimizer"]
+        finally:
+            full.unlink()
+    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
+    saved = saved["optimizer"]
+    return {
+        "state": {names[i]: state for i, state in saved["state"].items()},
+        "param_groups": [
+            g | {"params": [names[i] for i in g["params"]]}
+            for g in saved["param_groups"]
+        ],
+    }
+
+
 def snapshot_files(root: Path) -> dict[str, tuple[str, int]]:
     """Every file under ``root``: its content hash and modification time, to show that
     a refused run left a folder's checkpoints untouched."""
