@@ -319,7 +319,11 @@ def _check_bool(key: str, value: object) -> None:
 
 def _check_positive_int(key: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}={value!r} is not a positive integer.")
+        null = " or null (no limit)" if key == "max_steps_per_epoch" else ""
+        raise ValueError(
+            f"{key}={value!r} is not a positive integer: set {key} to a whole number "
+            f">= 1{null}."
+        )
 
 
 # Counts a recipe config may set: each a positive integer (max_steps_per_epoch: or
@@ -333,15 +337,6 @@ COUNT_KEYS = (
     "ppo_batch_size",
     "ppo_epochs",
 )
-
-
-def _check_count(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        null = " or null (no limit)" if key == "max_steps_per_epoch" else ""
-        raise ValueError(
-            f"{key}={value!r} is not a positive integer: set {key} to a whole number "
-            f">= 1{null}."
-        )
 
 
 # Top-level keys the recipes and the library read that shipped configs may leave out.
@@ -564,7 +559,7 @@ class RecipeOptions:
         warn_unknown_keys(cfg)
         for key in COUNT_KEYS:
             if key in cfg and not (key == "max_steps_per_epoch" and cfg[key] is None):
-                _check_count(key, cfg[key])
+                _check_positive_int(key, cfg[key])
         check_profiler_component(cfg.get("profiler"))
         collate_fn = cfg.get("collate_fn", None)
         if collate_fn is not None and "left_pad_sequence" in collate_fn:
