@@ -218,7 +218,6 @@ def _build_mode(
     mode: str,
     model: Any,
     make_optimizer: Callable[..., Any],
-    record_grad_norm: bool = True,
 ) -> tuple:
     """The training loop's optimizer for ``mode`` over ``model``, and the objects that
     hold its state."""
@@ -246,7 +245,6 @@ def _build_mode(
         bucket_cap_mb=bucket_cap_mb(mode),
         max_norm=MAX_NORM if mode == "in_bwd_clip" else None,
     )
-    optimizer.record_grad_norm = record_grad_norm
     # Its bucket optimizers work on views of this one's state.
     return optimizer, [optimizer]
 
@@ -280,9 +278,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             model = llama2(
                 num_kv_heads=shape["num_heads"], max_seq_len=seq_len, **shape
             ).to(dtype)
-        optimizer, state_holders = _build_mode(
-            mode, model, make_optimizer, record_grad_norm=args.grad_norm
-        )
+        optimizer, state_holders = _build_mode(mode, model, make_optimizer)
         params = [p for p in model.parameters() if p.requires_grad]
         if hasattr(optimizer, "_buckets"):
             buckets = [bucket.params for bucket in optimizer._buckets()]
@@ -340,17 +336,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             optimizer.backward(loss)
         mark("backward")
         # The gradient norm the recipes log, in the way each mode can give it (the
-        # 0.6.1 hooks cannot), unless --no-grad-norm. Clipping needs it anyway.
+        # 0.6.1 hooks cannot).
         if mode == "plain_clip":
             params = [p for p in model.parameters() if p.requires_grad]
             norm = training.scale_and_clip_grads_(params, max_norm=MAX_NORM)
             runs[mode]["clip_coefs"].append(clip_coefficient(MAX_NORM, norm).item())
-        elif args.grad_norm and mode == "plain":
+        elif mode == "plain":
             nn.utils.get_total_norm([p.grad for p in model.parameters()])
         elif mode == "in_bwd_clip":
             norm = optimizer.grad_norm
             runs[mode]["clip_coefs"].append(clip_coefficient(MAX_NORM, norm).item())
-        elif args.grad_norm and mode != "hooks_0_6_1":
+        elif mode != "hooks_0_6_1":
             _ = optimizer.grad_norm
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -428,7 +424,6 @@ def run_fresh_process(
         "--size-steps", "",
         "--warmup", str(args.warmup),
         "--threads", str(args.threads),
-        *([] if args.grad_norm else ["--no-grad-norm"]),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -610,15 +605,9 @@ def markdown(
             if per_param
             else ""
         )
-        + ". "
-        + (
-            "Every step takes the gradient norm the recipes log (plain: "
-            "`get_total_norm`; in backward: `grad_norm`); the 0.6.1 hooks cannot give "
-            "one and skip it."
-            if args.grad_norm
-            else "No mode takes a gradient norm (`--no-grad-norm`: in backward, "
-            "`record_grad_norm=False`)."
-        ),
+        + ". Every step takes the gradient norm the recipes log (plain: "
+        "`get_total_norm`; in backward: `grad_norm`); the 0.6.1 hooks cannot give "
+        "one and skip it.",
     ]
     if cpu:
         loads = [r["load_average_1min"] for r in timing]
@@ -886,12 +875,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out-name",
         default="optimizer_in_backward",
         help="file name (no suffix) of the .md, .json and .png in --out-dir",
-    )
-    parser.add_argument(
-        "--no-grad-norm",
-        dest="grad_norm",
-        action="store_false",
-        help="skip the gradient norm (record_grad_norm=False in backward)",
     )
     parser.add_argument("--note", default="", help="added to the markdown report")
     # Internal: measure one (size, optimizer, modes) in this process, print JSON.

@@ -6,6 +6,7 @@ for features and config keys.
 """
 
 import contextlib
+import os
 import sys
 from contextlib import AbstractContextManager
 from functools import partial
@@ -65,9 +66,10 @@ class FullDPORecipeDistributed(FTRecipeInterface):
           either mode resume in the other.
           ``optimizer_in_bwd_bucket_cap_mb`` sets how many MiB of gradients one
           update in backward takes (default 4; 0: each parameter on its own).
-        - Activation checkpointing (``enable_activation_checkpointing``) and
-          activation offloading (``enable_activation_offloading``, CUDA only), for
-          the policy; the reference runs without autograd and keeps no activations.
+        - Activation checkpointing (``enable_activation_checkpointing``, or selective
+          with ``ac_mode``/``ac_option``) and activation offloading
+          (``enable_activation_offloading``, CUDA only), for the policy; the
+          reference runs without autograd and keeps no activations.
         - Precision: fp32 or bf16 (``dtype``). fp16 is refused.
         - Gradient accumulation: the global batch is
           ``batch_size * ranks * gradient_accumulation_steps`` pairs.
@@ -104,22 +106,11 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): OmegaConf object parsed from yaml file
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation,
-            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
-            flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, such
-            as bitsandbytes', see ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
-            from, a named step checkpoint that does not exist, or another optimizer
-            class than the checkpoint's); an optimizer the recipe cannot step
-            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
-            backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
-        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
-            CUDA or ``enable_activation_checkpointing`` is False; if ``dtype`` is bf16
-            and the hardware does not support it.
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
 
         Every refusal happens here, before the process group, the models or any file.
     """
@@ -164,26 +155,19 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ref_state_dict = config.instantiate(
             cfg.ref_checkpointer, should_load_recipe_state=False
         ).load_checkpoint()[training.MODEL_KEY]
+        # Both compiled and sharded as self._opts ask.
         build = partial(
             training.build_sharded_model,
             partial(config.instantiate, cfg.model),
-            device=self._device,
-            dtype=self._dtype,
-            compile=self._opts.compile["model"],
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            cpu_offload=self._opts.fsdp_cpu_offload,
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            options=self._opts,
         )
-        self._model = build(
-            checkpoint_dict[training.MODEL_KEY],
-            activation_checkpointing=self._opts.enable_activation_checkpointing,
-        )
+        self._model = build(checkpoint_dict[training.MODEL_KEY])
         # A no-op context when offloading is off.
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             self._model, self._opts.enable_activation_offloading
         )
         # The reference runs without autograd: nothing to checkpoint or offload.
-        self._ref_model = build(ref_state_dict)
+        self._ref_model = build(ref_state_dict, checkpoint_activations=False)
         del ref_state_dict
         self._ref_model.requires_grad_(False)
         self._ref_model.eval()
@@ -193,20 +177,18 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
-        # Compiled if asked; a chunked output loss sets the model's logit chunks.
-        self._loss_fn = training.setup_loss(
-            config.instantiate(cfg.loss),
-            self._model,
-            compile=self._opts.compile["loss"],
-        )
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._opts.compile["loss"]:
+            # A new module, except for a chunked loss (compiled in place).
+            self._loss_fn = training.compile_loss(
+                self._loss_fn, verbose=self._is_rank_zero
+            )
         self._dataloader = self._setup_data(
             cfg_dataset=cfg.dataset, shuffle=cfg.shuffle, batch_size=cfg.batch_size
         )
-        self._steps_per_epoch = training.steps_per_epoch(
-            len(self._dataloader),
-            self._opts.gradient_accumulation_steps,
-            cfg.get("max_steps_per_epoch", None),
-        )
+        # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
+        steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
+        self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
         # On resume: the policy's trained weights, optimizer, data position, RNG and
         # progress (the reference is never saved).
         self._checkpoint.load(
@@ -222,10 +204,15 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.progress.global_step,
-            # After the scheduler, which wraps step() to check the call order.
-            compile_step=self._opts.compile["optimizer_step"],
         )
-        self._profiler, self._memory_window = training.setup_profiler(
+        if self._opts.compile["optimizer_step"]:
+            # After the scheduler: it wraps the optimizer's bound step() method,
+            # which a compiled step is not.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
 
@@ -328,18 +315,19 @@ class FullDPORecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
-            batches = training.epoch_batches(
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
+            # From where a resumed epoch stands, to its last full optimizer step.
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window if self._is_rank_zero else None,
-                step_logger=self._step_logger,
-            )
-            for idx, batch in batches:
+            ):
                 batch = tuple(t.to(self._device) for t in batch)
                 # Padding included, chosen and rejected rows alike, as in 0.6.1.
                 num_tokens += batch[0].numel()
@@ -395,8 +383,11 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                     grad_norm = training.scale_and_clip_grads_(
                         self._model.parameters(), max_norm=self._opts.clip_grad_norm
                     )
-                # Update (a no-op after an in-backward backward), zero_grad, LR step.
-                training.optimizer_step(self._optimizer, self._lr_scheduler)
+                # A no-op after an in-backward backward, which already updated.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
                 self.progress.global_step += 1
 
                 # gloo has no AVG reduction: sum, then divide.
@@ -421,6 +412,8 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                 num_tokens.zero_()
                 # A step checkpoint, when one is due.
                 self._checkpoint.save()
+                # Once per optimizer step: the profiler's schedule counts those.
+                self._profiler.step()
 
             # The policy's checkpoints; the reference is read from ref_checkpointer
             # again on resume.

@@ -6,6 +6,7 @@ arguments. See :class:`FullFinetuneRecipeDistributed` for features and config ke
 """
 
 import functools
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 log = utils.get_logger("DEBUG")
@@ -75,25 +78,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): OmegaConf object parsed from yaml file
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation,
-            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
-            flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
-            ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
-            from, a named step checkpoint that does not exist, or another optimizer
-            class than the checkpoint's); an optimizer the recipe cannot step
-            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
-            backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
-        ValueError: If ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
+        ValueError: ``tensor_parallel_dim`` > 1 without a ``tensor_parallel_plan``,
             with a fused optimizer, or not dividing the world size.
-        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
-            CUDA or ``enable_activation_checkpointing`` is False; if
-            ``left_pad_sequence`` is set as the data collator; if ``dtype`` is bf16
-            and the hardware does not support it.
+
+        Every refusal but the world size's happens here, before the process group,
+        the model or any file.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -150,12 +144,15 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
-        # Compiled if asked; a chunked output loss sets the model's logit chunks.
-        self._loss_fn = training.setup_loss(
-            config.instantiate(cfg.loss),
-            self._model,
-            compile=self._opts.compile["loss"],
-        )
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._opts.compile["loss"]:
+            # A new module, except for a chunked loss (compiled in place).
+            self._loss_fn = training.compile_loss(
+                self._loss_fn, verbose=self._is_rank_zero
+            )
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            # A chunked output loss takes the logits in as many chunks.
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         utils.log_rank_zero(log, "Loss is initialized.")
 
         self._dataloader = self._setup_data(
@@ -164,11 +161,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._steps_per_epoch = training.steps_per_epoch(
-            len(self._dataloader),
-            self._opts.gradient_accumulation_steps,
-            cfg.get("max_steps_per_epoch", None),
-        )
+        # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
+        steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
+        self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
         # On resume: the trained weights, optimizer, data position, RNG and progress.
         self._checkpoint.load(
             self._model,
@@ -184,11 +179,16 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.progress.global_step,
-            # After the scheduler, which wraps step() to check the call order.
-            compile_step=self._opts.compile["optimizer_step"],
         )
+        if self._opts.compile["optimizer_step"]:
+            # After the scheduler: it wraps the optimizer's bound step() method,
+            # which a compiled step is not.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
-        self._profiler, self._memory_window = training.setup_profiler(
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
         # Appended to the shifted labels so logits need no slicing.
@@ -212,21 +212,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self.dp_size = device_mesh["dp"].size()
         self.dp_rank = device_mesh["dp"].get_local_rank()
+        # Compile, activation checkpointing and FSDP2 as self._opts ask.
         model = training.build_sharded_model(
             functools.partial(config.instantiate, cfg.model),
             model_state_dict,
-            device=self._device,
-            dtype=self._dtype,
-            dp_mesh=device_mesh["dp"],
-            tp_mesh=device_mesh["tp"],
+            self._opts,
+            device_mesh=device_mesh,
             tp_plan=self._tp_plan,
-            compile=self._opts.compile["model"],
-            activation_checkpointing=self._opts.enable_activation_checkpointing,
-            ac_mode=cfg.get("ac_mode", None),
-            ac_option=cfg.get("ac_option", None),
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            cpu_offload=self._opts.fsdp_cpu_offload,
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         )
         self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._opts.enable_activation_offloading
@@ -262,18 +254,27 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         Map-style dataset (or a list of them, concatenated) split over the data
         parallel ranks; tensor parallel ranks of one replica read the same batches.
         """
-        ds = (
-            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            if isinstance(cfg_dataset, ListConfig)
-            else config.instantiate(cfg_dataset, self._tokenizer)
-        )
-        return training.sft_dataloader(
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+        # Packs come padded; other samples are padded with the tokenizer's pad id,
+        # their labels with the loss's ignore index.
+        if isinstance(ds, PackedDataset) or getattr(ds, "packed", False):
+            collate_fn = padded_collate_packed
+        else:
+            collate_fn = functools.partial(
+                _get_component_from_path(collate_fn),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
+        return training.stateful_dataloader(
             ds,
-            collate_fn=_get_component_from_path(collate_fn),
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
+            collate_fn=collate_fn,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
         )
@@ -294,18 +295,19 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
-            batches = training.epoch_batches(
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
+            # From where a resumed epoch stands, to its last full optimizer step.
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window if self._is_rank_zero else None,
-                step_logger=self._step_logger,
-            )
-            for idx, batch in batches:
+            ):
                 utils.batch_to_device(batch, self._device)
                 current_num_tokens = (
                     batch["labels"] != self._loss_fn.ignore_index
@@ -349,8 +351,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                         self.world_size / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # Update (a no-op after an in-backward backward), zero_grad, LR step.
-                training.optimizer_step(self._optimizer, self._lr_scheduler)
+                # A no-op after an in-backward backward, which already updated.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
                 self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
@@ -365,6 +370,8 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 num_tokens.zero_()
                 # A step checkpoint, when one is due.
                 self._checkpoint.save()
+                # Once per optimizer step: the profiler's schedule counts those.
+                self._profiler.step()
 
             self.progress.epochs_run += 1
             # The epoch's step checkpoint, then its weights (epoch_{N}).

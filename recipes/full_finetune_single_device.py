@@ -4,6 +4,7 @@ Run it with ``tune run full_finetune_single_device --config <config>``; ``tune l
 lists the shipped configs.
 """
 
+import os
 import sys
 from functools import partial
 from typing import Any
@@ -16,6 +17,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, modules, training, utils
 from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 log = utils.get_logger("DEBUG")
@@ -52,9 +55,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     - Memory (``enable_activation_checkpointing``, ``enable_activation_offloading``).
     - ``torch.compile`` (``compile``): a bool compiles the model and the loss, as in
       0.6.1; a mapping with keys ``model``, ``loss`` and ``optimizer_step`` picks them
-      one by one (``optimizer_step`` compiles the plain optimizer's ``step``; a
-      compiled Adam/AdamW step at ``lr=0``, the first step of a warmup from 0, can
-      write NaN: pytorch/pytorch#126514).
+      one by one (``optimizer_step`` compiles the plain optimizer's ``step``).
     - Data (``dataset``, one or a list, ``packed`` or not; ``collate_fn``,
       ``batch_size``, ``shuffle``; ``epochs``, ``max_steps_per_epoch``).
     - Checkpointing (``checkpointer``: HF, Meta or torchtune format;
@@ -107,21 +108,20 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
-        # Compiled if asked; a chunked output loss sets the model's logit chunks.
-        self._loss_fn = training.setup_loss(
-            config.instantiate(cfg.loss),
-            self._model,
-            compile=self._opts.compile["loss"],
-        )
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._opts.compile["loss"]:
+            # A new module, except for a chunked loss (compiled in place).
+            self._loss_fn = training.compile_loss(self._loss_fn)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            # A chunked output loss takes the logits in as many chunks.
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
-        self._steps_per_epoch = training.steps_per_epoch(
-            len(self._dataloader),
-            self._opts.gradient_accumulation_steps,
-            cfg.get("max_steps_per_epoch", None),
-        )
+        # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
+        steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
+        self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
         # On resume: the trained weights, optimizer, data position, RNG and progress.
         self._checkpoint.load(
             self._model,
@@ -136,11 +136,16 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.progress.global_step,
-            # After the scheduler, which wraps step() to check the call order.
-            compile_step=self._opts.compile["optimizer_step"],
         )
+        if self._opts.compile["optimizer_step"]:
+            # After the scheduler: it wraps the optimizer's bound step() method,
+            # which a compiled step is not.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
-        self._profiler, self._memory_window = training.setup_profiler(
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
 
@@ -187,18 +192,24 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
     ) -> StatefulDataLoader:
         """Build the map-style dataset (a list is concatenated) and its loader."""
-        ds = (
-            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            if isinstance(cfg_dataset, ListConfig)
-            else config.instantiate(cfg_dataset, self._tokenizer)
-        )
-        return training.sft_dataloader(
-            ds,
-            collate_fn=_get_component_from_path(self._collate_fn),
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
-            batch_size=batch_size,
-            shuffle=shuffle,
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+        # Packs come padded; other samples are padded with the tokenizer's pad id,
+        # their labels with the loss's ignore index.
+        if isinstance(ds, PackedDataset) or getattr(ds, "packed", False):
+            collate_fn = padded_collate_packed
+        else:
+            collate_fn = partial(
+                _get_component_from_path(self._collate_fn),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
+        return training.stateful_dataloader(
+            ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_fn
         )
 
     def _loss_step(
@@ -226,18 +237,19 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         running_loss, num_tokens = 0, 0
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
-            batches = training.epoch_batches(
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
+            # From where a resumed epoch stands, to its last full optimizer step.
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window,
-                step_logger=self._step_logger,
-            )
-            for idx, batch in batches:
+            ):
                 utils.batch_to_device(batch, self._device)
                 loss, batch_tokens = self._loss_step(batch)
                 running_loss += loss.detach() * batch_tokens
@@ -265,8 +277,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         1 / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # Update (a no-op after an in-backward backward), zero_grad, LR step.
-                training.optimizer_step(self._optimizer, self._lr_scheduler)
+                # A no-op after an in-backward backward, which already updated.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
                 self.progress.global_step += 1
 
                 self._step_logger.log(
@@ -279,6 +294,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 running_loss, num_tokens = 0, 0
                 # A step checkpoint, when one is due.
                 self._checkpoint.save()
+                # Once per optimizer step: the profiler's schedule counts those.
+                self._profiler.step()
 
             self.progress.epochs_run += 1
             # The epoch's step checkpoint, then its weights (epoch_{N}).

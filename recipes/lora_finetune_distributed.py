@@ -5,6 +5,7 @@ Run it with ``tune run --nproc_per_node N lora_finetune_distributed --config <co
 """
 
 import math
+import os
 import sys
 from functools import partial
 from typing import Any
@@ -18,6 +19,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.modules.peft import (
     get_adapter_params,
     set_trainable_params,
@@ -70,7 +73,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     - Precision (``dtype``): fp32 or bf16.
     - Optimizer (``optimizer``, ``optimizer_in_bwd``): any ``torch.optim.Optimizer``
       that can step sharded parameters (not bitsandbytes'; see
-      ``training.check_fsdp_optimizer``).
+      :meth:`~torchtune.training.RecipeOptions.from_config`).
       With ``optimizer_in_bwd: True`` each adapter parameter is updated inside
       backward as soon as its (reduce-scattered) gradient is ready, and the gradient
       is freed at once; the frozen base weights get no optimizer. The optimizer is
@@ -93,7 +96,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
       pass (see :meth:`~torchtune.training.OptimizerInBackward.backward`).
       ``grad_norm``, logged in both modes, is the norm before clipping.
     - LR scheduling (``lr_scheduler``, optional).
-    - Memory (``enable_activation_checkpointing``, ``enable_activation_offloading``).
+    - Memory (``enable_activation_checkpointing``, or selective with
+      ``ac_mode``/``ac_option``; ``enable_activation_offloading``).
     - ``torch.compile`` (``compile``): a bool compiles the model and the loss, as in
       0.6.1; a mapping with keys ``model``, ``loss`` and ``optimizer_step`` picks them
       one by one (``optimizer_step`` compiles the plain optimizer's ``step``).
@@ -124,24 +128,13 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): the parsed config, command-line overrides applied.
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation,
-            ``compile.optimizer_step``, or clipping and activation offloading; fp16; a
-            flag that is not a bool; an optimizer FSDP2 cannot train or checkpoint, see
-            ``training.check_fsdp_optimizer``; ...) or by
-            :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
-            from, a named step checkpoint that does not exist, or another optimizer
-            class than the checkpoint's); an optimizer the recipe cannot step
-            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
-            backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
         ValueError: ``resume_from_checkpoint=True`` from an epoch checkpoint, and no
             adapter checkpoint found.
-        RuntimeError: ``enable_activation_offloading=True`` on a non-CUDA device, or
-            without ``enable_activation_checkpointing``; an inference-only
-            ``collate_fn``; ``dtype=bf16`` on hardware without bf16.
 
         Every refusal but the missing adapter happens here, before the process group,
         the model or any file.
@@ -187,22 +180,23 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
-        # Compiled if asked; a chunked output loss sets the model's logit chunks.
-        self._loss_fn = training.setup_loss(
-            config.instantiate(cfg.loss),
-            self._model,
-            compile=self._opts.compile["loss"],
-        )
+        self._loss_fn = config.instantiate(cfg.loss)
+        if self._opts.compile["loss"]:
+            # A new module, except for a chunked loss (compiled in place).
+            self._loss_fn = training.compile_loss(
+                self._loss_fn, verbose=self._is_rank_zero
+            )
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            # A chunked output loss takes the logits in as many chunks.
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
 
         # The collate function pads with the tokenizer's pad id and the loss's ignore
         # index, so data comes after both.
         self._dataloader = self._setup_data(cfg.dataset, cfg.shuffle, cfg.batch_size)
         # One step is gradient_accumulation_steps batches on every rank.
-        self._steps_per_epoch = training.steps_per_epoch(
-            len(self._dataloader),
-            self._opts.gradient_accumulation_steps,
-            cfg.get("max_steps_per_epoch", None),
-        )
+        # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
+        steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
+        self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
         # On resume: the trained adapter, optimizer, data position, RNG and progress.
         self._checkpoint.load(
             self._model,
@@ -217,12 +211,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer,
             num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
             global_step=self.progress.global_step,
-            # After the scheduler, which wraps step() to check the call order.
-            compile_step=self._opts.compile["optimizer_step"],
         )
+        if self._opts.compile["optimizer_step"]:
+            # After the scheduler: it wraps the optimizer's bound step() method,
+            # which a compiled step is not.
+            self._optimizer.step = torch.compile(
+                self._optimizer.step,
+                backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor"),
+            )
         # With profile_memory on CUDA, rank 0 also records a memory snapshot of the
         # profiled steps.
-        self._profiler, self._memory_window = training.setup_profiler(
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
 
@@ -245,14 +244,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             build,
             # Strict: every base weight and every adapter weight.
             base_model_state_dict | adapter_state_dict,
-            device=self._device,
-            dtype=self._dtype,
-            compile=self._opts.compile["model"],
-            activation_checkpointing=self._opts.enable_activation_checkpointing,
+            self._opts,
             prepare=_freeze_all_but_the_adapter,
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            cpu_offload=self._opts.fsdp_cpu_offload,
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         )
         if fresh:
             # Fresh DoRA magnitudes are the norms of the loaded base weights.
@@ -288,18 +281,27 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
     ) -> StatefulDataLoader:
         """Build the loader over one map-style dataset or the concatenation of a
         list, each rank reading its own share."""
-        ds = (
-            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            if isinstance(cfg_dataset, ListConfig)
-            else config.instantiate(cfg_dataset, self._tokenizer)
-        )
-        return training.sft_dataloader(
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+        # Packs come padded; other samples are padded with the tokenizer's pad id,
+        # their labels with the loss's ignore index.
+        if isinstance(ds, PackedDataset) or getattr(ds, "packed", False):
+            collate_fn = padded_collate_packed
+        else:
+            collate_fn = partial(
+                _get_component_from_path(self._collate_fn),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
+        return training.stateful_dataloader(
             ds,
-            collate_fn=_get_component_from_path(self._collate_fn),
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
+            collate_fn=collate_fn,
             num_replicas=self.world_size,
             rank=self.rank,
         )
@@ -333,18 +335,19 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
-            batches = training.epoch_batches(
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
+            # From where a resumed epoch stands, to its last full optimizer step.
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window if self._is_rank_zero else None,
-                step_logger=self._step_logger,
-            )
-            for idx, batch in batches:
+            ):
                 utils.batch_to_device(batch, self._device)
                 loss, batch_tokens = self._loss_step(batch)
                 # Token sums, so batches and ranks add up and divide by the total once.
@@ -375,8 +378,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         self.world_size / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # Update (a no-op after an in-backward backward), zero_grad, LR step.
-                training.optimizer_step(self._optimizer, self._lr_scheduler)
+                # A no-op after an in-backward backward, which already updated.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
                 self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
@@ -391,6 +397,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 num_tokens.zero_()
                 # A step checkpoint, when one is due.
                 self._checkpoint.save()
+                # Once per optimizer step: the profiler's schedule counts those.
+                self._profiler.step()
 
             self.progress.epochs_run += 1
             # The epoch's step checkpoint, then its export (epoch_{N}).

@@ -17,7 +17,6 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
 from torchtune import config, generation, modules, rlhf, training, utils
@@ -26,9 +25,6 @@ from torchtune.datasets import ConcatDataset
 from torchtune.modules import local_kv_cache
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.rlhf import PPOStats, Trajectory
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    is_legacy_in_bwd_state_dict,
-)
 
 log = utils.get_logger("DEBUG")
 
@@ -77,12 +73,6 @@ class PPOProgress(training.TrainingProgress):
                     f"{name}={ours} from the config differs from the checkpoint's "
                     f"{state_dict[key]}: {effect}."
                 )
-        if is_legacy_in_bwd_state_dict(state_dict.get(training.OPT_KEY)):
-            log.warning(
-                "The optimizer state is torchtune 0.6.1's in-backward format, which "
-                "holds the value model's state only: the policy's optimizer starts "
-                "afresh."
-            )
         self.seed = state_dict[training.SEED_KEY]
         self.epochs_run = state_dict[training.EPOCHS_KEY]
         # The PPO steps, under 0.6.1's key (its recipe state has no global_step).
@@ -167,23 +157,17 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg (DictConfig): the parsed config, command-line overrides applied.
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation; fp16; a flag that is
-            not a bool; ...) or by :class:`~torchtune.training.CheckpointManager`
-            (``save_every_n_steps``, ``checkpointer.keep_last_n_checkpoints``; a resume
-            with nothing to resume from, a named step checkpoint that does not exist, or
-            another optimizer class than the checkpoint's); an optimizer the recipe
-            cannot step (``torch.optim.LBFGS``, ``SparseAdam``; torchao's
-            ``CPUOffloadOptimizer`` in backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
         ValueError: ``batch_size`` not divisible by ``forward_batch_size`` or by
             ``ppo_batch_size``, or ``ppo_batch_size`` not divisible by
             ``gradient_accumulation_steps``.
         ValueError: ``num_steps`` smaller than ``batch_size`` (no step to run).
         ValueError: a fresh run whose ``ref_policy_checkpointer`` reads other files
             than ``checkpointer``: the reference policy must start as the policy.
-        RuntimeError: ``dtype=bf16`` on hardware without bf16.
 
         Every refusal happens here, before anything is built or written.
     """
@@ -334,7 +318,7 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             * self._ppo_epochs
             * (self.batch_size // self._ppo_batch_size)
         )
-        self._profiler, self._memory_window = training.setup_profiler(
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
 
@@ -408,16 +392,11 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             )
         else:
             ds = config.instantiate(cfg_dataset, tokenizer=self._tokenizer)
-        # The sampler's seed is fixed: the data order depends only on the epoch.
-        sampler = StatefulDistributedSampler(
-            ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0
-        )
-        return StatefulDataLoader(
-            dataset=ds,
-            sampler=sampler,
+        # Full batches only: every step generates for exactly batch_size prompts.
+        return training.stateful_dataloader(
+            ds,
             batch_size=batch_size,
-            # Every step generates for exactly batch_size prompts.
-            drop_last=True,
+            shuffle=shuffle,
             collate_fn=partial(
                 padded_collate,
                 pad_direction="left",
@@ -599,15 +578,13 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             epoch_start = curr_epoch * self._batches_per_epoch
             # The last epoch ends early when the run's steps do not fill it.
             epoch_steps = min(self._batches_per_epoch, self._total_steps - epoch_start)
-            batches = training.epoch_batches(
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=self.progress.global_step - epoch_start,
                 steps_per_epoch=epoch_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window,
-            )
-            for idx, batch in batches:
+            ):
                 input_ids = batch["tokens"].to(self._device)
                 num_tokens = input_ids.numel()
 
@@ -655,6 +632,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 # the epoch, below.
                 if idx + 1 < epoch_steps:
                     self._checkpoint.save()
+                # Once per PPO step: the profiler's schedule counts those.
+                self._profiler.step()
 
             self.progress.epochs_run += 1
             # The epoch's step checkpoint, then the policy's and the value model's

@@ -18,6 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.recipe_interfaces import FTRecipeInterface
 
 log = utils.get_logger("DEBUG")
@@ -88,26 +90,17 @@ class QATRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): OmegaConf object parsed from yaml file
 
     Raises:
-        ValueError: an option refused by :class:`~torchtune.training.RecipeOptions`
-            (``optimizer_in_bwd=True`` with gradient accumulation, or clipping and
-            activation offloading; fp16; a flag that is not a bool; an optimizer FSDP2
-            cannot train or checkpoint, see ``training.check_fsdp_optimizer``; ...) or
-            by :class:`~torchtune.training.CheckpointManager` (``save_every_n_steps``,
-            ``checkpointer.keep_last_n_checkpoints``; a resume with nothing to resume
-            from, a named step checkpoint that does not exist, or another optimizer
-            class than the checkpoint's); an optimizer the recipe cannot step
-            (``torch.optim.LBFGS``, ``SparseAdam``; torchao's ``CPUOffloadOptimizer`` in
-            backward).
+        ValueError: an option :class:`~torchtune.training.RecipeOptions` or
+            :class:`~torchtune.training.CheckpointManager` refuses (see theirs).
         PermissionError: ``output_dir`` or ``checkpointer.output_dir`` cannot be
             written.
-        ValueError: If ``quantizer`` is missing or is not a QAT quantizer.
-        ValueError: If ``fake_quant_after_n_steps`` is not null or an integer >= 0.
-        ValueError: If ``compile`` turns anything on (fake-quantized layers are not
-            compiled by this recipe).
-        RuntimeError: If ``enable_activation_offloading`` is True and the device is not
-            CUDA or ``enable_activation_checkpointing`` is False; if
-            ``left_pad_sequence`` is set as the data collator; if ``dtype`` is bf16
-            and the hardware does not support it.
+        RuntimeError: see :class:`~torchtune.training.RecipeOptions`.
+        ValueError: ``quantizer`` missing or not a QAT quantizer;
+            ``fake_quant_after_n_steps`` not null or an integer >= 0; ``compile``
+            turning anything on (fake-quantized layers are not compiled by this
+            recipe).
+
+        Every refusal happens here, before the process group, the model or any file.
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -194,15 +187,8 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._model = training.build_sharded_model(
             functools.partial(config.instantiate, cfg.model),
             checkpoint_dict[training.MODEL_KEY],
-            device=self._device,
-            dtype=self._dtype,
-            activation_checkpointing=self._opts.enable_activation_checkpointing,
-            ac_mode=cfg.get("ac_mode", None),
-            ac_option=cfg.get("ac_option", None),
+            self._opts,
             prepare=self._prepare_model,
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            cpu_offload=self._opts.fsdp_cpu_offload,
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         )
         # prepare() leaves fake quantization on; _update_fake_quant may turn it off.
         self._fake_quant_enabled = True
@@ -212,8 +198,10 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
-        # Compiled if asked; a chunked output loss sets the model's logit chunks.
-        self._loss_fn = training.setup_loss(config.instantiate(cfg.loss), self._model)
+        self._loss_fn = config.instantiate(cfg.loss)
+        if hasattr(self._loss_fn, "num_output_chunks"):
+            # A chunked output loss takes the logits in as many chunks.
+            self._model.set_num_output_chunks(self._loss_fn.num_output_chunks)
         utils.log_rank_zero(log, "Loss is initialized.")
 
         self._dataloader = self._setup_data(
@@ -222,11 +210,9 @@ class QATRecipeDistributed(FTRecipeInterface):
             batch_size=cfg.batch_size,
             collate_fn=cfg.get("collate_fn", "torchtune.data.padded_collate_sft"),
         )
-        self._steps_per_epoch = training.steps_per_epoch(
-            len(self._dataloader),
-            self._opts.gradient_accumulation_steps,
-            cfg.get("max_steps_per_epoch", None),
-        )
+        # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
+        steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
+        self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
         # On resume: the trained weights, optimizer, data position, RNG and progress;
         # fake quantization follows the resumed step (_update_fake_quant, before each
         # batch).
@@ -246,7 +232,7 @@ class QATRecipeDistributed(FTRecipeInterface):
             global_step=self.progress.global_step,
         )
         # With profile_memory on CUDA, also a memory snapshot of the profiled steps.
-        self._profiler, self._memory_window = training.setup_profiler(
+        self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
         # Appended to the shifted labels so logits need no slicing.
@@ -293,18 +279,27 @@ class QATRecipeDistributed(FTRecipeInterface):
         collate_fn: str,
     ) -> StatefulDataLoader:
         """Map-style dataset (or a list of them, concatenated) split over the ranks."""
-        ds = (
-            [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
-            if isinstance(cfg_dataset, ListConfig)
-            else config.instantiate(cfg_dataset, self._tokenizer)
-        )
-        return training.sft_dataloader(
+        if isinstance(cfg_dataset, ListConfig):
+            ds = ConcatDataset(
+                [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
+            )
+        else:
+            ds = config.instantiate(cfg_dataset, self._tokenizer)
+        # Packs come padded; other samples are padded with the tokenizer's pad id,
+        # their labels with the loss's ignore index.
+        if isinstance(ds, PackedDataset) or getattr(ds, "packed", False):
+            collate_fn = padded_collate_packed
+        else:
+            collate_fn = functools.partial(
+                _get_component_from_path(collate_fn),
+                padding_idx=self._tokenizer.pad_id,
+                ignore_idx=self._loss_fn.ignore_index,
+            )
+        return training.stateful_dataloader(
             ds,
-            collate_fn=_get_component_from_path(collate_fn),
-            padding_idx=self._tokenizer.pad_id,
-            ignore_idx=self._loss_fn.ignore_index,
             batch_size=batch_size,
             shuffle=shuffle,
+            collate_fn=collate_fn,
             num_replicas=self.world_size,
             rank=self.rank,
         )
@@ -346,18 +341,19 @@ class QATRecipeDistributed(FTRecipeInterface):
 
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
+            # The data order depends only on the seed and the epoch.
+            self._dataloader.sampler.set_epoch(curr_epoch)
             steps_done = self.progress.global_step - curr_epoch * self._steps_per_epoch
-            batches = training.epoch_batches(
+            self._step_logger.start_epoch(
+                curr_epoch, steps=self._steps_per_epoch, steps_done=steps_done
+            )
+            # From where a resumed epoch stands, to its last full optimizer step.
+            for idx, batch in training.epoch_batches(
                 self._dataloader,
-                curr_epoch,
                 steps_done=steps_done,
                 steps_per_epoch=self._steps_per_epoch,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                profiler=self._profiler,
-                memory_window=self._memory_window if self._is_rank_zero else None,
-                step_logger=self._step_logger,
-            )
-            for idx, batch in batches:
+            ):
                 self._update_fake_quant()
                 utils.batch_to_device(batch, self._device)
                 current_num_tokens = (
@@ -402,8 +398,11 @@ class QATRecipeDistributed(FTRecipeInterface):
                         self.world_size / num_tokens,
                         self._opts.clip_grad_norm,
                     )
-                # Update (a no-op after an in-backward backward), zero_grad, LR step.
-                training.optimizer_step(self._optimizer, self._lr_scheduler)
+                # A no-op after an in-backward backward, which already updated.
+                self._optimizer.step()
+                self._optimizer.zero_grad(set_to_none=True)
+                if self._lr_scheduler is not None:
+                    self._lr_scheduler.step()
                 self.progress.global_step += 1
 
                 torch.distributed.all_reduce(running_loss)
@@ -418,6 +417,8 @@ class QATRecipeDistributed(FTRecipeInterface):
                 num_tokens.zero_()
                 # A step checkpoint, when one is due.
                 self._checkpoint.save()
+                # Once per optimizer step: the profiler's schedule counts those.
+                self._profiler.step()
 
             self.progress.epochs_run += 1
             # The epoch's step checkpoint, then its weights (epoch_{N}).

@@ -87,12 +87,11 @@ _KEEP = {
 # Surviving mutants that no test can kill, with the reason: (module, enclosing
 # definition, operator, the mutated line as the diff shows it, stripped) -> reason.
 # Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
-_MEMORY = "torchtune/training/memory.py"
-_DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
+_MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _ONE_GROUP = (
-    "a bucket's parameters are of one param group and have one owner, so its last "
-    "parameter gives the same answer as its first"
+    "a bucket's parameters are of one param group, so its last parameter gives the "
+    "same answer as its first"
 )
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     (
@@ -103,47 +102,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ): _ONE_GROUP,
     (
         _MEMORY,
-        "_wrap",
-        "core/ReplaceBinaryOperator_Mul_Div",
-        "def _wrap(self, optimizer: Optimizer, /, bucket_cap_bytes: int) -> None:",
-    ): (
-        "protected method: every caller passes the optimizer by position and "
-        "bucket_cap_bytes by keyword, which both signatures accept"
-    ),
-    (
-        _MEMORY,
-        "_param_names",
-        "core/ReplaceTrueWithFalse",
-        'names.update(zip(group["params"], group["param_names"], strict=False))',
-    ): "torch keeps a group's param_names as long as its params",
-    (
-        _MEMORY,
-        "_on_grad_ready",
-        "core/ReplaceOrWithAnd",
-        "if param.grad is None and bucket is None:",
-    ): (
-        "a gradient another hook already consumed then counts as arrived: its bucket "
-        "is updated a little earlier in the same backward pass, with the same "
-        "parameters and values (and no hooked parameter is ever without a bucket)"
-    ),
-    (
-        _MEMORY,
         "OptimizerInBackward",
         "core/RemoveDecorator",
         "after: def step(self, closure: None = None) -> None:  # type: ignore[override]",
     ): "step() updates through _update, which has its own torch.no_grad()",
-    (_DEPRECATED, "_single_param", "core/NumberReplacer", "return params[ -1]"): (
-        "the list has exactly one element, checked just above"
-    ),
-    (
-        _DEPRECATED,
-        "_new_bucket_optimizer",
-        "core/ReplaceAndWithOr",
-        "if param in optimizer.state or optimizer.state[param]:",
-    ): (
-        "differs only in creating or copying an empty state entry ({}), which every "
-        "optimizer treats like a missing one (its step creates the entry anyway)"
-    ),
     **{
         (_MANAGER, "_restore_legacy", "core/NumberReplacer", line): (
             "a placeholder that the DCP load of a torchtune 0.6.1 dist_epoch_N "

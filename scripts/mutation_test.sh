@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
-# (torchtune/training/memory.py), the deprecated 0.6.1 in-backward API
+# (torchtune/training/optimizer_in_backward.py), the deprecated 0.6.1 in-backward API
 # (optim_in_bwd_deprecated.py), the 0.6.1 checkpoint converter
 # (optim_in_bwd_legacy_state_dict.py) and the checkpoint manager
 # (torchtune/training/checkpointing/_checkpoint_manager.py), against the unit tests
 # (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
 # See "Mutation testing" in CONTRIBUTING.md.
 #
-#   bash scripts/mutation_test.sh [memory] [deprecated] [legacy_state_dict]
+#   bash scripts/mutation_test.sh [optimizer_in_backward] [deprecated] [legacy_state_dict]
 #                                 [checkpoint_manager]         (default: all four)
 #
 # cosmic-ray rewrites the mutated file in place, so this never runs in the checkout it
@@ -18,13 +18,13 @@
 #
 # RERUN_SURVIVORS=1 runs the session's survivors again (after adding tests).
 # SAMPLE=0.5 runs a fixed half of the mutants (default 1: all). The tests run with
-# pytest -x, the older test files first and the contract tests (written to kill what
-# the others missed) last, so the report also tells which mutants only those kill.
+# pytest -x, each target's own test file last, so the report also tells which
+# mutants only that file kills.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 MUT_DIR="${MUT_DIR:-/tmp/torchtune-mutation}"
 COSMIC_RAY_VERSION=8.7.0
-MEMORY=torchtune/training/memory.py
+MEMORY=torchtune/training/optimizer_in_backward.py
 DEPRECATED=torchtune/training/optim_in_bwd_deprecated.py
 LEGACY=torchtune/training/optim_in_bwd_legacy_state_dict.py
 CLIENT=torchtune/training/checkpointing/_checkpoint_manager.py
@@ -65,17 +65,14 @@ TEST_TIMEOUT=240
 
 TT=tests/torchtune/training
 MEMORY_TESTS=(
-  "$TT/test_memory.py"
   "$TT/test_optim_in_bwd_deprecated.py"
-  "$TT/test_memory_optimizer_matrix.py"
-  "$TT/test_optimizer_in_backward_contract.py"
+  "$TT/test_lr_scheduler_resume.py"
+  "$TT/test_optimizer_in_backward.py"
 )
-MEMORY_CONTRACT="$TT/test_optimizer_in_backward_contract.py"
+MEMORY_CONTRACT="$TT/test_optimizer_in_backward.py"
 MEMORY_TARGETS=(
-  _OWNERS _STATE_DICT_HOOKS DEFAULT_BUCKET_CAP_MB is_valid_bucket_cap
-  _bucket_cap_bytes _NON_HYPERPARAMETER_KEYS hyperparameters
-  _owner_of _BucketState _Bucket _local_bytes _describe _wrapped_attribute
-  OptimizerInBackward
+  DEFAULT_BUCKET_CAP_MB is_valid_bucket_cap _bucket_cap_bytes hyperparameters
+  _wrapped_attribute _BucketState _Bucket _local_bytes OptimizerInBackward
 )
 # The 0.6.1 compatibility modules. Each one's own test file runs last, and the report
 # counts what only it kills.
@@ -85,10 +82,8 @@ DEPRECATED_TESTS=(
   "$TT/test_optim_in_bwd_deprecated.py"
 )
 DEPRECATED_TARGETS=(
-  _DEPRECATION _HOOK_DICTS _single_param _warn_deprecated _same_hyperparameters
-  _group_by_hyperparameters _optimizer_like _load_into_owner
-  OptimizerInBackwardWrapper _optim_map_for create_optim_in_bwd_wrapper
-  register_optim_in_bwd_hooks
+  _DEPRECATION _STEPPED_BY _warn _in_backward _optim_map
+  OptimizerInBackwardWrapper create_optim_in_bwd_wrapper register_optim_in_bwd_hooks
 )
 LEGACY_TESTS=(
   "$TT/test_optim_in_bwd_deprecated.py"
@@ -159,11 +154,11 @@ EOF
     tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT'
 }
 
-for what in "${@:-memory deprecated legacy_state_dict checkpoint_manager}"; do
+for what in "${@:-optimizer_in_backward deprecated legacy_state_dict checkpoint_manager}"; do
   for name in $what; do
     case "$name" in
-      memory)
-        run_session memory "$MEMORY" "$(existing "${MEMORY_TESTS[@]}")" \
+      optimizer_in_backward)
+        run_session optimizer_in_backward "$MEMORY" "$(existing "${MEMORY_TESTS[@]}")" \
           "${MEMORY_TARGETS[*]}" "$MEMORY_CONTRACT"
         ;;
       deprecated)
@@ -179,7 +174,7 @@ for what in "${@:-memory deprecated legacy_state_dict checkpoint_manager}"; do
           "${CLIENT_TARGETS[*]}" "$CLIENT_CONTRACT"
         ;;
       *)
-        echo "unknown target $name (memory, deprecated, legacy_state_dict," \
+        echo "unknown target $name (optimizer_in_backward, deprecated, legacy_state_dict," \
           "checkpoint_manager)" >&2
         exit 2
         ;;

@@ -59,22 +59,13 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointManager,
     TrainingProgress,
 )
-from torchtune.training.gradients import (
-    clip_grads_with_norm_,
-    grad_norm,
-    scale_and_clip_grads_,
-)
+from torchtune.training.gradients import scale_and_clip_grads_
 from torchtune.training.loop import (
     StepLogger,
-    compile_optimizer_step,
     epoch_batches,
-    optimizer_step,
-    setup_loss,
     setup_lr_scheduler,
     setup_profiler,
-    sft_dataloader,
     stateful_dataloader,
-    steps_per_epoch,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
@@ -90,9 +81,6 @@ from torchtune.training.optim_in_bwd_deprecated import (
     create_optim_in_bwd_wrapper,
     register_optim_in_bwd_hooks,
 )
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    convert_legacy_optim_in_bwd_state_dict,
-)
 from torchtune.training.pooling import get_unmasked_sequence_lengths
 from torchtune.training.precision import (
     get_dtype,
@@ -100,15 +88,7 @@ from torchtune.training.precision import (
     validate_expected_param_dtype,
 )
 from torchtune.training.quantization import get_quantizer_mode
-from torchtune.training.recipe_options import (
-    TORCH_PROFILER,
-    RecipeOptions,
-    check_fsdp_optimizer,
-    check_optimizer_class,
-    check_optimizer_in_bwd_options,
-    check_profiler_component,
-    parse_compile_config,
-)
+from torchtune.training.recipe_options import RecipeOptions
 from torchtune.training.seed import set_seed
 from torchtune.training.sharded_model import build_sharded_model
 
@@ -173,18 +153,11 @@ __all__ = [
     "TrainingProgress",
     # training loop
     "StepLogger",
-    "clip_grads_with_norm_",
-    "compile_optimizer_step",
     "epoch_batches",
-    "grad_norm",
-    "optimizer_step",
     "scale_and_clip_grads_",
-    "setup_loss",
     "setup_lr_scheduler",
     "setup_profiler",
-    "sft_dataloader",
     "stateful_dataloader",
-    "steps_per_epoch",
     # learning rate
     "get_cosine_schedule_with_warmup",
     "get_lr",
@@ -192,14 +165,7 @@ __all__ = [
     "OptimizerInBackward",
     "build_optimizer",
     "RecipeOptions",
-    "check_fsdp_optimizer",
-    "check_optimizer_class",
-    "check_optimizer_in_bwd_options",
-    "check_profiler_component",
-    "TORCH_PROFILER",
-    "parse_compile_config",
     "cleanup_before_training",
-    "convert_legacy_optim_in_bwd_state_dict",
     "get_memory_stats",
     "log_memory_stats",
     # deprecated 0.6.1 optimizer-in-backward API

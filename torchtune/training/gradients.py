@@ -17,7 +17,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _has_foreach_support
+from torch.utils._foreach_utils import (
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 
 class GradNorm(NamedTuple):
@@ -60,7 +63,7 @@ def tensor_norms(grads: Sequence[torch.Tensor]) -> list[GradNorm]:
         list[GradNorm]: one entry per gradient, in the order given.
     """
     # One kernel per mesh, device and dtype, as get_total_norm runs on each mesh's
-    # gradients in grad_norm (DTensors and plain tensors cannot share a kernel).
+    # gradients (DTensors and plain tensors cannot share a kernel).
     groups: dict[tuple[Any, torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         key = (getattr(g, "device_mesh", None), g.device, g.dtype)
@@ -78,13 +81,14 @@ def tensor_norms(grads: Sequence[torch.Tensor]) -> list[GradNorm]:
 
 def total_norm(norms: Iterable[GradNorm]) -> torch.Tensor:
     """The global 2-norm of the gradients whose norms are ``norms``, given in
-    parameter order: bitwise what :func:`grad_norm` returns for those gradients.
+    parameter order: bitwise what :func:`scale_and_clip_grads_` returns for those
+    gradients.
 
     Norms are grouped by device mesh (plain tensors form one group of their own),
-    and within a mesh by device and dtype, in the order each first appears; each
-    mesh's norms are stacked in that order and reduced as
-    ``torch.nn.utils.get_total_norm`` reduces them (for DTensors that is DTensor's
-    own reduction across ranks), then the meshes' norms are combined.
+    and within a mesh by device and dtype, in the order torch's own grouping
+    gives them; each mesh's norms are stacked in that order and reduced as
+    ``torch.nn.utils.get_total_norm`` stacks and reduces them (for DTensors that is
+    DTensor's own reduction across ranks), then the meshes' norms are combined.
 
     Args:
         norms (Iterable[GradNorm]): from :func:`tensor_norms`, in parameter order.
@@ -100,8 +104,12 @@ def total_norm(norms: Iterable[GradNorm]) -> torch.Tensor:
         return torch.zeros(())
     totals = []
     for groups in by_mesh.values():
-        ordered = [entry for group in groups.values() for entry in group]
-        first_device = ordered[0].device
+        # get_total_norm's order of the (device, dtype) groups is that of torch's
+        # grouping (not their first appearance): group one empty tensor of each.
+        empty = [torch.empty(0, device=d, dtype=t) for d, t in groups]
+        keys = _group_tensors_by_device_and_dtype([empty])
+        ordered = [entry for key in keys for entry in groups[key]]
+        first_device = next(iter(groups))[0]  # the first gradient's
         total = torch.linalg.vector_norm(
             torch.stack([entry.norm.to(first_device) for entry in ordered]), 2.0
         )
@@ -109,34 +117,6 @@ def total_norm(norms: Iterable[GradNorm]) -> torch.Tensor:
     if len(totals) == 1:
         return totals[0]
     return torch.linalg.vector_norm(torch.stack(totals))
-
-
-def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the parameters' gradients, as ``clip_grad_norm_``
-    measures it, also for a model that mixes DTensors of several device meshes
-    with plain tensors (tensor parallelism leaves some parameters unsharded, and
-    ``clip_grad_norm_`` refuses such a mix), and for sparse gradients.
-
-    DTensor gradients are reduced per mesh; a plain tensor's local norm is already
-    global (it is replicated). With dense plain tensors only, the result is bitwise
-    ``torch.nn.utils.get_total_norm`` of the gradients, and an
-    :class:`~torchtune.training.OptimizerInBackward`'s ``grad_norm`` is bitwise this.
-
-    Args:
-        parameters (Iterable[nn.Parameter]): the parameters; those without a gradient
-            are left out.
-
-    Returns:
-        torch.Tensor: the norm, a scalar tensor (0 when no parameter has a gradient).
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.ones(4))
-        >>> p.grad = torch.full((4,), 2.0)
-        >>> grad_norm([p])
-        tensor(4.)
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    return total_norm(tensor_norms(grads))
 
 
 def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
@@ -172,24 +152,6 @@ def scale_grads_(grads: Iterable[torch.Tensor], scale: torch.Tensor | float) -> 
             grad *= scale
 
 
-def clip_grads_with_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor
-) -> None:
-    """Scale the gradients in place so that their global norm is at most
-    ``max_norm``, given that norm (from :func:`grad_norm`): ``clip_grad_norm_``'s
-    rule, :func:`clip_coefficient`, for DTensor, plain and sparse gradients alike.
-
-    Args:
-        parameters (Iterable[nn.Parameter]): the parameters whose gradients to scale.
-        max_norm (float): the largest norm allowed.
-        total_norm (torch.Tensor): the gradients' global norm.
-    """
-    scale_grads_(
-        (p.grad for p in parameters if p.grad is not None),
-        clip_coefficient(max_norm, total_norm),
-    )
-
-
 def scale_and_clip_grads_(
     parameters: Iterable[nn.Parameter],
     scale: torch.Tensor | float | None = None,
@@ -197,8 +159,13 @@ def scale_and_clip_grads_(
 ) -> torch.Tensor:
     """What a training step does to its gradients after backward: multiply them by
     ``scale`` (e.g. ``1 / num_tokens`` to turn a summed loss into a mean), measure
-    their global norm and, with ``max_norm``, clip them to it.
+    their global norm and, with ``max_norm``, clip them to it, by
+    ``clip_grad_norm_``'s rule (:func:`clip_coefficient`).
 
+    The norm is ``clip_grad_norm_``'s (bitwise ``torch.nn.utils.get_total_norm`` for
+    dense plain tensors), also for sparse gradients and for a model that mixes
+    DTensors of several device meshes with plain tensors (tensor parallelism leaves
+    some parameters unsharded), which ``clip_grad_norm_`` refuses.
     :class:`~torchtune.training.OptimizerInBackward` does the same to each bucket
     inside backward, with the same operations, so both compute the same numbers.
 
@@ -212,20 +179,18 @@ def scale_and_clip_grads_(
     Returns:
         torch.Tensor: the global norm after scaling, before clipping.
     """
-    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None]
     if scale is not None:
-        scale_grads_([p.grad for p in params], scale)
-    norm = grad_norm(params)
+        scale_grads_(grads, scale)
+    norm = total_norm(tensor_norms(grads))
     if max_norm is not None:
-        clip_grads_with_norm_(params, max_norm, norm)
+        scale_grads_(grads, clip_coefficient(max_norm, norm))
     return norm
 
 
 __all__ = [
     "GradNorm",
     "clip_coefficient",
-    "clip_grads_with_norm_",
-    "grad_norm",
     "scale_and_clip_grads_",
     "scale_grads_",
     "tensor_norms",

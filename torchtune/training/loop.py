@@ -1,77 +1,29 @@
-"""What every recipe's training loop repeats, once: the batches of an epoch (with
-the profiler and the CUDA memory snapshot), the LR scheduler of a resumed run, the
-profiler's setup, and showing and logging each step (:class:`StepLogger`). The
-gradient norm and clipping are in :mod:`torchtune.training.gradients`.
+"""Helpers for what every recipe's training loop repeats: the resumable loader and the
+batches left in an epoch, the LR scheduler of a resumed run, the profiler, and
+showing and logging each step (:class:`StepLogger`).
 
-The forward, loss and backward of a step stay in each recipe, where a user edits
-them after ``tune cp``; these helpers take plain Python values, so they can be
-called and tested without a config.
+The step itself (forward, loss, backward, ``optimizer.step()``, ``zero_grad``, the
+scheduler and profiler steps) stays in each recipe, where a user edits it after
+``tune cp``; these helpers take plain Python values, so they can be called and
+tested without a config.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
 
 from torchtune import utils
-from torchtune.data import padded_collate_packed
-from torchtune.datasets import ConcatDataset, PackedDataset
-from torchtune.training._compile import compile_loss
 from torchtune.training._profiler import DummyProfiler, setup_torch_profiler
 from torchtune.training.memory import get_memory_stats
 
 log = utils.get_logger("DEBUG")
-
-
-# (first, last) batch index of the profiler's active steps in epoch 0, or None.
-MemoryWindow = tuple[int, int] | None
-
-
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-) -> None:
-    """End a training step: ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=
-    True)`` and, if there is one, ``lr_scheduler.step()``, in both modes.
-
-    After an in-backward backward the step has nothing left to do (every parameter
-    was updated inside backward); with a plain optimizer it is the update.
-
-    Args:
-        optimizer (torch.optim.Optimizer): the training optimizer.
-        lr_scheduler (LRScheduler | None): the LR scheduler, if any. Default: ``None``
-
-    Example:
-        >>> p = torch.nn.Parameter(torch.ones(2))
-        >>> optimizer = torch.optim.SGD([p], lr=0.5)
-        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
-        >>> p.grad = torch.ones(2)
-        >>> optimizer_step(optimizer, scheduler)
-        >>> p.detach(), p.grad, optimizer.param_groups[0]["lr"]
-        (tensor([0.5000, 0.5000]), None, 0.05)
-    """
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-
-
-def steps_per_epoch(
-    num_batches: int, gradient_accumulation_steps: int, max_steps_per_epoch: int | None
-) -> int:
-    """Optimizer steps in an epoch of ``num_batches`` batches: one per
-    ``gradient_accumulation_steps`` batches, at most ``max_steps_per_epoch``."""
-    steps = num_batches // gradient_accumulation_steps
-    return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
 
 
 def setup_lr_scheduler(
@@ -80,7 +32,6 @@ def setup_lr_scheduler(
     *,
     num_training_steps: int,
     global_step: int,
-    compile_step: bool = False,
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Build the LR scheduler where a run that has taken ``global_step`` steps needs
     it.
@@ -99,151 +50,115 @@ def setup_lr_scheduler(
         optimizer (torch.optim.Optimizer): the optimizer, plain or in-backward.
         num_training_steps (int): the run's optimizer steps, all epochs.
         global_step (int): the steps already taken (0 for a new run).
-        compile_step (bool): then compile the optimizer's ``step``
-            (``compile.optimizer_step``; see :func:`compile_optimizer_step`), which
-            must come after the scheduler. Default: ``False``
 
     Returns:
         LRScheduler | None: the scheduler, or ``None``.
     """
-    scheduler = None
-    if make_scheduler is not None:
-        for group in optimizer.param_groups:
-            group.setdefault("initial_lr", optimizer.defaults["lr"])
-        scheduler = make_scheduler(
-            optimizer,
-            num_training_steps=num_training_steps,
-            last_epoch=global_step - 1,
-        )
-    if compile_step:
-        compile_optimizer_step(optimizer)
-    return scheduler
-
-
-def setup_loss(
-    loss_fn: nn.Module, model: nn.Module, *, compile: bool = False
-) -> nn.Module:
-    """The loss as a recipe trains with it: compiled if asked, and, for a chunked
-    output loss, the model set to return its logits in as many chunks.
-
-    Use the returned loss: :func:`~torchtune.training.compile_loss` compiles a
-    chunked loss in place but returns a new module for any other.
-
-    Args:
-        loss_fn (nn.Module): the loss, as built from the config.
-        model (nn.Module): the model whose logits it takes.
-        compile (bool): compile it (``compile.loss``). Default: ``False``
-
-    Returns:
-        nn.Module: the loss to train with.
-    """
-    if compile:
-        loss_fn = compile_loss(loss_fn, verbose=utils.get_world_size_and_rank()[1] == 0)
-    if hasattr(loss_fn, "num_output_chunks"):
-        model.set_num_output_chunks(loss_fn.num_output_chunks)
-    return loss_fn
-
-
-def compile_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """Compile the optimizer's ``step`` (``compile.optimizer_step``), with the
-    backend ``TORCH_COMPILE_BACKEND`` names (default ``inductor``).
-
-    .. warning::
-        Call it after building the LR scheduler, which wraps ``step`` to check the
-        order of calls.
-
-    Args:
-        optimizer (torch.optim.Optimizer): a plain optimizer (an in-backward one
-            refuses ``compile.optimizer_step``).
-    """
-    optimizer.step = torch.compile(
-        optimizer.step, backend=os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
+    if make_scheduler is None:
+        return None
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", optimizer.defaults["lr"])
+    return make_scheduler(
+        optimizer, num_training_steps=num_training_steps, last_epoch=global_step - 1
     )
 
 
 def setup_profiler(
     cfg_profiler: Mapping[str, Any] | None, *, device: torch.device
-) -> tuple[torch.profiler.profile | DummyProfiler, MemoryWindow]:
+) -> torch.profiler.profile | DummyProfiler:
     """Build the torch profiler from the ``profiler`` options (the keywords of
-    :func:`~torchtune.training.setup_torch_profiler`; ``_component_`` is ignored,
-    :func:`~torchtune.training.recipe_options.check_profiler_component` checked it),
-    or a no-op one when they are absent or off.
+    :func:`~torchtune.training.setup_torch_profiler`; ``_component_`` is ignored, as
+    :class:`~torchtune.training.RecipeOptions` checked it), or a no-op one when they
+    are absent or off. A recipe steps it once per optimizer step.
+
+    With ``profile_memory`` on CUDA, rank 0's profiler also records the CUDA memory
+    history over its first profiled (active) steps, which its trace handler saves as
+    a memory snapshot at their end.
 
     Args:
         cfg_profiler (Mapping[str, Any] | None): the ``profiler`` options.
         device (torch.device): the training device.
 
     Returns:
-        tuple: the profiler, and the memory window: with ``profile_memory`` on CUDA,
-        the first and last batch index of the profiled (active) steps of epoch 0,
-        over which :func:`epoch_batches` records a CUDA memory snapshot; else
-        ``None``.
+        torch.profiler.profile | DummyProfiler: the profiler, with ``start``,
+        ``step`` and ``stop``.
     """
     kwargs = {k: v for k, v in (cfg_profiler or {}).items() if k != "_component_"}
     profiler, profiler_cfg = setup_torch_profiler(**kwargs)
     utils.log_rank_zero(log, f"Profiler config after instantiation: {profiler_cfg}")
-    window = None
-    if (
+    if not (
         profiler_cfg["enabled"]
         and profiler_cfg.get("profile_memory", False)
         and device.type == "cuda"
+        and utils.get_world_size_and_rank()[1] == 0
     ):
-        first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
-        window = (first, first + profiler_cfg["active_steps"])
-    return profiler, window
+        return profiler
+    first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
+    return _MemoryHistoryProfiler(profiler, first, first + profiler_cfg["active_steps"])
+
+
+class _MemoryHistoryProfiler:
+    """The profiler, also recording the CUDA memory history from the start of step
+    ``first`` (counted from 0) to the end of step ``last - 1``: the trace handler
+    dumps the snapshot in the ``step()`` that ends the profiled steps."""
+
+    def __init__(self, profiler: torch.profiler.profile, first: int, last: int):
+        self._profiler, self._first, self._last = profiler, first, last
+        self._steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._profiler, name)
+
+    def start(self) -> None:
+        self._profiler.start()
+        self._record()
+
+    def step(self) -> None:
+        self._profiler.step()
+        self._steps += 1
+        self._record()
+
+    def _record(self) -> None:
+        if self._steps == self._first:
+            torch.cuda.memory._record_memory_history()
+        elif self._steps == self._last:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def epoch_batches(
     dataloader: Any,
-    epoch: int,
     *,
     steps_done: int,
     steps_per_epoch: int,
     gradient_accumulation_steps: int = 1,
-    profiler: torch.profiler.profile | DummyProfiler | None = None,
-    memory_window: MemoryWindow = None,
-    step_logger: StepLogger | None = None,
 ) -> Iterator[tuple[int, Any]]:
-    """The ``(batch index, batch)`` pairs of one epoch that are left to train on.
+    """The ``(batch index, batch)`` pairs left to train on in an epoch of
+    ``steps_per_epoch`` optimizer steps, ``steps_done`` of which are taken.
 
-    It sets the sampler's epoch (the data order depends only on the seed and the
-    epoch), numbers batches from where the epoch stands (a loader resumed mid-epoch,
-    e.g. by :meth:`CheckpointClient.track <torchtune.training.CheckpointClient.track>`,
-    continues from its saved position), and stops after the epoch's last full
-    optimizer step (batches past it are left unused). After each optimizer step's
-    last batch it steps the profiler; in epoch 0 it records a CUDA memory snapshot
-    over ``memory_window``.
+    Batches are numbered from where the epoch stands (a loader resumed mid-epoch by
+    :meth:`CheckpointManager.load <torchtune.training.CheckpointManager.load>`
+    continues from its saved position) and stop after the epoch's last full
+    optimizer step: the batches past it are left unused.
 
     Args:
-        dataloader (Any): a ``StatefulDataLoader`` whose sampler has ``set_epoch``.
-        epoch (int): the epoch, counted from 0.
+        dataloader (Any): the epoch's loader (its sampler's epoch already set).
         steps_done (int): optimizer steps of this epoch already taken.
         steps_per_epoch (int): optimizer steps in the epoch.
         gradient_accumulation_steps (int): batches per optimizer step. Default: ``1``
-        profiler (torch.profiler.profile | DummyProfiler | None): stepped once per
-            optimizer step. Default: ``None``
-        memory_window (MemoryWindow): from :func:`setup_profiler`. Default: ``None``
-        step_logger (StepLogger | None): starts the epoch's progress bar.
-            Default: ``None``
 
     Yields:
         tuple[int, Any]: the batch's index in the epoch and the batch.
+
+    Example:
+        >>> list(epoch_batches(["a", "b", "c", "d", "e"], steps_done=1,
+        ...                    steps_per_epoch=2, gradient_accumulation_steps=2))
+        [(2, 'a'), (3, 'b')]
     """
-    dataloader.sampler.set_epoch(epoch)
-    if step_logger is not None:
-        step_logger.start_epoch(epoch, steps=steps_per_epoch, steps_done=steps_done)
-    record = epoch == 0 and memory_window is not None
-    first_batch = steps_done * gradient_accumulation_steps
-    for idx, batch in enumerate(dataloader, start=first_batch):
+    first = steps_done * gradient_accumulation_steps
+    for idx, batch in enumerate(dataloader, start=first):
         if idx // gradient_accumulation_steps == steps_per_epoch:
-            break
-        if record and idx == memory_window[0]:
-            torch.cuda.memory._record_memory_history()
+            return
         yield idx, batch
-        if record and idx == memory_window[1]:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        if profiler is not None and (idx + 1) % gradient_accumulation_steps == 0:
-            profiler.step()
 
 
 def stateful_dataloader(
@@ -286,52 +201,6 @@ def stateful_dataloader(
         # Its own generator: iterating the loader then never draws from the global
         # RNG, whose state a mid-epoch resume restores (dropout's draws).
         generator=torch.Generator(),
-    )
-
-
-def sft_dataloader(
-    dataset: Any,
-    *,
-    collate_fn: Callable[..., Any],
-    padding_idx: int,
-    ignore_idx: int,
-    batch_size: int,
-    shuffle: bool,
-    num_replicas: int = 1,
-    rank: int = 0,
-) -> StatefulDataLoader:
-    """:func:`stateful_dataloader` over a fine-tuning dataset, or the concatenation of
-    a list of them, batched as torchtune's SFT recipes batch: packed datasets with
-    ``padded_collate_packed``, others with ``collate_fn(padding_idx=...,
-    ignore_idx=...)`` (``padded_collate_sft``, say).
-
-    Args:
-        dataset (Any): a map-style dataset, or a list of them.
-        collate_fn (Callable[..., Any]): the collate function for unpacked data.
-        padding_idx (int): the tokenizer's pad id.
-        ignore_idx (int): the label the loss ignores.
-        batch_size (int): samples per batch and rank.
-        shuffle (bool): shuffle each epoch.
-        num_replicas (int): the data parallel ranks. Default: ``1``
-        rank (int): this rank among them. Default: ``0``
-
-    Returns:
-        StatefulDataLoader: the loader.
-    """
-    if isinstance(dataset, list):
-        dataset = ConcatDataset(dataset)
-    packed = isinstance(dataset, PackedDataset) or getattr(dataset, "packed", False)
-    return stateful_dataloader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        collate_fn=(
-            padded_collate_packed
-            if packed
-            else partial(collate_fn, padding_idx=padding_idx, ignore_idx=ignore_idx)
-        ),
-        num_replicas=num_replicas,
-        rank=rank,
     )
 
 

@@ -1,19 +1,13 @@
 """torchtune 0.6.1's optimizer-in-backward API, deprecated.
 
-:class:`OptimizerInBackwardWrapper`, :func:`create_optim_in_bwd_wrapper` and
-:func:`register_optim_in_bwd_hooks` keep 0.6.1 recipes (and users' own recipes written
-against 0.6.1) working, with a :class:`DeprecationWarning`. Each builds an
-:class:`~torchtune.training.OptimizerInBackward` from the per-parameter optimizers
-those recipes create, so no parameter is ever updated twice. New code builds
+0.6.1 recipes built one optimizer per parameter, had it stepped from a hook
+(:func:`register_optim_in_bwd_hooks`) and saved, loaded and scheduled it through a
+wrapper (:func:`create_optim_in_bwd_wrapper`). Here those per-parameter optimizers are
+the buckets, one parameter each, of an
+:class:`~torchtune.training.OptimizerInBackward`: each parameter is updated once, by its
+own optimizer, which holds its state and saves and loads it as in 0.6.1, with the
+hyperparameters of the one param group that an LR scheduler drives. New code builds
 ``OptimizerInBackward(params, optimizer_cls, **kwargs)`` instead.
-
-What 0.6.1 had and :class:`~torchtune.training.OptimizerInBackward` does not is
-:class:`OptimizerInBackwardWrapper`'s alone: it adopts the given per-parameter
-optimizers (their state included) as its buckets, knows every parameter's name,
-builds no optimizer of its own, moves state loaded through a per-parameter optimizer
-(``optim_map[name].load_state_dict``) into its own, and loads 0.6.1's in-backward
-checkpoints with the converter of
-:mod:`torchtune.training.optim_in_bwd_legacy_state_dict`.
 """
 
 from __future__ import annotations
@@ -21,7 +15,6 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +23,9 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchtune.training.memory import OptimizerInBackward, hyperparameters
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    convert_legacy_param_groups,
-    is_legacy_in_bwd_state_dict,
+from torchtune.training.optimizer_in_backward import (
+    OptimizerInBackward,
+    hyperparameters,
 )
 
 _DEPRECATION = (
@@ -43,267 +35,156 @@ _DEPRECATION = (
     "on it unchanged."
 )
 
-# Every hook dict of torch.optim.Optimizer; an optimizer made from a template starts
-# with none of the template's hooks.
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
+# Per-parameter optimizer -> a weak reference to the OptimizerInBackward that steps
+# it, so that the wrapper built after register_optim_in_bwd_hooks takes that one over
+# instead of adding a second.
+_STEPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _single_param(optimizer: Optimizer) -> torch.Tensor:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(params) != 1:
-        raise ValueError(
-            "each per-parameter optimizer must hold exactly one parameter, but "
-            f"{type(optimizer).__name__} holds {len(params)}"
-        )
-    return params[0]
-
-
-def _warn_deprecated(what: str) -> None:
+def _warn(what: str) -> None:
     warnings.warn(_DEPRECATION.format(what=what), DeprecationWarning, stacklevel=3)
 
 
-def _same_hyperparameters(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    try:
-        return all(bool(a[k] == b[k]) for k in a)
-    except (RuntimeError, TypeError, ValueError):  # e.g. tensors of several elements
-        return False
-
-
-def _group_by_hyperparameters(
-    optimizers: list[Optimizer],
-) -> list[dict[str, Any]]:
-    """Param groups for the per-parameter ``optimizers``: one group per distinct set
-    of hyperparameters, in order of first appearance, each keeping its own."""
-    groups: list[dict[str, Any]] = []
+def _in_backward(
+    optimizers: list[Optimizer], model: nn.Module | None = None
+) -> OptimizerInBackward:
+    """The :class:`OptimizerInBackward` whose buckets are ``optimizers`` (each over one
+    parameter): the one built for them before, else a new one."""
+    by_param = {}
     for optimizer in optimizers:
-        param = _single_param(optimizer)
-        own = hyperparameters(optimizer.param_groups[0])
-        for group in groups:
-            if _same_hyperparameters(hyperparameters(group), own):
-                group["params"].append(param)
-                break
-        else:
-            groups.append({**own, "params": [param]})
-    return groups
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if len(params) != 1:
+            raise ValueError(
+                "each per-parameter optimizer must hold exactly one parameter, but "
+                f"{type(optimizer).__name__} holds {len(params)}"
+            )
+        by_param[params[0]] = optimizer
+    owners = {_STEPPED_BY.get(o, lambda: None)() for o in optimizers}
+    if owners != {None}:
+        owner = owners.pop()
+        if (
+            owners
+            or owner is None
+            or len(owner.param_groups[0]["params"]) != len(by_param)
+        ):
+            raise ValueError(
+                "some of these per-parameter optimizers are already stepped in backward "
+                "for other parameters (by an earlier register_optim_in_bwd_hooks): give "
+                "this call the same parameters"
+            )
+        return owner
+    first = optimizers[0]
+    shared = hyperparameters(first.param_groups[0])
+    if any(hyperparameters(o.param_groups[0]) != shared for o in optimizers):
+        raise ValueError(
+            "per-parameter optimizers with different hyperparameters are not supported: "
+            "every update takes those of one param group, which the LR scheduler drives"
+        )
+
+    def build(params: list[Any]) -> Optimizer:
+        # First the param group's optimizer, which only holds the group (it never
+        # steps), then one per bucket of one parameter: that parameter's own.
+        if isinstance(params[0], dict):
+            return Optimizer(params, first.defaults)
+        (param,) = params
+        return by_param[param]
+
+    held = {p: o.state[p] for p, o in by_param.items() if o.state.get(p)}
+    owner = OptimizerInBackward(
+        [{**shared, "params": list(by_param)}], build, bucket_cap_mb=0
+    )
+    owner.state.update(held)  # what the optimizers stepped before, now the buckets'
+    for optimizer in optimizers:
+        _STEPPED_BY[optimizer] = weakref.ref(owner)
+    if model is not None:
+        # 0.6.1 loops never call its zero_grad(), which restarts the gradient norm it
+        # keeps a record for: once per forward pass, or the record would grow.
+        model.register_forward_pre_hook(lambda *_: owner.zero_grad())
+    return owner
 
 
-def _optimizer_like(
-    template: Optimizer, param_groups: list[dict[str, Any]]
-) -> Optimizer:
-    """An optimizer of ``template``'s class and settings over ``param_groups``, with
-    empty state and no hooks, so its own ``state_dict``/``load_state_dict`` apply."""
-    optimizer = type(template).__new__(type(template))
-    # The class's own attributes (bitsandbytes' args and non-castable keys, ...), not
-    # the loader that adoption gives a per-parameter optimizer (_load_into_owner).
-    optimizer.__dict__.update(template.__dict__)
-    optimizer.__dict__.pop("load_state_dict", None)
-    for name in _HOOK_DICTS:
-        setattr(optimizer, name, OrderedDict())
-    optimizer.defaults = dict(template.defaults)
-    optimizer.state = defaultdict(dict)
-    optimizer.param_groups = []
-    for group in param_groups:
-        optimizer.add_param_group(group)
-    return optimizer
+def _optim_map(
+    model: nn.Module, optim_dict: Mapping[torch.Tensor, Optimizer]
+) -> dict[str, Optimizer]:
+    # 0.6.1 stepped the trainable parameters; a frozen one's optimizer may be absent.
+    return {
+        name: optim_dict[p]
+        for name, p in model.named_parameters()
+        if p.requires_grad or p in optim_dict
+    }
 
 
-def _load_into_owner(
-    optimizer: Optimizer, param: torch.Tensor, owner: OptimizerInBackwardWrapper
-) -> None:
-    """Make ``optimizer.load_state_dict`` load into ``owner``'s state.
+class OptimizerInBackwardWrapper:
+    """Deprecated: torchtune 0.6.1's wrapper to save, load and schedule the
+    per-parameter optimizers that update parameters in backward.
 
-    A per-parameter optimizer's own ``load_state_dict`` (0.6.1 recipes resume through
-    ``optim_map[name]``) replaces its ``state``, which ``owner`` made a view of its
-    own. Right after the class's loader, whatever hooks it runs (bitsandbytes' runs
-    none), the loaded entry is moved into ``owner``'s state and the view put back, so
-    the loaded state is what training uses and what ``owner`` saves. Once ``owner``
-    no longer updates ``param`` with ``optimizer`` (another instance took it over),
-    the load stays ``optimizer``'s own.
-    """
-    class_load = type(optimizer).load_state_dict
-    owner_ref = weakref.ref(owner)
-
-    @functools.wraps(class_load)
-    def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        view = optimizer.state
-        class_load(optimizer, state_dict, *args, **kwargs)
-        owner = owner_ref()
-        if optimizer.state is view or owner is None:
-            return
-        if owner._optimizer_of(param) is not optimizer:
-            return
-        loaded, optimizer.state = optimizer.state, view
-        entry = loaded.get(param)
-        if entry:
-            owner.state[param] = entry
-
-    optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
-
-
-class OptimizerInBackwardWrapper(OptimizerInBackward):
-    """Deprecated: an :class:`OptimizerInBackward` built from torchtune 0.6.1's
-    per-parameter optimizers.
-
-    Takes over the given per-parameter optimizers (their state moves into this
-    object) and updates their parameters in backward; any hooks registered for them by
-    :func:`register_optim_in_bwd_hooks` are removed, so no parameter is updated twice.
-    ``state_dict()`` returns the standard torch format; ``load_state_dict()`` accepts
-    that and 0.6.1's format keyed by parameter name. The 0.6.1 helper methods keep
-    working.
+    They are the buckets of an :class:`OptimizerInBackward` (the one
+    :func:`register_optim_in_bwd_hooks` built for them, else a new one), so each
+    parameter is updated in backward, once. ``state_dict()`` and ``load_state_dict()``
+    use 0.6.1's format (parameter name -> that parameter's optimizer's state dict;
+    :func:`~torchtune.training.optim_in_bwd_legacy_state_dict.convert_legacy_optim_in_bwd_state_dict` converts it for
+    any other optimizer). Every update takes the hyperparameters of the one param group
+    that :meth:`set_lr_scheduler`'s scheduler drives: the optimizers' own, which must
+    all be the same.
 
     Args:
         optim_map (dict[str, Optimizer]): parameter name -> optimizer over that one
             parameter.
 
     Raises:
-        ValueError: if an optimizer in ``optim_map`` does not hold exactly one parameter.
-
-    Example:
-        >>> # deprecated
-        >>> wrapper = OptimizerInBackwardWrapper(
-        ...     {n: torch.optim.AdamW([p]) for n, p in model.named_parameters()}
-        ... )
-        >>> # instead
-        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
+        ValueError: if an optimizer holds other than one parameter, or they have
+            different hyperparameters.
     """
 
     def __init__(self, optim_map: dict[str, Optimizer]) -> None:
-        _warn_deprecated("OptimizerInBackwardWrapper")
-        self._setup_from_optimizers(optim_map)
-
-    @classmethod
-    def _from_optimizers(
-        cls, optim_map: dict[str, Optimizer]
-    ) -> OptimizerInBackwardWrapper:
-        """Build without a second deprecation warning (for the deprecated functions)."""
-        wrapper = cls.__new__(cls)
-        wrapper._setup_from_optimizers(optim_map)
-        return wrapper
-
-    def _setup_from_optimizers(self, optim_map: dict[str, Optimizer]) -> None:
-        if not optim_map:
-            raise ValueError("OptimizerInBackwardWrapper got an empty optim_map")
-        # The per-parameter optimizers not yet adopted as buckets, and every name.
-        self._adopted: dict[torch.Tensor, Optimizer] = {}
-        self._names: dict[torch.Tensor, str] = {}
-        for name, optimizer in optim_map.items():
-            param = _single_param(optimizer)
-            self._adopted[param] = optimizer
-            self._names[param] = name
-        # Each parameter keeps the hyperparameters of its own optimizer: parameters
-        # whose optimizers agree share a group (usually all of them, one group).
-        first = next(iter(optim_map.values()))
-        wrapped = _optimizer_like(
-            first, _group_by_hyperparameters(list(optim_map.values()))
-        )
-        # One bucket per parameter: each is its adopted optimizer.
-        self._wrap(wrapped, bucket_cap_bytes=0)
-        # Frozen parameters' optimizers are adopted too, as 0.6.1 kept them.
-        for param in list(self._adopted):
-            self._attach([param])
+        _warn("OptimizerInBackwardWrapper")
+        self.optim_map = optim_map
         self.lr_scheduler: LRScheduler | None = None
-
-    def _new_bucket_optimizer(self, params: list[torch.Tensor]) -> Optimizer:
-        """The adopted per-parameter optimizer of the bucket's one parameter, with
-        the state it holds moved into this object's ``state``.
-
-        Raises:
-            RuntimeError: for a parameter that has no per-parameter optimizer left
-                to adopt: this class cannot build one.
-        """
-        optimizer = self._adopted.pop(params[0], None) if len(params) == 1 else None
-        if optimizer is None:
-            raise RuntimeError(
-                "this optimizer was built from 0.6.1-style per-parameter optimizers "
-                "and cannot build one for a new parameter; use "
-                "OptimizerInBackward(params, optimizer_cls, **kwargs) instead"
-            )
-        (param,) = params
-        if param in optimizer.state and optimizer.state[param]:
-            self.state[param] = optimizer.state[param]
-        _load_into_owner(optimizer, param, self)
-        return optimizer
-
-    def _param_names(self) -> dict[torch.Tensor, str]:
-        # The param groups have no param_names (0.6.1's did not either): name
-        # parameters in error messages by their optim_map names.
-        return dict(self._names)
+        self._optimizer = _in_backward(list(optim_map.values()))
 
     @property
-    def optim_map(self) -> dict[str, Optimizer]:
-        """Parameter name -> its per-parameter optimizer, for every parameter given
-        (frozen ones included, as in 0.6.1, whose checkpoints hold them too)."""
-        return {
-            self._names[param]: optimizer
-            for group in self.param_groups
-            for param in group["params"]
-            if (optimizer := self._optimizer_of(param)) is not None
-        }
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The one param group whose hyperparameters every update takes."""
+        return self._optimizer.param_groups
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: this class has no optimizer class to build optimizers for
-        new parameters with.
+    def state_dict(self) -> dict[str, Any]:
+        """Parameter name -> its optimizer's state dict, as in 0.6.1.
+
+        Returns:
+            dict[str, Any]: the state dict.
+        """
+        for opt in self.optim_map.values():  # the next update's, as 0.6.1 saved
+            opt.param_groups[0].update(hyperparameters(self.param_groups[0]))
+        return {name: opt.state_dict() for name, opt in self.optim_map.items()}
+
+    def load_state_dict(self, optim_ckpt_map: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict`'s format into the per-parameter optimizers.
 
         Args:
-            param_group (dict[str, Any]): ignored.
+            optim_ckpt_map (Mapping[str, Any]): parameter name -> state dict.
 
         Raises:
-            RuntimeError: always.
+            RuntimeError: if some names have no entry or some entries no name, before
+                anything is loaded.
         """
-        raise RuntimeError(
-            "add_param_group is not supported on an optimizer built from 0.6.1-style "
-            "per-parameter optimizers; build OptimizerInBackward(params, "
-            "optimizer_cls, **kwargs) instead"
-        )
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load optimizer state in the standard torch format, as
-        :meth:`OptimizerInBackward.load_state_dict` does, or in torchtune 0.6.1's
-        in-backward format (keyed by parameter name, the names of ``optim_map``).
-
-        A 0.6.1 state dict gives each param group the hyperparameters of its first
-        parameter that has an entry (0.6.1 schedulers set the learning rate of one
-        per-parameter optimizer only), and keeps the group's own for any key the
-        entry lacks.
-
-        Args:
-            state_dict (Mapping[str, Any]): the state to load.
-
-        Raises:
-            ValueError: if the state dict's parameters do not match this
-                optimizer's; the message names what is missing and what is extra.
-        """
-        if is_legacy_in_bwd_state_dict(state_dict):
-            converted = convert_legacy_param_groups(
-                state_dict,
-                [
-                    [(self._names[p], p) for p in group["params"]]
-                    for group in self.param_groups
-                ],
+        missing = sorted(set(self.optim_map) - set(optim_ckpt_map))
+        extra = sorted(set(optim_ckpt_map) - set(self.optim_map))
+        if missing or extra:
+            raise RuntimeError(
+                f"optimizer state dict does not match: missing {missing}, extra {extra}"
             )
-            converted["param_groups"] = [
-                {**hyperparameters(ours), **saved}
-                for ours, saved in zip(
-                    self.param_groups, converted["param_groups"], strict=True
-                )
-            ]
-            state_dict = converted
-        super().load_state_dict(state_dict)
+        for name, state_dict in optim_ckpt_map.items():
+            self.optim_map[name].load_state_dict(state_dict)
+        # The saved hyperparameters, as a plain load restores them: the first
+        # optimizer's, which 0.6.1's scheduler drove.
+        first = next(iter(self.optim_map.values()))
+        self.param_groups[0].update(hyperparameters(first.param_groups[0]))
 
     def get_optim_key(self, key: str) -> Any:
-        """The value of hyperparameter ``key`` (e.g. ``"lr"``) of the first param group.
+        """The hyperparameter ``key`` that updates use now.
 
         Args:
-            key (str): hyperparameter name.
+            key (str): e.g. ``"lr"``.
 
         Returns:
             Any: its value.
@@ -311,61 +192,34 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
         return self.param_groups[0][key]
 
     def set_lr_scheduler(self, lr_scheduler: LRScheduler) -> None:
-        """Make ``lr_scheduler`` drive the learning rate of every parameter.
-
-        0.6.1 recipes build the scheduler on one per-parameter optimizer. It is
-        pointed at this object instead (whose param groups every update reads), and
-        the learning rate it has set already (e.g. 0 at the start of a warmup) applies
-        to every parameter from the first update on.
+        """Make ``lr_scheduler``, built on one of the per-parameter optimizers as 0.6.1
+        recipes did, drive every update's hyperparameters from the values it set.
 
         Args:
-            lr_scheduler (LRScheduler): a scheduler built on this object or on one of
-                its per-parameter optimizers.
-
-        Raises:
-            ValueError: if the scheduler drives some other optimizer.
+            lr_scheduler (LRScheduler): the scheduler.
         """
-        target = lr_scheduler.optimizer
-        if target is not self:
-            if not any(target is inner for inner in self.optim_map.values()):
-                raise ValueError(
-                    "set_lr_scheduler: the scheduler drives an optimizer that is "
-                    "neither this object nor one of its per-parameter optimizers"
-                )
-            source = target.param_groups[0]
-            for group in self.param_groups:
-                for key in ("lr", "initial_lr"):
-                    if key in source:
-                        group[key] = source[key]
-            for scheduler in [lr_scheduler, *getattr(lr_scheduler, "_schedulers", [])]:
-                scheduler.optimizer = self
-            self._mark_step_called_for_schedulers()
+        # It is pointed at the param group every update reads, with what it set there.
+        self.param_groups[0].update(
+            hyperparameters(lr_scheduler.optimizer.param_groups[0])
+        )
+        for scheduler in (lr_scheduler, *getattr(lr_scheduler, "_schedulers", ())):
+            scheduler.optimizer = self._optimizer
+        # torch schedulers warn at their first step unless their optimizer's step()
+        # was wrapped by a scheduler and called; here the updates run in backward.
+        if not hasattr(self._optimizer.step, "_wrapped_by_lr_sched"):
+            self._optimizer.step = functools.partial(self._optimizer.step)
+            self._optimizer.step._wrapped_by_lr_sched = True
+        self._optimizer._opt_called = True
         self.lr_scheduler = lr_scheduler
 
-    def _mark_step_called_for_schedulers(self) -> None:
-        # torch schedulers warn on their first step unless optimizer.step was wrapped
-        # by them and called. In-backward updates happen inside backward, so there is
-        # nothing to warn about: mark it as torch's wrapper would.
-        if not hasattr(self.step, "_wrapped_by_lr_sched"):
-            step = self.step
-
-            @functools.wraps(step)
-            def counted_step(*args: Any, **kwargs: Any) -> None:
-                self._opt_called = True
-                return step(*args, **kwargs)
-
-            counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-            self.step = counted_step  # type: ignore[method-assign]
-        self._opt_called = True
-
     def step_lr_scheduler(self, epoch: int | None = None) -> None:
-        """Step the scheduler set by :meth:`set_lr_scheduler`.
+        """Step the scheduler of :meth:`set_lr_scheduler`.
 
         Args:
-            epoch (int | None): passed to ``lr_scheduler.step`` if given.
+            epoch (int | None): passed to its ``step`` if given. Default: ``None``
 
         Raises:
-            RuntimeError: if no scheduler was set.
+            RuntimeError: if none was set.
         """
         if self.lr_scheduler is None:
             raise RuntimeError(
@@ -377,7 +231,7 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
             self.lr_scheduler.step(epoch)
 
     def get_last_lr(self) -> float:
-        """The scheduler's last learning rate (of the first param group).
+        """The scheduler's last learning rate.
 
         Returns:
             float: the learning rate.
@@ -392,74 +246,44 @@ class OptimizerInBackwardWrapper(OptimizerInBackward):
         return self.lr_scheduler.get_last_lr()[0]
 
 
-def _optim_map_for(
-    model: nn.Module,
-    optim_dict: Mapping[torch.Tensor, Optimizer],
-    trainable_only: bool,
-) -> dict[str, Optimizer]:
-    optim_map = {}
-    for name, param in model.named_parameters():
-        if trainable_only and not param.requires_grad:
-            continue
-        if param not in optim_dict:
-            if param.requires_grad:
-                raise ValueError(
-                    f"optim_dict has no optimizer for trainable parameter {name!r}"
-                )
-            continue
-        optim_map[name] = optim_dict[param]
-    return optim_map
-
-
 def create_optim_in_bwd_wrapper(
     model: nn.Module, optim_dict: Mapping[torch.Tensor, Optimizer]
 ) -> OptimizerInBackwardWrapper:
-    """Deprecated: build the in-backward optimizer from 0.6.1's per-parameter optimizers.
-
-    Returns an :class:`OptimizerInBackward` (as :class:`OptimizerInBackwardWrapper`)
-    that updates the model's parameters in backward with the optimizers in
-    ``optim_dict``; it takes over from :func:`register_optim_in_bwd_hooks`, so calling
-    both, as 0.6.1 recipes did, updates each parameter once.
+    """Deprecated: the :class:`OptimizerInBackwardWrapper` of ``model``'s per-parameter
+    optimizers, named by ``model.named_parameters()``. After
+    :func:`register_optim_in_bwd_hooks` over the same ones it takes over the optimizer
+    in backward built there, so each parameter is still updated once.
 
     Args:
-        model (nn.Module): the model; its ``named_parameters()`` give the names.
-        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over
-            that one parameter.
+        model (nn.Module): the model.
+        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over that
+            one parameter, for every trainable parameter.
 
     Returns:
-        OptimizerInBackwardWrapper: the optimizer.
-
-    Raises:
-        ValueError: if a trainable parameter has no optimizer in ``optim_dict``.
+        OptimizerInBackwardWrapper: the wrapper.
     """
-    _warn_deprecated("create_optim_in_bwd_wrapper")
-    return OptimizerInBackwardWrapper._from_optimizers(
-        _optim_map_for(model, optim_dict, trainable_only=False)
-    )
+    _warn("create_optim_in_bwd_wrapper")
+    optim_map = _optim_map(model, optim_dict)
+    _in_backward(list(optim_map.values()), model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # warned once, above
+        return OptimizerInBackwardWrapper(optim_map)
 
 
 def register_optim_in_bwd_hooks(
     model: nn.Module, optim_dict: Mapping[torch.Tensor, Optimizer]
 ) -> None:
-    """Deprecated: update the model's trainable parameters in backward with the
-    per-parameter optimizers in ``optim_dict``.
-
-    Builds an :class:`OptimizerInBackward` over them, kept alive by its hooks. A later
-    :func:`create_optim_in_bwd_wrapper` (or any new :class:`OptimizerInBackward`) over
-    the same parameters takes them over, so no parameter is updated twice.
+    """Deprecated: update each of ``model``'s trainable parameters in backward with its
+    optimizer in ``optim_dict``, through an :class:`OptimizerInBackward` that
+    :func:`create_optim_in_bwd_wrapper` takes over.
 
     Args:
-        model (nn.Module): the model whose trainable parameters get hooks.
-        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over
-            that one parameter.
-
-    Raises:
-        ValueError: if a trainable parameter has no optimizer in ``optim_dict``.
+        model (nn.Module): the model.
+        optim_dict (Mapping[torch.Tensor, Optimizer]): parameter -> optimizer over that
+            one parameter, for every trainable parameter.
     """
-    _warn_deprecated("register_optim_in_bwd_hooks")
-    optim_map = _optim_map_for(model, optim_dict, trainable_only=True)
-    if optim_map:
-        OptimizerInBackwardWrapper._from_optimizers(optim_map)
+    _warn("register_optim_in_bwd_hooks")
+    _in_backward(list(_optim_map(model, optim_dict).values()), model)
 
 
 __all__ = [

@@ -30,6 +30,7 @@ from torchtune.training.memory import (
     set_activation_checkpointing,
 )
 from torchtune.training.precision import set_default_dtype
+from torchtune.training.recipe_options import RecipeOptions
 
 log = utils.get_logger("DEBUG")
 
@@ -37,68 +38,59 @@ log = utils.get_logger("DEBUG")
 def build_sharded_model(
     build: Callable[[], nn.Module],
     state_dict: dict[str, Any],
+    options: RecipeOptions,
     *,
-    device: torch.device,
-    dtype: torch.dtype,
-    dp_mesh: DeviceMesh | None = None,
-    tp_mesh: DeviceMesh | None = None,
-    tp_plan: dict[str, Any] | None = None,
-    compile: bool = False,
-    activation_checkpointing: bool = False,
-    ac_mode: str | None = None,
-    ac_option: int | str | None = None,
+    checkpoint_activations: bool = True,
     prepare: Callable[[nn.Module], nn.Module] | None = None,
-    custom_sharded_layers: list[str] | None = None,
-    cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
+    device_mesh: DeviceMesh | None = None,
+    tp_plan: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Build a model without memory, parallelize it, and load its weights into each
     rank's shards; call it on every rank.
 
     The steps, in order:
 
-    1. build the model on the meta device in ``dtype`` (and compile it if asked);
-    2. tensor parallelism over ``tp_mesh`` with ``tp_plan``, when that mesh has
-       more than one rank;
-    3. activation checkpointing of every transformer layer, or selective activation
-       checkpointing (``ac_mode``/``ac_option``) when full checkpointing is off;
-       then ``prepare`` (e.g. a QAT quantizer's swap of its layers);
-    4. FSDP2: each transformer layer and each of ``custom_sharded_layers`` its own
-       unit, over ``dp_mesh`` (over every rank when ``None``; not at all when it has
-       one rank);
-    5. RoPE buffers computed on ``device``, and the full ``state_dict`` loaded into
-       the shards (each rank materializes only its own).
+    1. build the model on the meta device in ``options.dtype`` (and compile it if
+       ``options.compile["model"]``);
+    2. tensor parallelism over ``device_mesh["tp"]`` with ``tp_plan``, when that
+       mesh has more than one rank;
+    3. activation checkpointing of every transformer layer
+       (``options.enable_activation_checkpointing``), or else selective activation
+       checkpointing (``options.ac_mode``, ``options.ac_option``); then ``prepare``
+       (e.g. a QAT quantizer's swap of its layers);
+    4. FSDP2 (``options.fsdp_cpu_offload``, ``fsdp_reshard_after_forward``): each
+       transformer layer and each of ``options.custom_sharded_layers`` its own unit,
+       over ``device_mesh["dp"]`` (over every rank without a mesh; not at all when
+       it has one rank);
+    5. RoPE buffers computed on ``options.device``, and the full ``state_dict``
+       loaded into the shards (each rank materializes only its own).
 
     Args:
         build (Callable[[], nn.Module]): builds the model, e.g.
             ``functools.partial(config.instantiate, cfg.model)``.
         state_dict (dict[str, Any]): the model's full state dict.
-        device (torch.device): the training device.
-        dtype (torch.dtype): the parameters' dtype.
-        dp_mesh (DeviceMesh | None): the data parallel mesh. Default: every rank.
-        tp_mesh (DeviceMesh | None): the tensor parallel mesh. Default: none.
-        tp_plan (dict[str, Any] | None): the tensor parallel plan.
-        compile (bool): compile the model. Default: ``False``
-        activation_checkpointing (bool): checkpoint every transformer layer.
-            Default: ``False``
-        ac_mode (str | None): selective activation checkpointing's mode.
-        ac_option (int | str | None): selective activation checkpointing's option.
-        prepare (Callable[[nn.Module], nn.Module] | None): applied before sharding.
-        custom_sharded_layers (list[str] | None): more modules to shard on their own,
-            e.g. ``["tok_embeddings", "output"]``.
-        cpu_offload (bool): offload parameters, gradients and optimizer state to
-            CPU. Default: ``False``
-        reshard_after_forward (bool): free gathered parameters after forward.
+        options (RecipeOptions): the recipe's options, read as above.
+        checkpoint_activations (bool): ``False``: no activation checkpointing,
+            whatever ``options`` ask (a frozen model run without autograd).
             Default: ``True``
+        prepare (Callable[[nn.Module], nn.Module] | None): applied before sharding.
+            Default: ``None``
+        device_mesh (DeviceMesh | None): a mesh with ``"dp"`` and ``"tp"`` dimensions.
+            Default: data parallel over every rank.
+        tp_plan (dict[str, Any] | None): the tensor parallel plan. Default: ``None``
 
     Returns:
         nn.Module: the sharded model with its weights loaded.
     """
+    device, dtype = options.device, options.dtype
+    dp_mesh = tp_mesh = None
+    if device_mesh is not None:
+        dp_mesh, tp_mesh = device_mesh["dp"], device_mesh["tp"]
     start = time.perf_counter()
     is_rank_zero = dist.get_rank() == 0
     with set_default_dtype(dtype), torch.device("meta"):
         model = build()
-    if compile:
+    if options.compile["model"]:
         compile_model(model, verbose=is_rank_zero)
 
     if tp_mesh is not None and tp_mesh.size() > 1:
@@ -106,12 +98,14 @@ def build_sharded_model(
         model = prepare_mha_for_tp(model, tp_mesh)
         parallelize_module(model, tp_mesh, tp_plan)
 
-    if activation_checkpointing:
+    if checkpoint_activations and options.enable_activation_checkpointing:
         set_activation_checkpointing(
             model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
         )
-    elif ac_mode is not None:
-        apply_selective_activation_checkpointing(model, ac_mode, ac_option)
+    elif checkpoint_activations and options.ac_mode is not None:
+        apply_selective_activation_checkpointing(
+            model, options.ac_mode, options.ac_option
+        )
     if prepare is not None:
         model = prepare(model)
 
@@ -119,10 +113,12 @@ def build_sharded_model(
         shard_model(
             model=model,
             shard_conditions=[
-                partial(get_shard_conditions, names_to_match=custom_sharded_layers)
+                partial(
+                    get_shard_conditions, names_to_match=options.custom_sharded_layers
+                )
             ],
-            cpu_offload=cpu_offload,
-            reshard_after_forward=reshard_after_forward,
+            cpu_offload=options.fsdp_cpu_offload,
+            reshard_after_forward=options.fsdp_reshard_after_forward,
             dp_mesh=dp_mesh,
         )
 
@@ -132,7 +128,7 @@ def build_sharded_model(
             if hasattr(m, "rope_init"):
                 m.rope_init()
     load_from_full_model_state_dict(
-        model, state_dict, device, strict=True, cpu_offload=cpu_offload
+        model, state_dict, device, strict=True, cpu_offload=options.fsdp_cpu_offload
     )
     validate_no_params_on_meta_device(model)
     utils.log_rank_zero(
@@ -144,6 +140,3 @@ def build_sharded_model(
         log_memory_stats(get_memory_stats(device=device))
     dist.barrier()
     return model
-
-
-__all__ = ["build_sharded_model"]

@@ -1,11 +1,16 @@
-"""Distributed checks of OptimizerInBackward and CheckpointManager, run on 2 CPU
+"""Checks and helpers shared by the OptimizerInBackward tests.
+
+Single-process helpers (:func:`make_model`, :func:`train`, :func:`snapshot`, ...) that
+``test_optimizer_in_backward.py`` and the 0.6.1 compatibility tests share; and the
+distributed checks of OptimizerInBackward and CheckpointManager, run on 2 CPU
 processes with gloo by ``tests/torchtune/conftest.py`` (one launch for all of them:
 starting processes costs more than every check together).
 
 Each scenario runs on every rank and is reported per rank as ``"ok"`` or a traceback;
-the tests in ``test_memory.py`` and ``checkpointing/test_checkpoint_manager.py`` assert
-on those reports. Run by hand with ``torchrun --nproc-per-node 2 -m
-tests.torchtune.training.optimizer_in_backward_scenarios OUT_DIR`` from the repo root.
+the tests in ``test_optimizer_in_backward.py`` and
+``checkpointing/test_checkpoint_manager.py`` assert on those reports. Run by hand with
+``torchrun --nproc-per-node 2 -m tests.torchtune.training.optimizer_in_backward_scenarios
+OUT_DIR`` from the repo root.
 
 Tolerances: the in-backward and plain runs call the same kernels on the same values,
 in the same order per parameter, with the same reduce-scatter, and the in-backward
@@ -22,6 +27,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import bitsandbytes as bnb
 import torch
@@ -46,9 +52,101 @@ from torchtune import training
 from torchtune.training import OptimizerInBackward
 
 BITWISE = {"rtol": 0, "atol": 0}
-ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+ADAMW_KWARGS = {"lr": 0.01, "weight_decay": 0.1}
 
 SCENARIOS: dict[str, Callable[[Path], None]] = {}
+
+# -- single-process helpers -----------------------------------------------------------
+
+#: The optimizer most single-process tests train with: (class, kwargs).
+ADAMW: tuple[type[torch.optim.Optimizer], dict[str, Any]] = (
+    torch.optim.AdamW,
+    {"lr": 0.05, "weight_decay": 0.1},
+)
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    """Three linear layers with tanh between, whose parameters hold 192, 32, 256,
+    32, 96 and 12 bytes."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+
+
+def loss_fn(model: nn.Module, step: int) -> torch.Tensor:
+    return model(batch(step)).square().mean()
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> None:
+    """The training loop every recipe uses, whatever the optimizer."""
+    for step in steps:
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def freeze_first_layer(model: nn.Module) -> nn.Module:
+    model[0].requires_grad_(False)
+    return model
+
+
+def reference_after_6_steps(frozen_first_layer: bool = False) -> nn.Module:
+    """:func:`make_model` after 6 steps of the plain :data:`ADAMW`."""
+    reference = make_model()
+    if frozen_first_layer:
+        freeze_first_layer(reference)
+    cls, kwargs = ADAMW
+    train(reference, cls(reference.parameters(), **kwargs), range(6))
+    return reference
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The plain tensors a state value is made of (a torchao quantized state is a
+    tensor subclass holding codes, scales and a code book)."""
+    if type(value) is torch.Tensor or isinstance(value, nn.Parameter):
+        return [value]
+    attrs, _ = value.__tensor_flatten__()
+    return [t for attr in attrs for t in tensors_of(getattr(value, attr))]
+
+
+def assert_same_state_dict(
+    actual: Any, expected: Any, path: str = "", **tol: float
+) -> None:
+    """Same structure, same types and dtypes, same values (bitwise unless ``tol``)."""
+    tol = tol or BITWISE
+    assert type(actual) is type(expected), f"{path}: {type(actual)} vs {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        for a, e in zip(tensors_of(actual), tensors_of(expected), strict=True):
+            torch.testing.assert_close(a, e, msg=lambda m: f"{path}: {m}", **tol)
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{path}: keys differ"
+        for key in expected:
+            assert_same_state_dict(actual[key], expected[key], f"{path}/{key}", **tol)
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), f"{path}: lengths differ"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state_dict(a, e, f"{path}[{i}]", **tol)
+    else:
+        assert actual == expected, f"{path}: {actual!r} vs {expected!r}"
+
+
+# -- distributed scenarios --------------------------------------------------------------
 
 
 def scenario(fn: Callable[[Path], None]) -> Callable[[Path], None]:
@@ -84,14 +182,14 @@ def build_model(
     return model
 
 
-def batch(step: int, kind: str, width: int = 8) -> torch.Tensor:
+def rank_batch(step: int, kind: str, width: int = 8) -> torch.Tensor:
     # FSDP ranks see different data (data parallel). Plain replicas see the same data
     # on every rank, so they stay identical without a gradient all-reduce.
     seed = 1000 * step + (rank() if kind == "fsdp" else 0)
     return torch.randn(6, width, generator=torch.Generator().manual_seed(seed))
 
 
-def train(
+def train_ranks(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     kind: str,
@@ -101,7 +199,7 @@ def train(
 ) -> None:
     width = next(model.parameters()).shape[1]
     for step in steps:
-        model(batch(step, kind, width)).square().mean().backward()
+        model(rank_batch(step, kind, width)).square().mean().backward()
         if grad_norms is not None:
             if isinstance(optimizer, OptimizerInBackward):
                 grad_norms.append(optimizer.grad_norm)
@@ -122,17 +220,20 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def assert_same_params(a: nn.Module, b: nn.Module) -> None:
-    torch.testing.assert_close(full_params(a), full_params(b), **BITWISE)
+def assert_same_params(actual: nn.Module, expected: nn.Module, **tol: float) -> None:
+    """Same parameters, by name (full tensors of DTensors); bitwise unless ``tol``."""
+    torch.testing.assert_close(
+        full_params(actual), full_params(expected), **(tol or BITWISE)
+    )
 
 
 # Optimizers the resume scenarios run with: name -> (class, kwargs, model width).
 OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict, int]] = {
-    "adamw": (torch.optim.AdamW, ADAMW, 8),
+    "adamw": (torch.optim.AdamW, ADAMW_KWARGS, 8),
     # torchao's low-bit AdamW works on FSDP2's DTensor parameters...
-    "torchao_adamw8bit": (torchao.optim.AdamW8bit, ADAMW, 64),
+    "torchao_adamw8bit": (torchao.optim.AdamW8bit, ADAMW_KWARGS, 64),
     # ...bitsandbytes' only on plain tensors (replicas, not FSDP).
-    "bnb_adamw8bit": (bnb.optim.AdamW8bit, ADAMW, 64),
+    "bnb_adamw8bit": (bnb.optim.AdamW8bit, ADAMW_KWARGS, 64),
 }
 
 
@@ -154,9 +255,9 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
     (a linear's weight and bias) per bucket, and the default cap, whose one bucket
     spans all units, so it waits across reduce-scatters."""
     reference = build_model("fsdp")
-    plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    plain = torch.optim.AdamW(reference.parameters(), **ADAMW_KWARGS)
     plain_norms: list[torch.Tensor] = []
-    train(
+    train_ranks(
         reference,
         plain,
         "fsdp",
@@ -180,12 +281,15 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
     for bucket_cap_mb in (0, unit_mb, None):
         model = build_model("fsdp")
         in_bwd = OptimizerInBackward(
-            model.parameters(), torch.optim.AdamW, bucket_cap_mb=bucket_cap_mb, **ADAMW
+            model.parameters(),
+            torch.optim.AdamW,
+            bucket_cap_mb=bucket_cap_mb,
+            **ADAMW_KWARGS,
         )
         sizes = [len(b.params) for b in in_bwd._buckets()]
         assert sizes == {0: [1] * 6, unit_mb: [2] * 3, None: [6]}[bucket_cap_mb]
         in_bwd_norms: list[torch.Tensor] = []
-        train(
+        train_ranks(
             model,
             in_bwd,
             "fsdp",
@@ -193,7 +297,7 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
             torch.optim.lr_scheduler.StepLR(in_bwd, step_size=1, gamma=0.5),
             in_bwd_norms,
         )
-        assert_same_params(reference, model)
+        assert_same_params(model, reference)
         assert len(in_bwd_norms) == len(plain_norms) == 4
         torch.testing.assert_close(
             torch.stack(in_bwd_norms), torch.stack(plain_norms), **BITWISE
@@ -211,7 +315,7 @@ def train_scaled_and_clipped(
     norms = []
     width = next(model.parameters()).shape[1]
     for step in steps:
-        x = batch(step, "fsdp", width).to(next(model.parameters()).dtype)
+        x = rank_batch(step, "fsdp", width).to(next(model.parameters()).dtype)
         loss = model(x).float().square().sum()
         scale = dist.get_world_size() / torch.tensor(6 * 4 * 2)
         if isinstance(optimizer, OptimizerInBackward):
@@ -235,7 +339,7 @@ def fsdp_clipped_training_matches_plain_bitwise(tmp: Path) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for max_norm in (0.05, 1e6):
             reference = build_model("fsdp", dtype=dtype)
-            plain = torch.optim.AdamW(reference.parameters(), **ADAMW)
+            plain = torch.optim.AdamW(reference.parameters(), **ADAMW_KWARGS)
             plain_norms = train_scaled_and_clipped(reference, plain, max_norm, range(3))
             for bucket_cap_mb in (0, None):
                 model = build_model("fsdp", dtype=dtype)
@@ -244,10 +348,10 @@ def fsdp_clipped_training_matches_plain_bitwise(tmp: Path) -> None:
                     torch.optim.AdamW,
                     bucket_cap_mb=bucket_cap_mb,
                     max_norm=max_norm,
-                    **ADAMW,
+                    **ADAMW_KWARGS,
                 )
                 norms = train_scaled_and_clipped(model, in_bwd, max_norm, range(3))
-                assert_same_params(reference, model)
+                assert_same_params(model, reference)
                 torch.testing.assert_close(
                     torch.stack(norms), torch.stack(plain_norms), **BITWISE
                 )
@@ -264,12 +368,12 @@ def torchao_adamw8bit_fsdp_training_matches_plain_bitwise(tmp: Path) -> None:
     )
     plain = make_optimizer(False, reference, "torchao_adamw8bit")
     in_bwd = make_optimizer(True, model, "torchao_adamw8bit")
-    train(reference, plain, "fsdp", range(3))
-    train(model, in_bwd, "fsdp", range(3))
+    train_ranks(reference, plain, "fsdp", range(3))
+    train_ranks(model, in_bwd, "fsdp", range(3))
     assert type(
         in_bwd.state[next(model.parameters())]["exp_avg"].to_local()
     ).__name__ == ("OptimState8bit")
-    assert_same_params(reference, model)
+    assert_same_params(model, reference)
 
 
 # -- state dict interchange --------------------------------------------------------
@@ -287,19 +391,19 @@ def check_resume(
     uninterrupted steps bitwise."""
     width = OPTIMIZERS[optimizer_name][2]
     reference = build_model(kind, width=width)
-    train(reference, make_optimizer(False, reference, optimizer_name), kind, range(4))
+    train_ranks(
+        reference, make_optimizer(False, reference, optimizer_name), kind, range(4)
+    )
 
     model = build_model(kind, width=width)
     optimizer = make_optimizer(save_in_backward, model, optimizer_name)
-    train(model, optimizer, kind, range(2))
+    train_ranks(model, optimizer, kind, range(2))
     saved_keys = {k for s in optimizer.state.values() for k in s}
     # Sharded state dicts share tensors with the live optimizer: copy before reuse,
     # through torch.save as a checkpoint file would (torchao's quantized state
     # cannot be deep-copied).
     saved = round_trip(save(model, optimizer))
     weights = round_trip(get_model_state_dict(model))
-    if save_in_backward:
-        optimizer.remove_hooks()  # the interrupted run is over
 
     resumed = build_model(kind, seed=1, width=width)  # other weights, overwritten
     set_model_state_dict(resumed, weights)
@@ -309,8 +413,8 @@ def check_resume(
     assert {k for s in new_optimizer.state.values() for k in s} == saved_keys, (
         new_optimizer.state
     )
-    train(resumed, new_optimizer, kind, range(2, 4))
-    assert_same_params(reference, resumed)
+    train_ranks(resumed, new_optimizer, kind, range(2, 4))
+    assert_same_params(resumed, reference)
 
 
 def round_trip(state: object) -> object:
@@ -478,9 +582,9 @@ def train_with_manager(
     started_at = progress.global_step
     try:
         for epoch in range(progress.epochs_run, progress.total_epochs):
+            loader.sampler.set_epoch(epoch)
             for _, x in training.epoch_batches(
                 loader,
-                epoch,
                 steps_done=progress.global_step - epoch * steps_per_epoch,
                 steps_per_epoch=steps_per_epoch,
             ):

@@ -1,8 +1,4 @@
-"""Tests for torchtune/training/loop.py: what every recipe's loop repeats.
-
-Norms and clipped gradients are compared bitwise with torch's own functions: the
-helpers must compute exactly what the recipes computed before them.
-"""
+"""Tests for torchtune/training/loop.py: what every recipe's loop repeats."""
 
 from __future__ import annotations
 
@@ -16,45 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from torchtune import training
-
-BITWISE = {"rtol": 0, "atol": 0}
-
-
-def _params_with_grads(seed: int = 0) -> list[nn.Parameter]:
-    g = torch.Generator().manual_seed(seed)
-    params = [nn.Parameter(torch.randn(n, generator=g)) for n in (3, 7, 5)]
-    for p in params[:2]:  # the last one has no gradient
-        p.grad = torch.randn(p.shape, generator=g) * 10
-    return params
-
-
-def test_grad_norm_is_bitwise_get_total_norm_and_skips_missing_gradients() -> None:
-    params = _params_with_grads()
-    expected = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    torch.testing.assert_close(training.grad_norm(params), expected, **BITWISE)
-    torch.testing.assert_close(
-        training.grad_norm([nn.Parameter(torch.ones(2))]), torch.tensor(0.0)
-    )
-
-
-@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clips", "never_clips"])
-def test_clip_grads_with_norm_scales_as_clip_grad_norm_does(max_norm: float) -> None:
-    ours, theirs = _params_with_grads(), _params_with_grads()
-    total = training.grad_norm(ours)
-    training.clip_grads_with_norm_(ours, max_norm, total)
-    nn.utils.clip_grad_norm_(theirs, max_norm)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a.grad, b.grad, **BITWISE)
-
-
-@pytest.mark.parametrize(
-    ("batches", "accumulation", "limit", "expected"),
-    [(10, 1, None, 10), (10, 3, None, 3), (10, 1, 4, 4), (10, 4, 9, 2)],
-)
-def test_steps_per_epoch_counts_full_steps_up_to_the_limit(
-    batches, accumulation, limit, expected
-) -> None:
-    assert training.steps_per_epoch(batches, accumulation, limit) == expected
+from torchtune.training import loop
 
 
 def _loader(n: int = 12, batch_size: int = 2) -> StatefulDataLoader:
@@ -63,58 +21,32 @@ def _loader(n: int = 12, batch_size: int = 2) -> StatefulDataLoader:
     return StatefulDataLoader(data, batch_size=batch_size, sampler=sampler)
 
 
-class _CountingProfiler:
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-
-
-def test_epoch_batches_stop_after_the_epochs_last_full_step_stepping_the_profiler():
-    profiler = _CountingProfiler()
-    seen = list(
-        training.epoch_batches(
-            _loader(),
-            0,
-            steps_done=0,
-            steps_per_epoch=2,
-            gradient_accumulation_steps=2,
-            profiler=profiler,
-        )
+def test_epoch_batches_stop_after_the_epochs_last_full_step() -> None:
+    seen = training.epoch_batches(
+        _loader(), steps_done=0, steps_per_epoch=2, gradient_accumulation_steps=2
     )
     # 6 batches in the epoch, 2 steps of 2 batches: the last 2 are left unused.
     assert [idx for idx, _ in seen] == [0, 1, 2, 3]
-    assert profiler.steps == 2  # once per optimizer step
 
 
 def test_epoch_batches_resume_mid_epoch_where_the_saved_loader_was() -> None:
-    uninterrupted = [
-        b.tolist()
-        for _, b in training.epoch_batches(
-            _loader(), 1, steps_done=0, steps_per_epoch=6
-        )
-    ]
+    def epoch(loader: StatefulDataLoader, steps_done: int = 0):
+        return training.epoch_batches(loader, steps_done=steps_done, steps_per_epoch=6)
+
+    uninterrupted = [b.tolist() for _, b in epoch(_loader())]
     loader = _loader()
-    batches = training.epoch_batches(loader, 1, steps_done=0, steps_per_epoch=6)
+    batches = epoch(loader)
     first = [next(batches)[1].tolist() for _ in range(2)]
-    state = loader.state_dict()
-    # A loader resumed mid-epoch (as CheckpointClient.track does) continues there.
+    # A loader resumed mid-epoch (as CheckpointManager.load does) continues there.
     resumed_loader = _loader()
-    resumed_loader.load_state_dict(state)
-    resumed = list(
-        training.epoch_batches(resumed_loader, 1, steps_done=2, steps_per_epoch=6)
-    )
+    resumed_loader.load_state_dict(loader.state_dict())
+    resumed = list(epoch(resumed_loader, steps_done=2))
     assert [idx for idx, _ in resumed] == [2, 3, 4, 5]
     assert first + [b.tolist() for _, b in resumed] == uninterrupted
-    # The data order depends on the epoch only.
-    epoch_0 = [
-        b.tolist()
-        for _, b in training.epoch_batches(
-            _loader(), 0, steps_done=0, steps_per_epoch=6
-        )
-    ]
-    assert epoch_0 != uninterrupted
+    # It leaves the sampler's epoch to the recipe: the order depends on it only.
+    loader = _loader()
+    loader.sampler.set_epoch(1)
+    assert [b.tolist() for _, b in epoch(loader)] != uninterrupted
 
 
 def _scheduler_lrs(global_step: int) -> list[float]:
@@ -152,16 +84,62 @@ def test_setup_lr_scheduler_puts_a_resumed_run_where_the_interrupted_one_was() -
 def test_setup_profiler_is_a_no_op_without_a_section_and_torchs_with_one(
     tmp_path: Path,
 ) -> None:
-    profiler, window = training.setup_profiler(None, device=torch.device("cpu"))
-    assert isinstance(profiler, training.DummyProfiler) and window is None
-    # A null _component_ means setup_torch_profiler, as in 0.6.1.
-    profiler, window = training.setup_profiler(
+    profiler = training.setup_profiler(None, device=torch.device("cpu"))
+    assert isinstance(profiler, training.DummyProfiler)
+    # A null _component_ means setup_torch_profiler, as in 0.6.1; with
+    # profile_memory on CPU there is no CUDA memory history to record.
+    profiler = training.setup_profiler(
         {"_component_": None, "enabled": True, "output_dir": str(tmp_path)},
         device=torch.device("cpu"),
     )
     assert isinstance(profiler, torch.profiler.profile)
-    # The CUDA memory snapshot is for CUDA devices only.
-    assert window is None
+
+
+class _CountingProfiler:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.stopped = False
+
+    def start(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+@pytest.mark.parametrize("wait_and_warmup", [0, 2], ids=["from_start", "later"])
+def test_setup_profiler_records_cuda_memory_over_the_first_profiled_steps(
+    monkeypatch, wait_and_warmup: int
+) -> None:
+    """With profile_memory on CUDA the recipe's profiler.step() also starts the CUDA
+    memory history as the profiled (active) steps start, and stops it right after
+    the step() that ends them, in which the trace handler dumps the snapshot."""
+    inner = _CountingProfiler()
+    settings = {"enabled": True, "profile_memory": True, "active_steps": 2}
+    settings |= {
+        "wait_steps": wait_and_warmup // 2,
+        "warmup_steps": wait_and_warmup // 2,
+    }
+    monkeypatch.setattr(loop, "setup_torch_profiler", lambda **_: (inner, settings))
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_record_memory_history",
+        lambda **kwargs: calls.append((inner.steps, kwargs)),
+    )
+    profiler = training.setup_profiler({}, device=torch.device("cuda"))
+    profiler.start()
+    for _ in range(8):  # past the window: it is recorded once
+        profiler.step()
+    profiler.stop()
+    first = wait_and_warmup
+    assert calls == [(first, {}), (first + 2, {"enabled": None})]
+    assert inner.steps == 8 and inner.stopped
+    # Off CUDA nothing is recorded, and the profiler is torch's own.
+    assert training.setup_profiler({}, device=torch.device("cpu")) is inner
 
 
 def test_stateful_dataloader_draws_full_batches_in_an_order_set_by_the_epoch() -> None:
@@ -187,23 +165,6 @@ def test_stateful_dataloader_draws_full_batches_in_an_order_set_by_the_epoch() -
     ]
     seen = sorted(x for half in halves for b in half for x in b.tolist())
     assert seen == list(range(8))
-
-
-def _collate(batch, padding_idx, ignore_idx):
-    return {"n": len(batch), "pad": padding_idx, "ignore": ignore_idx}
-
-
-def test_sft_dataloader_concatenates_a_list_and_passes_the_padding_ids() -> None:
-    loader = training.sft_dataloader(
-        [list(range(3)), list(range(3))],
-        collate_fn=_collate,
-        padding_idx=0,
-        ignore_idx=-100,
-        batch_size=2,
-        shuffle=False,
-    )
-    assert len(loader.dataset) == 6
-    assert next(iter(loader)) == {"n": 2, "pad": 0, "ignore": -100}
 
 
 class _RecordingLogger:
@@ -258,54 +219,3 @@ def test_build_optimizer_builds_either_kind_over_every_parameter(
     # Frozen parameters are in the group too, as in 0.6.1.
     assert len(optimizer.param_groups[0]["params"]) == 4
     assert optimizer.param_groups[0]["lr"] == 0.1
-
-
-class _ChunkedModel(nn.Module):
-    def set_num_output_chunks(self, n: int) -> None:
-        self.chunks = n
-
-
-def test_setup_loss_returns_the_compiled_loss_and_sets_the_models_chunks(
-    monkeypatch,
-) -> None:
-    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "eager")
-    from torchtune.modules.loss import CEWithChunkedOutputLoss
-
-    # A loss other than a chunked one is compiled as a new module: the recipes
-    # must train with the returned one (some used to drop it, leaving it eager).
-    loss = training.setup_loss(nn.CrossEntropyLoss(), _ChunkedModel(), compile=True)
-    assert isinstance(loss, torch._dynamo.eval_frame.OptimizedModule)
-    logits, labels = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
-    torch.testing.assert_close(
-        loss(logits, labels), nn.functional.cross_entropy(logits, labels)
-    )
-    # A chunked loss is compiled in place and tells the model its chunk count.
-    model = _ChunkedModel()
-    chunked = CEWithChunkedOutputLoss(num_output_chunks=4)
-    assert training.setup_loss(chunked, model) is chunked
-    assert model.chunks == 4
-    uncompiled = nn.CrossEntropyLoss()
-    assert training.setup_loss(uncompiled, _ChunkedModel()) is uncompiled
-
-
-def test_optimizer_step_updates_zeroes_and_schedules_in_both_modes() -> None:
-    """The step tail every recipe shares: the plain optimizer updates and the
-    in-backward one has nothing left to do; both end with no gradients and the
-    scheduler one step on."""
-    torch.manual_seed(0)
-    start = torch.randn(3)
-    plain_param = torch.nn.Parameter(start.clone())
-    bwd_param = torch.nn.Parameter(start.clone())
-    plain = torch.optim.SGD([plain_param], lr=0.1)
-    in_bwd = training.OptimizerInBackward([bwd_param], torch.optim.SGD, lr=0.1)
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (plain, in_bwd)]
-    for param, optimizer, scheduler in zip(
-        (plain_param, bwd_param), (plain, in_bwd), schedulers, strict=True
-    ):
-        (param * param).sum().backward()
-        training.optimizer_step(optimizer, scheduler)
-        assert param.grad is None
-        assert optimizer.param_groups[0]["lr"] == 0.05
-    torch.testing.assert_close(plain_param, bwd_param, rtol=0, atol=0)
-    assert not torch.equal(plain_param, start)
-    training.optimizer_step(plain)  # no scheduler: fine

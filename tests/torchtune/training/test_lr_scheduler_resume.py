@@ -40,9 +40,16 @@ from torch.optim.lr_scheduler import (
 )
 from torch.testing import assert_close
 
-from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
-from torchtune.training.memory import (
+from tests.torchtune.training.optimizer_in_backward_scenarios import (
+    loss_fn,
+    make_model,
+    snapshot,
+)
+from torchtune.training import (
+    OptimizerInBackward,
+    OptimizerInBackwardWrapper,
     create_optim_in_bwd_wrapper,
+    get_cosine_schedule_with_warmup,
     register_optim_in_bwd_hooks,
 )
 
@@ -85,18 +92,6 @@ DIRECTIONS = {
     "in_bwd_per_param_to_in_bwd": ("in_bwd_per_param", "in_bwd"),
 }
 _HAS_BUCKETS = "bucket_cap_mb" in inspect.signature(OptimizerInBackward).parameters
-
-
-def make_model(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
-    )
-
-
-def loss_fn(model: nn.Module, step: int) -> torch.Tensor:
-    inputs = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-    return model(inputs).square().mean()
 
 
 def momentum_of(group: dict) -> float | None:
@@ -157,10 +152,6 @@ def through_a_file(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def uninterrupted(
@@ -274,7 +265,7 @@ def _sequential(optimizer: torch.optim.Optimizer) -> SequentialLR:
 
 
 def _0_6_1_in_backward(seed: int):
-    """Model, optimizer and scheduler built as torchtune 0.6.1 recipes built them:
+    """Model, wrapper and scheduler built as torchtune 0.6.1 recipes built them:
     one optimizer per parameter, hooks, the wrapper, and the scheduler built on one
     of the per-parameter optimizers and handed to ``set_lr_scheduler``."""
     cls, kwargs = OPTIMIZERS["adamw"]
@@ -287,6 +278,23 @@ def _0_6_1_in_backward(seed: int):
     scheduler = _sequential(next(iter(wrapper.optim_map.values())))
     wrapper.set_lr_scheduler(scheduler)
     return model, wrapper, scheduler
+
+
+def train_0_6_1(
+    model: nn.Module,
+    wrapper: OptimizerInBackwardWrapper,
+    steps: range,
+    record: Trajectory,
+) -> None:
+    """A 0.6.1 recipe's loop: backward updates; no optimizer step() or zero_grad()."""
+    for step in steps:
+        group = wrapper.param_groups[0]
+        record.lrs.append(group["lr"])
+        record.momenta.append(momentum_of(group))
+        loss = loss_fn(model, step)
+        loss.backward()
+        record.losses.append(loss.detach().clone())
+        wrapper.step_lr_scheduler()
 
 
 def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes() -> (
@@ -304,14 +312,14 @@ def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes(
 
     model, wrapper, scheduler = _0_6_1_in_backward(seed=0)
     record = Trajectory()
-    train(model, wrapper, wrapper.step_lr_scheduler, range(STEPS), record)
+    train_0_6_1(model, wrapper, range(STEPS), record)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
     assert_same_trajectory((record, snapshot(model)), reference)
 
     # Interrupted after RESUME_AT steps, saved, and resumed in a fresh 0.6.1 setup.
     model, wrapper, scheduler = _0_6_1_in_backward(seed=0)
     record = Trajectory()
-    train(model, wrapper, wrapper.step_lr_scheduler, range(RESUME_AT), record)
+    train_0_6_1(model, wrapper, range(RESUME_AT), record)
     saved = through_a_file(
         {
             "model": model.state_dict(),
@@ -319,11 +327,12 @@ def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes(
             "scheduler": scheduler.state_dict(),
         }
     )
-    assert set(saved["optimizer"]) == {"state", "param_groups"}
+    # 0.6.1's format: one per-parameter optimizer state dict per name.
+    assert list(saved["optimizer"]) == [n for n, _ in model.named_parameters()]
     model, wrapper, scheduler = _0_6_1_in_backward(seed=1)
     model.load_state_dict(saved["model"])
     wrapper.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    train(model, wrapper, wrapper.step_lr_scheduler, range(RESUME_AT, STEPS), record)
+    train_0_6_1(model, wrapper, range(RESUME_AT, STEPS), record)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
     assert_same_trajectory((record, snapshot(model)), reference)

@@ -25,8 +25,8 @@ Tolerances:
   raise rather than blur the comparison. ``test_plain_training_is_bitwise_reproducible``
   checks that premise on its own, so a failure there points at the device, not at
   ``OptimizerInBackward``.
-- ``grad_norm``: bitwise. The reference is ``training.grad_norm`` over the plain
-  run's gradients, in their dtype, as the recipes log it. Both take each gradient's
+- ``grad_norm``: bitwise. The reference is ``training.scale_and_clip_grads_`` over
+  the plain run's gradients, in their dtype, as the recipes log it. Both take each gradient's
   norm with ``torch._foreach_norm`` (whose CUDA kernel reduces each tensor on its own,
   whatever else is in the list) and combine the norms in parameter order. A wrong
   norm is far off: leaving out the smallest parameter's gradient (the first bias)
@@ -49,7 +49,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torchtune.training.test_memory_optimizer_matrix import (
+from tests.torchtune.training.optimizer_in_backward_scenarios import (
     assert_same_params,
     assert_same_state_dict,
 )
@@ -146,7 +146,7 @@ def train(
             if isinstance(optimizer, OptimizerInBackward):
                 grad_norms.append(optimizer.grad_norm)
             else:
-                grad_norms.append(training.grad_norm(model.parameters()))
+                grad_norms.append(training.scale_and_clip_grads_(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -190,8 +190,6 @@ def resumed_run(
     train(model, optimizer, range(RESUME_AT), dtype)
     model_state = through_file(model.state_dict())
     optimizer_state = through_file(optimizer.state_dict())
-    if save_in_backward:
-        optimizer.remove_hooks()  # the interrupted run is over
 
     resumed = make_model(dtype)
     resumed.load_state_dict(model_state)

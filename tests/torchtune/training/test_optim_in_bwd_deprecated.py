@@ -1,45 +1,53 @@
 """Tests for torchtune/training/optim_in_bwd_deprecated.py: torchtune 0.6.1's
 optimizer-in-backward API, which recipes written against 0.6.1 still call.
 
-As in test_memory.py, the per-parameter optimizers apply the same kernels to the same
-values as a plain optimizer, so results must agree bitwise.
+Every run here is a 0.6.1 recipe's loop: per-parameter optimizers, hooks and the
+wrapper, ``loss.backward()`` (which updates), the scheduler's ``step()``, and no
+optimizer ``step()`` or ``zero_grad()``. The per-parameter optimizers apply the same
+kernels to the same values as one plain optimizer over all parameters, so results must
+agree bitwise (``rtol=0, atol=0``).
 """
 
 from __future__ import annotations
 
 import copy
-import gc
-import re
+import subprocess
+import sys
 import warnings
-import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 
+import bitsandbytes.optim as bnb
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
 )
+from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
+from torch.testing import assert_close
 
-from tests.torchtune.training.test_memory import (
+from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
     BITWISE,
+    assert_same_state_dict,
     freeze_first_layer,
     loss_fn,
     make_model,
     reference_after_6_steps,
+    round_trip,
     snapshot,
     train,
-    two_groups,
 )
 from tests.torchtune.training.test_optim_in_bwd_legacy_state_dict import (
     legacy_checkpoint,
-    sgd_entries,
+    run_like_0_6_1,
 )
 from torchtune import training
-from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
+from torchtune.training import get_cosine_schedule_with_warmup
 from torchtune.training.memory import (
     OptimizerInBackwardWrapper,
     create_optim_in_bwd_wrapper,
@@ -47,63 +55,94 @@ from torchtune.training.memory import (
 )
 
 
-def test_0_6_1_recipe_calls_warn_and_update_each_parameter_once() -> None:
+def set_up_like_0_6_1(
+    model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer]
+) -> OptimizerInBackwardWrapper:
+    """A 0.6.1 recipe's _setup_optimizer: an optimizer per parameter, frozen ones
+    included, the hooks, then the wrapper."""
+    optim_dict = {p: make_optimizer([p]) for p in model.parameters()}
+    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
+        register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
+    with pytest.warns(DeprecationWarning, match="OptimizerInBackward") as caught:
+        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
+    assert len(caught) == 1  # one warning for one call
+    return wrapper
+
+
+def adamw(params: list) -> torch.optim.Optimizer:
     cls, kwargs = ADAMW
+    return cls(params, **kwargs)
+
+
+def train_like_0_6_1(
+    model: nn.Module, steps: range, scheduler: LRScheduler | None = None
+) -> None:
+    for step in steps:
+        loss_fn(model, step).backward()
+        if scheduler is not None:
+            scheduler.step()
+
+
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda o: get_cosine_schedule_with_warmup(o, 2, 6),
+        # Also drives AdamW's beta1, from keys of its own in the param group.
+        lambda o: OneCycleLR(o, max_lr=0.1, total_steps=7),
+    ],
+    ids=["cosine_warmup", "onecycle"],
+)
+def test_0_6_1_recipe_calls_update_each_parameter_once_on_the_schedule(
+    make_scheduler: Callable[[torch.optim.Optimizer], LRScheduler],
+) -> None:
     reference = make_model()
-    plain = cls(reference.parameters(), **kwargs)
-    plain_scheduler = get_cosine_schedule_with_warmup(plain, 2, 6)
+    plain = adamw(list(reference.parameters()))
+    plain_scheduler = make_scheduler(plain)
     train(reference, plain, range(6), plain_scheduler)
 
     model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
-    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
-        register_optim_in_bwd_hooks(model=model, optim_dict=optim_dict)
-    with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
-        wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
+    wrapper = set_up_like_0_6_1(model, adamw)
     assert list(wrapper.optim_map) == [n for n, _ in model.named_parameters()]
     # 0.6.1 recipes built the scheduler on one per-parameter optimizer.
-    scheduler = get_cosine_schedule_with_warmup(
-        next(iter(wrapper.optim_map.values())), 2, 6
-    )
+    scheduler = make_scheduler(next(iter(wrapper.optim_map.values())))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("error", UserWarning)  # no scheduler-order warnings
         wrapper.set_lr_scheduler(scheduler)
-        for step in range(6):
-            loss_fn(model, step).backward()
-            scheduler.step()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+        train_like_0_6_1(model, range(6), scheduler)
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
     assert wrapper.get_optim_key("lr") == plain.param_groups[0]["lr"]
+    assert wrapper.get_optim_key("betas") == plain.param_groups[0]["betas"]
     assert training.get_lr(wrapper) == training.get_lr(plain)
     wrapper.step_lr_scheduler()
     plain_scheduler.step()
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
 
 
-def test_0_6_1_wrapper_built_after_registered_hooks_takes_them_over() -> None:
-    cls, kwargs = ADAMW
+def test_a_wrapper_built_after_the_hooks_takes_them_over() -> None:
+    """Built directly, as 0.6.1's docstring did, over the optimizers that
+    register_optim_in_bwd_hooks hooked: the schedule it is given drives them."""
     reference = make_model()
-    train(reference, cls(reference.parameters(), **kwargs), range(3))
+    plain = adamw(list(reference.parameters()))
+    train(reference, plain, range(3), torch.optim.lr_scheduler.StepLR(plain, 1, 0.5))
     model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
     with pytest.warns(DeprecationWarning):
         register_optim_in_bwd_hooks(model, optim_dict)
         wrapper = OptimizerInBackwardWrapper(
             {n: optim_dict[p] for n, p in model.named_parameters()}
         )
-    for step in range(3):
-        loss_fn(model, step).backward()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-    assert len(wrapper.state) == 6
+    scheduler = torch.optim.lr_scheduler.StepLR(optim_dict[model[0].weight], 1, 0.5)
+    wrapper.set_lr_scheduler(scheduler)
+    train_like_0_6_1(model, range(3), scheduler)
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
-def test_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
-    cls, kwargs = ADAMW
+def test_a_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
     reference = make_model()
-    train(reference, cls(reference.parameters(), **kwargs), range(3))
+    train(reference, adamw(list(reference.parameters())), range(3))
     model = make_model()
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
 
     def step_and_clear(param: torch.Tensor) -> None:
         optim_dict[param].step()
@@ -113,107 +152,85 @@ def test_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
         p.register_post_accumulate_grad_hook(step_and_clear)
     with pytest.warns(DeprecationWarning):
         create_optim_in_bwd_wrapper(model, optim_dict)
-    for step in range(3):
-        loss_fn(model, step).backward()
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    train_like_0_6_1(model, range(3))
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
-@pytest.mark.parametrize("hooks_first", [False, True], ids=["wrapper", "hooks"])
-def test_0_6_1_wrapper_state_dict_is_standard_and_loads_legacy_format(
-    hooks_first: bool,
-) -> None:
-    """With ``hooks_first``, as 0.6.1 recipes did: register_optim_in_bwd_hooks over
-    the same per-parameter optimizers first, whose wrapper the second one replaces."""
-    cls, kwargs = ADAMW
+def test_optimizers_stepped_for_other_parameters_are_refused() -> None:
     model = make_model()
-    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
     with pytest.warns(DeprecationWarning):
-        if hooks_first:
-            register_optim_in_bwd_hooks(model, optim_dict)
-        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
-    wrapper.load_state_dict(legacy)
-    assert len(wrapper.state) == 6
-    saved = wrapper.state_dict()
-    assert set(saved) == {"state", "param_groups"}
-    plain = cls(model.parameters(), **kwargs)
-    plain.load_state_dict(copy.deepcopy(saved))
-    train(model, plain, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
+        register_optim_in_bwd_hooks(model, optim_dict)
+        with pytest.raises(ValueError, match="already stepped in backward"):
+            OptimizerInBackwardWrapper({"0.weight": optim_dict[model[0].weight]})
 
 
-def test_state_loaded_through_a_0_6_1_per_parameter_optimizer_is_used() -> None:
-    cls, kwargs = ADAMW
-    model = make_model()
-    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    # What 0.6.1 recipes did to resume: load each per-parameter optimizer.
-    for name, optimizer in wrapper.optim_map.items():
-        optimizer.load_state_dict(legacy[name])
-    assert len(wrapper.state) == 6
-    train(model, wrapper, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
-
-
-def test_legacy_state_dict_with_an_extra_entry_is_refused_naming_it() -> None:
-    cls, kwargs = ADAMW
-    model = make_model()
-    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
-    legacy["9.weight"] = legacy["0.weight"]
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    with pytest.raises(ValueError, match=re.escape("missing [], extra ['9.weight']")):
-        wrapper.load_state_dict(legacy)
-
-
-def test_legacy_state_dict_sets_each_groups_hyperparameters_from_its_first_param() -> (
-    None
-):
-    """0.6.1 schedulers stepped one per-parameter optimizer, so the entries' lrs can
-    differ: each of the wrapper's groups (one per set of hyperparameters of the
-    per-parameter optimizers) takes its first parameter's."""
+def test_per_parameter_optimizers_with_different_hyperparameters_are_refused() -> None:
     model = make_model()
     optim_dict = {
         p: torch.optim.SGD([p], lr=0.5 if i < 2 else 0.1)
         for i, p in enumerate(model.parameters())
     }
     with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
-    assert [len(g["params"]) for g in wrapper.param_groups] == [2, 4]
-    names = [n for n, _ in model.named_parameters()]
-    legacy = sgd_entries(model, {n: 0.01 * (i + 1) for i, n in enumerate(names)})
-    wrapper.load_state_dict(legacy)
-    assert [g["lr"] for g in wrapper.param_groups] == [0.01, 0.03]
+        with pytest.raises(ValueError, match="different hyperparameters"):
+            register_optim_in_bwd_hooks(model, optim_dict)
 
 
-# -- state loaded through a per-parameter optimizer -----------------------------------
-
-
-def test_a_per_parameter_optimizers_own_load_moves_its_state_to_the_wrapper() -> None:
-    """0.6.1 recipes load per-parameter state through optim_map; the wrapper's state
-    holds it right after, not only after the next update or save."""
-    cls, kwargs = ADAMW
+def test_an_optimizer_over_several_parameters_is_refused() -> None:
     model = make_model()
     with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    loss_fn(model, 0).backward()
-    per_param, param = wrapper.optim_map["0.weight"], model[0].weight
-    saved = copy.deepcopy(per_param.state_dict())
-    loss_fn(model, 1).backward()
-    per_param.load_state_dict(saved)
-    torch.testing.assert_close(wrapper.state[param], saved["state"][0], **BITWISE)
-    assert per_param.state[param] is wrapper.state[param]  # one state, shared again
+        with pytest.raises(ValueError, match="exactly one parameter.*holds 2"):
+            OptimizerInBackwardWrapper({"0": adamw(list(model[0].parameters()))})
+
+
+# -- saving and resuming ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hooks_first", [True, False], ids=["hooks", "wrapper_only"])
+def test_0_6_1_checkpoints_load_and_the_wrapper_saves_0_6_1s_format(
+    hooks_first: bool,
+) -> None:
+    model = make_model()
+    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
+    with pytest.warns(DeprecationWarning):
+        if hooks_first:
+            register_optim_in_bwd_hooks(model, optim_dict)
+        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
+    wrapper.load_state_dict(legacy)
+    train_like_0_6_1(model, range(3, 6))
+    assert_close(snapshot(model), snapshot(reference_after_6_steps()), **BITWISE)
+    # What 0.6.1's per-parameter optimizers held after the same 6 steps.
+    expected_model = make_model()
+    expected = run_like_0_6_1(expected_model, range(6))
+    assert_same_state_dict(
+        wrapper.state_dict(),
+        {n: expected[p].state_dict() for n, p in expected_model.named_parameters()},
+    )
+
+
+def test_a_0_6_1_checkpoint_with_an_extra_entry_is_refused_naming_it() -> None:
+    model = make_model()
+    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
+    legacy["9.weight"] = legacy["0.weight"]
+    del legacy["4.bias"]
+    wrapper = set_up_like_0_6_1(model, adamw)
+    with pytest.raises(
+        RuntimeError, match=r"missing \['4.bias'\], extra \['9.weight'\]"
+    ):
+        wrapper.load_state_dict(legacy)
+    assert all(not o.state for o in wrapper.optim_map.values())  # nothing loaded
+
+
+def test_state_loaded_through_a_per_parameter_optimizer_is_used_and_saved() -> None:
+    model = make_model()
+    legacy = copy.deepcopy(legacy_checkpoint(model, "single_device"))
+    wrapper = set_up_like_0_6_1(model, adamw)
+    # What 0.6.1 recipes did to resume: load each per-parameter optimizer.
+    for name, optimizer in wrapper.optim_map.items():
+        optimizer.load_state_dict(legacy[name])
+    train_like_0_6_1(model, range(3, 6))
+    assert_close(snapshot(model), snapshot(reference_after_6_steps()), **BITWISE)
 
 
 class _LoadsWithoutTorchHooks(torch.optim.SGD):
@@ -230,33 +247,22 @@ class _LoadsWithoutTorchHooks(torch.optim.SGD):
 
 def test_a_load_that_runs_no_torch_hooks_is_what_the_next_save_holds() -> None:
     model = make_model()
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model,
-            {
-                p: _LoadsWithoutTorchHooks([p], lr=0.1, momentum=0.9)
-                for p in model.parameters()
-            },
-        )
+    wrapper = set_up_like_0_6_1(
+        model, lambda params: _LoadsWithoutTorchHooks(params, lr=0.1, momentum=0.9)
+    )
     loss_fn(model, 0).backward()
     per_param = wrapper.optim_map["2.weight"]
-    post_hook_calls = []
-    per_param.register_load_state_dict_post_hook(post_hook_calls.append)
     saved = copy.deepcopy(per_param.state_dict())
     loss_fn(model, 1).backward()
     per_param.load_state_dict(saved)
-    assert post_hook_calls == []  # the class ran no torch hook
-    pid = [n for n, _ in model.named_parameters()].index("2.weight")
-    torch.testing.assert_close(
-        wrapper.state_dict()["state"][pid], saved["state"][0], **BITWISE
-    )
+    assert_close(wrapper.state_dict()["2.weight"]["state"], saved["state"], **BITWISE)
 
 
-def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
+def test_per_parameter_optimizers_that_stepped_before_keep_their_state() -> None:
     """0.6.1's create_optim_in_bwd_wrapper over per-parameter optimizers that have
-    already stepped: their state is the wrapper's."""
+    already stepped: they update on from that state."""
     model = make_model()
-    optim_dict = {p: torch.optim.AdamW([p]) for p in model.parameters()}
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
     loss_fn(model, 0).backward()
     for per_param in optim_dict.values():
         per_param.step()
@@ -264,93 +270,52 @@ def test_adopted_per_parameter_optimizers_bring_the_state_they_hold() -> None:
     expected = {p: copy.deepcopy(o.state[p]) for p, o in optim_dict.items()}
     with pytest.warns(DeprecationWarning, match="OptimizerInBackward"):
         wrapper = create_optim_in_bwd_wrapper(model=model, optim_dict=optim_dict)
-    assert len(wrapper.state) == len(expected)
-    for p, entry in expected.items():
-        torch.testing.assert_close(wrapper.state[p], entry, **BITWISE)
-
-
-def test_a_replaced_per_parameter_optimizer_no_longer_writes_the_owners_state() -> None:
-    """Loading into a per-parameter optimizer whose parameter another optimizer in
-    backward took over leaves the new owner's state alone."""
-    cls, kwargs = ADAMW
-    model = make_model()
-    with pytest.warns(DeprecationWarning):
-        wrapper = create_optim_in_bwd_wrapper(
-            model, {p: cls([p], **kwargs) for p in model.parameters()}
-        )
-    loss_fn(model, 0).backward()
-    stale = wrapper.optim_map["0.weight"]
-    saved = copy.deepcopy(stale.state_dict())
-    second = OptimizerInBackward(model.parameters(), cls, **kwargs)
-    assert "0.weight" not in wrapper.optim_map
-    loss_fn(model, 1).backward()
-    before = copy.deepcopy(second.state_dict()["state"])
-    stale.load_state_dict(saved)
-    torch.testing.assert_close(second.state_dict()["state"], before, **BITWISE)
-
-
-def test_a_per_parameter_optimizer_loads_alone_once_the_wrapper_is_gone() -> None:
-    """A per-parameter optimizer whose parameter another optimizer took over keeps
-    what it loads, and goes on loading after its wrapper is garbage collected."""
-    cls, kwargs = ADAMW
-    model = make_model()
-    weight = model[0].weight
-    per_param = cls([weight], **kwargs)
-    with pytest.warns(DeprecationWarning):
-        wrapper = OptimizerInBackwardWrapper({"0.weight": per_param})
-    loss_fn(model, 0).backward()
-    saved = copy.deepcopy(per_param.state_dict())
-    taker = OptimizerInBackward([weight], cls, **kwargs)
-    per_param.load_state_dict(saved)
-    wrapper_ref = weakref.ref(wrapper)
-    del wrapper
-    gc.collect()
-    assert wrapper_ref() is None
-    per_param.load_state_dict(saved)
-    torch.testing.assert_close(per_param.state[weight], saved["state"][0], **BITWISE)
-    assert weight not in taker.state
-
-
-def test_add_param_group_on_0_6_1_wrapper_raises_clearly() -> None:
-    model = make_model()
-    with pytest.warns(DeprecationWarning):
-        wrapper = OptimizerInBackwardWrapper(
-            {"0.weight": torch.optim.AdamW([model[0].weight])}
-        )
-    with pytest.raises(RuntimeError, match="add_param_group is not supported"):
-        wrapper.add_param_group({"params": [model[0].bias]})
-
-
-def test_each_parameter_keeps_the_hyperparameters_of_its_own_optimizer() -> None:
-    cls, kwargs = ADAMW
+    for name, p in model.named_parameters():
+        assert_close(wrapper.optim_map[name].state[p], expected[p], **BITWISE)
+    train_like_0_6_1(model, range(1, 3))
     reference = make_model()
-    plain = cls(two_groups(reference), **kwargs)
-    train(reference, plain, range(3))
-
-    model = make_model()
-    optim_dict = {
-        p: cls([p], **{**kwargs, **{k: v for k, v in group.items() if k != "params"}})
-        for group in two_groups(model)
-        for p in group["params"]
-    }
-    with pytest.warns(DeprecationWarning):
-        register_optim_in_bwd_hooks(model, optim_dict)
-        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
-    # Parameters whose optimizers agree share a group, as in the plain optimizer.
-    assert [(g["lr"], g["weight_decay"]) for g in wrapper.param_groups] == [
-        (g["lr"], g["weight_decay"]) for g in plain.param_groups
-    ]
-    train(model, wrapper, range(3))
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
-    # So its state dict is the plain two-group optimizer's.
-    plain.load_state_dict(copy.deepcopy(wrapper.state_dict()))
+    train(reference, adamw(list(reference.parameters())), range(3))
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
-def frozen_reference_after_6_steps() -> torch.nn.Module:
-    cls, kwargs = ADAMW
-    reference = freeze_first_layer(make_model())
-    train(reference, cls(reference.parameters(), **kwargs), range(6))
-    return reference
+def test_bitsandbytes_8bit_per_parameter_optimizers_resume_through_the_wrapper() -> (
+    None
+):
+    """bitsandbytes packs its 8-bit state in its own state_dict() and keeps it
+    uint8 in its own load_state_dict(): each per-parameter optimizer's methods run."""
+
+    def wide(seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)  # 64x64 weights: big enough to be quantized
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+    def wide_loss(model: nn.Module, step: int) -> torch.Tensor:
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        return (model(x) - x).square().mean()
+
+    def adamw8bit(params: list) -> torch.optim.Optimizer:
+        return bnb.AdamW8bit(params, lr=1e-2)
+
+    reference = wide()
+    plain = adamw8bit(list(reference.parameters()))
+    for step in range(5):
+        wide_loss(reference, step).backward()
+        plain.step()
+        plain.zero_grad()
+
+    model = wide()
+    wrapper = set_up_like_0_6_1(model, adamw8bit)
+    for step in range(3):
+        wide_loss(model, step).backward()
+    saved = round_trip({"model": model.state_dict(), "optim": wrapper.state_dict()})
+    quant = saved["optim"]["0.weight"]["state"][0]["__bnb_optimizer_quant_state__"]
+    assert quant["state1"].dtype == torch.uint8
+    resumed = wide(seed=1)
+    resumed.load_state_dict(saved["model"])
+    resumed_wrapper = set_up_like_0_6_1(resumed, adamw8bit)
+    resumed_wrapper.load_state_dict(saved["optim"])
+    for step in range(3, 5):
+        wide_loss(resumed, step).backward()
+    assert_close(snapshot(resumed), snapshot(reference), **BITWISE)
 
 
 @pytest.fixture
@@ -377,11 +342,7 @@ def test_0_6_1_checkpoint_with_frozen_entries_resumes_through_optim_map(
     saved = copy.deepcopy(legacy_checkpoint(model, style))
     assert {"0.weight", "0.bias"} <= set(saved)
 
-    cls, kwargs = ADAMW
-    optim_dict = {p: cls([p], **kwargs) for p in model.parameters()}
-    with pytest.warns(DeprecationWarning):
-        register_optim_in_bwd_hooks(model, optim_dict)
-        wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
+    wrapper = set_up_like_0_6_1(model, adamw)
     assert list(wrapper.optim_map) == [n for n, _ in model.named_parameters()]
     for name, entry in saved.items():
         if style == "single_device":
@@ -390,12 +351,14 @@ def test_0_6_1_checkpoint_with_frozen_entries_resumes_through_optim_map(
             training.load_from_full_optimizer_state_dict(
                 model, wrapper.optim_map[name], entry, torch.device("cpu")
             )
-    assert len(wrapper.state) == 4  # the trainable parameters' moments
-    train(model, wrapper, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(frozen_reference_after_6_steps()), **BITWISE
+    train_like_0_6_1(model, range(3, 6))
+    assert_close(
+        snapshot(model),
+        snapshot(reference_after_6_steps(frozen_first_layer=True)),
+        **BITWISE,
     )
-    # And what a 0.6.1-API recipe saves (one entry per name) holds every parameter.
+    # And what a 0.6.1-API recipe saves (one entry per name) holds every parameter,
+    # the trainable ones with their moments.
     resaved = {
         name: get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True)
@@ -403,7 +366,50 @@ def test_0_6_1_checkpoint_with_frozen_entries_resumes_through_optim_map(
         for name, optimizer in wrapper.optim_map.items()
     }
     assert set(resaved) == set(saved)
+    assert [name for name, entry in resaved.items() if entry["state"]] == [
+        "2.weight",
+        "2.bias",
+        "4.weight",
+        "4.bias",
+    ]
 
+
+def test_a_float64_model_trains_in_backward_with_the_0_6_1_hooks() -> None:
+    """The norm bookkeeping of the optimizer in backward must not force float32."""
+    model = nn.Linear(3, 2).double()
+    reference = copy.deepcopy(model)
+    optim_dict = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    with pytest.warns(DeprecationWarning):
+        register_optim_in_bwd_hooks(model, optim_dict)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert_close(
+        dict(model.named_parameters()), dict(reference.named_parameters()), **BITWISE
+    )
+
+
+def test_each_forward_pass_restarts_the_gradient_norm_record() -> None:
+    """0.6.1 loops never call zero_grad() on the optimizer in backward, which keeps a
+    norm per gradient for its grad_norm until then: each forward pass restarts it, so
+    the record holds one step, not every step of the run."""
+    model = make_model()
+    wrapper = set_up_like_0_6_1(model, adamw)
+    reference = make_model()
+    plain = adamw(list(reference.parameters()))
+    for step in range(3):
+        loss_fn(reference, step).backward()
+        expected = torch.nn.utils.get_total_norm(
+            [p.grad for p in reference.parameters()]
+        )
+        plain.step()
+        plain.zero_grad()
+        loss_fn(model, step).backward()
+        assert_close(wrapper._optimizer.grad_norm, expected, **BITWISE)
+
+
+# -- imports ----------------------------------------------------------------------------
 
 # The public names of torchtune 0.6.1's torchtune/training/memory.py.
 MEMORY_0_6_1 = [
@@ -432,17 +438,19 @@ def test_every_0_6_1_import_path_keeps_working(name: str) -> None:
         assert from_memory is getattr(optim_in_bwd_deprecated, name)
 
 
-def test_modules_import_without_a_cycle_in_any_order() -> None:
-    import subprocess
-    import sys
-
-    for first in (
+@pytest.mark.parametrize(
+    "first",
+    [
         "optim_in_bwd_deprecated",
         "optim_in_bwd_legacy_state_dict",
+        "optimizer_in_backward",
         "memory",
-    ):
-        code = (
-            f"import torchtune.training.{first}; "
-            "from torchtune.training.memory import create_optim_in_bwd_wrapper"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True)
+    ],
+)
+def test_modules_import_without_a_cycle_in_any_order(first: str) -> None:
+    code = (
+        f"import torchtune.training.{first}; "
+        "from torchtune.training.memory import create_optim_in_bwd_wrapper; "
+        "from torchtune.training.optimizer_in_backward import OptimizerInBackward"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

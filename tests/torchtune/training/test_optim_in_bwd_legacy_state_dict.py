@@ -5,7 +5,7 @@ in-backward checkpoints (parameter name -> per-parameter optimizer state dict) a
 Tolerances: every comparison is bitwise (``rtol=0, atol=0``). A converted state dict
 holds the tensors 0.6.1's per-parameter optimizers saved, and the optimizer that
 loads it, plain or in-backward, applies the same kernels to the same values as those
-per-parameter optimizers would have gone on to (see test_memory.py).
+per-parameter optimizers would have gone on to (see test_optimizer_in_backward.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from tests.torchtune.training.test_memory import (
+from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
     BITWISE,
     freeze_first_layer,
@@ -37,10 +37,10 @@ from tests.torchtune.training.test_memory import (
 )
 from torchtune.training import (
     OptimizerInBackward,
-    convert_legacy_optim_in_bwd_state_dict,
     set_activation_checkpointing,
 )
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
+    convert_legacy_optim_in_bwd_state_dict,
     is_legacy_in_bwd_state_dict,
 )
 

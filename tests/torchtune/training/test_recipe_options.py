@@ -1,7 +1,6 @@
-"""Tests for torchtune/training/recipe_options.py: ``RecipeOptions`` (every option
-the recipes share, read and checked once), ``parse_compile_config`` (the ``compile``
-option every recipe reads), ``check_optimizer_in_bwd_options`` and
-``check_fsdp_optimizer``."""
+"""Tests for torchtune/training/recipe_options.py: ``RecipeOptions``, every option
+the recipes share, read and checked once (``compile``, what ``optimizer_in_bwd``
+refuses, the optimizers FSDP2 refuses, the profiler a recipe can build)."""
 
 import logging
 
@@ -10,13 +9,35 @@ import torch
 from omegaconf import OmegaConf
 
 from torchtune import training
-from torchtune.training import TORCH_PROFILER
 from torchtune.training.recipe_options import warn_unknown_keys
+
+CPU = torch.device("cpu")
+TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
+
+
+def _options(**kwargs) -> training.RecipeOptions:
+    return training.RecipeOptions(device=CPU, dtype=torch.float32, **kwargs)
+
+
+def _cfg(**options) -> OmegaConf:
+    return OmegaConf.create(
+        {
+            "device": "cpu",
+            "dtype": "fp32",
+            "epochs": 1,
+            "optimizer": {"_component_": "torch.optim.AdamW"},
+            **options,
+        }
+    )
+
+
+def _compile(cfg_compile) -> dict[str, bool]:
+    return training.RecipeOptions.from_config(_cfg(compile=cfg_compile)).compile
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_bool_compiles_model_and_loss_but_never_the_optimizer_step(enabled):
-    assert training.parse_compile_config(enabled) == {
+    assert _compile(enabled) == {
         "model": enabled,
         "loss": enabled,
         "optimizer_step": False,
@@ -24,8 +45,7 @@ def test_a_bool_compiles_model_and_loss_but_never_the_optimizer_step(enabled):
 
 
 def test_a_mapping_picks_each_part_and_leaves_the_rest_off():
-    cfg = OmegaConf.create({"compile": {"loss": True, "optimizer_step": True}})
-    assert training.parse_compile_config(cfg.compile) == {
+    assert _compile({"loss": True, "optimizer_step": True}) == {
         "model": False,
         "loss": True,
         "optimizer_step": True,
@@ -34,41 +54,38 @@ def test_a_mapping_picks_each_part_and_leaves_the_rest_off():
 
 def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(ValueError, match=r"\['optimizer'\].*'optimizer_step'"):
-        training.parse_compile_config({"optimizer": True})
+        _compile({"optimizer": True})
 
 
 @pytest.mark.parametrize(
     ("options", "named"),
     [
         ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
-        ({"compile_optimizer_step": True}, "compile.optimizer_step=True"),
+        (
+            {"compile": {"model": False, "loss": False, "optimizer_step": True}},
+            "compile.optimizer_step=True",
+        ),
     ],
 )
-def test_check_optimizer_in_bwd_options_refuses_each_incompatible_option(
-    options, named
-):
+def test_in_backward_refuses_each_incompatible_option(options, named):
     with pytest.raises(ValueError) as info:
-        training.check_optimizer_in_bwd_options(**options)
+        _options(optimizer_in_bwd=True, **options)
     message = str(info.value)
     # what was asked, and the fix for each of the two keys
     assert message.startswith(f"optimizer_in_bwd=True cannot be combined with {named}")
     assert "optimizer_in_bwd=False" in message
     assert f"Set {named.split('=')[0]}=" in message
+    _options(**options)  # fine without in-backward
 
 
-def test_check_optimizer_in_bwd_options_accepts_compatible_options():
-    training.check_optimizer_in_bwd_options(
-        clip_grad_norm=None, gradient_accumulation_steps=1, compile_optimizer_step=False
-    )
-    # Clipping happens inside OptimizerInBackward.backward().
-    training.check_optimizer_in_bwd_options(clip_grad_norm=1.0)
-
-
-def test_check_optimizer_in_bwd_options_refuses_clipping_with_activation_offloading():
+def test_in_backward_refuses_clipping_with_activation_offloading():
     # The second backward pass of clipping needs the activations offloading frees.
+    cuda = {"device": torch.device("cuda"), "dtype": torch.float32}
+    offloading = {"enable_activation_offloading": True}
+    offloading |= {"enable_activation_checkpointing": True}
     with pytest.raises(ValueError) as info:
-        training.check_optimizer_in_bwd_options(
-            clip_grad_norm=1.0, enable_activation_offloading=True
+        training.RecipeOptions(
+            **cuda, **offloading, optimizer_in_bwd=True, clip_grad_norm=1.0
         )
     message = str(info.value)
     assert message.startswith(
@@ -81,7 +98,16 @@ def test_check_optimizer_in_bwd_options_refuses_clipping_with_activation_offload
         "optimizer_in_bwd=False",
     ):
         assert fix in message
-    training.check_optimizer_in_bwd_options(enable_activation_offloading=True)
+    training.RecipeOptions(**cuda, **offloading, optimizer_in_bwd=True)
+    # Clipping happens inside OptimizerInBackward.backward().
+    _options(optimizer_in_bwd=True, clip_grad_norm=1.0)
+
+
+def _distributed(component: str, async_save: bool = False) -> training.RecipeOptions:
+    cfg = _cfg(
+        optimizer={"_component_": component}, enable_async_checkpointing=async_save
+    )
+    return training.RecipeOptions.from_config(cfg, distributed=True)
 
 
 @pytest.mark.parametrize(
@@ -96,27 +122,25 @@ def test_check_optimizer_in_bwd_options_refuses_clipping_with_activation_offload
         "bitsandbytes.optim.adamw.AdamW",
     ],
 )
-def test_check_fsdp_optimizer_refuses_bitsandbytes_8_and_32_bit_paged_or_not(
-    component,
-):
+def test_distributed_refuses_bitsandbytes_8_and_32_bit_paged_or_not(component):
     with pytest.raises(ValueError) as info:
-        training.check_fsdp_optimizer(component, async_save=False)
+        _distributed(component)
     message = str(info.value)
     # what was asked, why it fails, and what works instead
     assert message.startswith(f"optimizer._component_={component} cannot train")
     assert "DTensor" in message
     assert "Use torch.optim.AdamW or torchao.optim._AdamW" in message
+    # One device: bitsandbytes trains.
+    training.RecipeOptions.from_config(_cfg(optimizer={"_component_": component}))
 
 
 @pytest.mark.parametrize(
     "component", ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit"]
 )
-def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_with_asynchronous_saves(
-    component,
-):
-    training.check_fsdp_optimizer(component, async_save=False)
+def test_distributed_refuses_torchao_low_bit_only_with_asynchronous_saves(component):
+    _distributed(component, async_save=False)
     with pytest.raises(ValueError) as info:
-        training.check_fsdp_optimizer(component, async_save=True)
+        _distributed(component, async_save=True)
     message = str(info.value)
     assert message.startswith(
         f"optimizer._component_={component} cannot be combined with "
@@ -135,25 +159,35 @@ def test_check_fsdp_optimizer_refuses_torchao_low_bit_only_with_asynchronous_sav
         "bitsandbytes.optim.PytorchLARS",
     ],
 )
-def test_check_fsdp_optimizer_accepts_optimizers_that_train_and_checkpoint_sharded(
-    component,
-):
-    training.check_fsdp_optimizer(component, async_save=True)
+def test_distributed_accepts_optimizers_that_train_and_checkpoint_sharded(component):
+    _distributed(component, async_save=True)
+
+
+@pytest.mark.parametrize(
+    ("component", "in_bwd"),
+    [
+        ("torch.optim.LBFGS", False),
+        ("torch.optim.SparseAdam", False),
+        ("torchao.optim.CPUOffloadOptimizer", True),
+    ],
+)
+def test_an_optimizer_the_recipes_cannot_step_is_refused_naming_it(component, in_bwd):
+    cfg = _cfg(optimizer={"_component_": component}, optimizer_in_bwd=in_bwd)
+    with pytest.raises(ValueError, match=f"^optimizer._component_={component} cannot"):
+        training.RecipeOptions.from_config(cfg)
 
 
 @pytest.mark.parametrize(
     "cfg_profiler",
-    [None, {"enabled": False}, {"_component_": None}, {"_component_": TORCH_PROFILER}],
+    [{"enabled": False}, {"_component_": None}, {"_component_": TORCH_PROFILER}],
 )
-def test_check_profiler_component_takes_the_default_however_it_is_given(cfg_profiler):
-    training.check_profiler_component(
-        None if cfg_profiler is None else OmegaConf.create(cfg_profiler)
-    )
+def test_the_profiler_component_takes_the_default_however_it_is_given(cfg_profiler):
+    training.RecipeOptions.from_config(_cfg(profiler=cfg_profiler))
 
 
-def test_check_profiler_component_refuses_another_naming_it_and_the_fix():
+def test_another_profiler_component_is_refused_naming_it_and_the_fix():
     with pytest.raises(ValueError) as info:
-        training.check_profiler_component(OmegaConf.create({"_component_": "my.prof"}))
+        training.RecipeOptions.from_config(_cfg(profiler={"_component_": "my.prof"}))
     message = str(info.value)
     assert message.startswith("profiler._component_=my.prof is not supported")
     assert message.endswith(
@@ -162,24 +196,18 @@ def test_check_profiler_component_refuses_another_naming_it_and_the_fix():
 
 
 @pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), True, "16"])
-def test_check_optimizer_in_bwd_options_refuses_a_bad_bucket_cap_naming_the_key(bad):
+def test_in_backward_refuses_a_bad_bucket_cap_naming_the_key(bad):
     with pytest.raises(ValueError, match="optimizer_in_bwd_bucket_cap_mb=") as info:
-        training.check_optimizer_in_bwd_options(bucket_cap_mb=bad)
+        _options(optimizer_in_bwd=True, bucket_cap_mb=bad)
     assert "leave it unset for the default" in str(info.value)
 
 
 @pytest.mark.parametrize("good", [None, 0, 0.5, 16, 1024])
-def test_check_optimizer_in_bwd_options_accepts_any_bucket_cap_from_zero_up(good):
-    training.check_optimizer_in_bwd_options(bucket_cap_mb=good)
+def test_in_backward_accepts_any_bucket_cap_from_zero_up(good):
+    _options(optimizer_in_bwd=True, bucket_cap_mb=good)
 
 
 # -- RecipeOptions ---------------------------------------------------------------------
-
-CPU = torch.device("cpu")
-
-
-def _options(**kwargs) -> training.RecipeOptions:
-    return training.RecipeOptions(device=CPU, dtype=torch.float32, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +217,7 @@ def _options(**kwargs) -> training.RecipeOptions:
         "enable_activation_checkpointing",
         "enable_activation_offloading",
         "fsdp_cpu_offload",
+        "fsdp_reshard_after_forward",
         "enable_async_checkpointing",
         "log_peak_memory_stats",
     ],
@@ -254,18 +283,6 @@ def test_recipe_options_refuse_offloading_without_activation_checkpointing() -> 
     )
 
 
-def _cfg(**options) -> OmegaConf:
-    return OmegaConf.create(
-        {
-            "device": "cpu",
-            "dtype": "fp32",
-            "epochs": 1,
-            "optimizer": {"_component_": "torch.optim.AdamW"},
-            **options,
-        }
-    )
-
-
 def test_recipe_options_from_config_take_0_6_1_defaults_for_missing_keys() -> None:
     options = training.RecipeOptions.from_config(_cfg())
     assert options == _options()
@@ -301,11 +318,20 @@ def test_recipe_options_from_config_turn_off_what_means_nothing_on_cpu(caplog) -
     assert options.process_group_backend == "gloo"
 
 
-def test_recipe_options_from_config_check_the_fsdp_optimizer_when_distributed() -> None:
-    cfg = _cfg(optimizer={"_component_": "bitsandbytes.optim.AdamW8bit"})
-    training.RecipeOptions.from_config(cfg)  # one device: bitsandbytes trains
-    with pytest.raises(ValueError, match="cannot train a model sharded with FSDP2"):
-        training.RecipeOptions.from_config(cfg, distributed=True)
+def test_recipe_options_from_config_read_what_build_sharded_model_takes() -> None:
+    options = training.RecipeOptions.from_config(
+        _cfg(
+            fsdp_reshard_after_forward=False,
+            custom_sharded_layers=["tok_embeddings", "output"],
+            ac_mode="selective",
+            ac_option=2,
+        ),
+        distributed=True,
+    )
+    assert not options.fsdp_reshard_after_forward
+    assert options.custom_sharded_layers == ["tok_embeddings", "output"]
+    assert (options.ac_mode, options.ac_option) == ("selective", 2)
+    assert options.custom_sharded_layers.__class__ is list
 
 
 def test_recipe_options_from_config_refuse_an_inference_collate_function() -> None:

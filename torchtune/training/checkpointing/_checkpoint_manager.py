@@ -33,10 +33,9 @@ import shutil
 import socket
 import threading
 import time
-import uuid
 import weakref
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,53 +45,30 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig
-from torch import nn
 
 from torchtune import config, training, utils
-from torchtune.config._utils import _get_component_from_path
+from torchtune.config._utils import _get_component_from_path as _component
 from torchtune.modules import peft
+from torchtune.training import optim_in_bwd_legacy_state_dict as legacy_format
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
-from torchtune.training.optim_in_bwd_legacy_state_dict import (
-    convert_legacy_optim_in_bwd_state_dict,
-    is_legacy_in_bwd_state_dict,
-)
 
 log = utils.get_logger("DEBUG")
 
-MANIFEST, EXPORT_MANIFEST, MANIFEST_VERSION = (
-    "manifest.json",
-    ".torchtune_manifest.json",
-    2,
-)
-RECIPE_STATE, RUN_FILE, LOCK_FILE = (
-    "recipe_state.pt",
-    "torchtune_run.json",
-    "torchtune_run.lock",
-)
+MANIFEST, EXPORT_MANIFEST = "manifest.json", ".torchtune_manifest.json"
+MANIFEST_VERSION = 2
+RECIPE_STATE, RUN_FILE = "recipe_state.pt", "torchtune_run.json"
+LOCK_FILE, PREVIOUS_RUNS = "torchtune_run.lock", "previous_runs"
 MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
-PREVIOUS_RUNS, OPTIMIZER_COMPONENT, TRAJECTORY = (
-    "previous_runs",
-    "optimizer_component",
-    "trajectory",
-)
-# Each param group's hyperparameters: DCP loads only the entries a new optimizer has.
-HYPERPARAMETERS = "optimizer_param_group_hyperparameters"
-# The config values that set a run's step count and data order.
-TRAJECTORY_KEYS = (
-    "seed",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "max_steps_per_epoch",
-    "ppo_batch_size",
-    "ppo_epochs",
-)
+# The config values that set a run's step count and data order (the last two: PPO's).
+TRAJECTORY_KEYS = ("seed", "batch_size", "gradient_accumulation_steps")
+TRAJECTORY_KEYS += ("max_steps_per_epoch", "ppo_batch_size", "ppo_epochs")
 # A lock held from another host is stale once its heartbeat (mtime) is this old.
 LOCK_STALE_AFTER_S, _HEARTBEAT_S = 300.0, 30.0
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 # What a run leaves that a later run could mistake for its own.
 _RUN_OUTPUTS = re.compile(
-    rf"^(step_\d+|\.step_\d+\.partial|epoch_\d+|dist_epoch_\d+|recipe_state|{re.escape(RUN_FILE)})$"
+    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|recipe_state|torchtune_run\.json"
 )
+# The trainable parameters and the buffers: frozen weights are the base checkpoint's.
 _TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
 
 
@@ -124,15 +100,7 @@ class TrainingProgress:
         self.global_step = state_dict["global_step"]
 
 
-# -- files ---------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+# -- processes and files -------------------------------------------------------------
 
 
 def _sharded() -> bool:
@@ -140,27 +108,36 @@ def _sharded() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _rank() -> int:
+    return dist.get_rank() if _sharded() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _sharded() else 1
+
+
 def _barrier() -> None:
     if _world_size() > 1:
         dist.barrier()
 
 
-def _gather(value: Any) -> list[Any]:
+def _all_ranks(items: list[Any]) -> list[Any]:
+    """Every rank's ``items``, concatenated in rank order (call it on every rank)."""
     if _world_size() == 1:
-        return [value]
-    values: list[Any] = [None] * _world_size()
-    dist.all_gather_object(values, value)
-    return values
+        return items
+    parts: list[Any] = [None] * _world_size()
+    dist.all_gather_object(parts, items)
+    return [item for part in parts for item in part]
 
 
 def _on_rank_zero(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0; every rank gets its result, or raises what it raised."""
+    """``fn()`` on rank 0, the others waiting; every rank gets its result, or raises
+    what it raised."""
     outcome: list[Any] = [None, None]
-    if _rank() == 0:
-        try:
-            outcome[0] = fn()
-        except Exception as e:  # re-raised on every rank below
-            outcome[1] = e
+    try:
+        outcome[0] = fn() if _rank() == 0 else None
+    except Exception as e:  # re-raised on every rank below
+        outcome[1] = e
     if _world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
@@ -168,12 +145,14 @@ def _on_rank_zero(fn: Callable[[], Any]) -> Any:
     return outcome[0]
 
 
+def _warn(message: str) -> None:
+    utils.log_rank_zero(log, message, level=logging.WARNING)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -183,73 +162,24 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` if it is missing or unreadable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def file_checksum(path: str | Path) -> str:
     """The CRC-32 of a file, as 8 hex digits: it catches any changed byte and any
     truncation (damage, not forgery). The file is read in place through ``mmap``."""
     crc = 0
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return f"{crc:08x}"
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            for start in range(0, len(mapped), 16 << 20):
-                crc = zlib.crc32(view[start : start + (16 << 20)], crc)
-            view.release()
+        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                crc = zlib.crc32(mapped)
     return f"{crc:08x}"
-
-
-def _describe(folder: Path, skip: str) -> dict[str, dict[str, Any]]:
-    """Size and CRC-32 of every file of ``folder`` but ``skip``; the ranks of a
-    distributed run share the reading (call it on every rank)."""
-    names = _on_rank_zero(
-        lambda: sorted(
-            str(p.relative_to(folder))
-            for p in folder.rglob("*")
-            if p.is_file() and p.name != skip
-        )
-    )
-    mine = {
-        n: {"size": (folder / n).stat().st_size, "crc32": file_checksum(folder / n)}
-        for n in names[_rank() :: _world_size()]
-    }
-    return dict(sorted((k, v) for part in _gather(mine) for k, v in part.items()))
-
-
-def read_manifest(folder: Path, name: str = MANIFEST) -> dict[str, Any]:
-    """The manifest ``name`` of ``folder``.
-
-    Raises:
-        CheckpointError: if it is missing (the save did not finish), damaged, or of
-            another version.
-    """
-    path = folder / name
-    if not path.is_file():
-        raise CheckpointError(
-            f"{folder} is not whole: it has no {name}, which is written last, so the "
-            "save that made it did not finish"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-        version = manifest.get("version", 1)
-    except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path} is damaged ({e!r})") from e
-    if version != MANIFEST_VERSION:
-        raise CheckpointError(
-            f"{path} is of manifest version {version}, written by an earlier build of "
-            "this patch set, without checksums this one can verify. Resume it with "
-            "the torchtune build that wrote it, or start a new run "
-            "(resume_from_checkpoint=False)."
-        )
-    try:
-        ok = all(
-            isinstance(e["size"], int) and isinstance(e["crc32"], str)
-            for e in manifest["files"].values()
-        )
-    except (KeyError, TypeError, AttributeError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"{path} is damaged: its file list is not a manifest's")
-    return manifest
 
 
 def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
@@ -257,88 +187,88 @@ def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
     the size and CRC-32 it had when written; call it on every rank of a distributed
     run, which share the reading.
 
+    Returns:
+        dict[str, Any]: the manifest.
+
     Raises:
-        CheckpointError: naming what is missing or damaged.
+        CheckpointError: if the manifest is missing (the save did not finish),
+            damaged or of another version, or a file is missing or damaged.
     """
-    folder = Path(folder)
-    manifest = read_manifest(folder, name)
+    path = Path(folder) / name
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not whole: it has no {name}, written last")
+    try:
+        manifest = json.loads(path.read_text())
+        version, files = manifest.get("version", 1), manifest["files"]
+        entries = files.values() if version == MANIFEST_VERSION else []
+        if any((type(e["size"]), type(e["crc32"])) != (int, str) for e in entries):
+            raise TypeError("its file list is not a manifest's")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is damaged ({e})") from e
+    if version != MANIFEST_VERSION:
+        raise CheckpointError(
+            f"{path} is of manifest version {version}, which this build cannot verify: "
+            "resume with the build that wrote it, or resume_from_checkpoint=False."
+        )
     problems = []
-    for n in sorted(manifest["files"])[_rank() :: _world_size()]:
-        path, entry = folder / n, manifest["files"][n]
+    for n in sorted(files)[_rank() :: _world_size()]:
+        path, size = Path(folder) / n, files[n]["size"]
         if not path.is_file():
             problems.append(f"{path} is missing")
-        elif path.stat().st_size != entry["size"]:
-            size = path.stat().st_size
-            problems.append(
-                f"{path} is damaged: {size} bytes, {entry['size']} when written"
-            )
-        elif file_checksum(path) != entry["crc32"]:
-            problems.append(
-                f"{path} is damaged: its content changed since it was written"
-            )
-    problems = [p for part in _gather(problems) for p in part]
-    if problems:
+        elif (actual := path.stat().st_size) != size:
+            problems.append(f"{path} is damaged: {actual} bytes, {size} when written")
+        elif file_checksum(path) != files[n]["crc32"]:
+            problems.append(f"{path} is damaged: its bytes changed since it was saved")
+    if problems := _all_ranks(problems):
         raise CheckpointError("; ".join(problems))
     return manifest
 
 
-def step_of(path: Path) -> int | None:
-    match = _STEP_DIR.match(path.name)
+def step_of(path: Path, kind: str = "step") -> int | None:
+    """``N`` of a folder named ``{kind}_{N}``, else ``None``."""
+    match = re.fullmatch(rf"{kind}_(\d+)", path.name)
     return int(match.group(1)) if match else None
 
 
 def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
     """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
     those of that run (or of no recorded run)."""
-    found = folder.iterdir() if folder.is_dir() else []
-    steps = [p for p in found if p.is_dir() and step_of(p) is not None]
-    steps = [p for p in steps if run_id is None or _run_id_of(p) in (run_id, None)]
-    return sorted(steps, key=step_of, reverse=True)
-
-
-def _run_id_of(step_dir: Path) -> str | None:
-    try:
-        return json.loads((step_dir / MANIFEST).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+    steps = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None]
+    own = [p for p in steps if _read_json(p / MANIFEST).get("run_id") in (run_id, None)]
+    return sorted(own if run_id else steps, key=step_of, reverse=True)
 
 
 def read_run_file(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / RUN_FILE).read_text())["run_id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return _read_json(folder / RUN_FILE).get("run_id")
 
 
-def _write_run_file(folder: Path, run_id: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+def _write_run_file(folder: Path, run_id: str) -> str:
     (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id}))
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
+    return run_id
 
 
 def _set_aside(
-    entries: list[Path], label: str, reason: str, copies: list[Path] = ()
+    entries: list[Path], label: str, reason: str, copies: Sequence[Path] = ()
 ) -> None:
     """Move ``entries`` (and copy ``copies``, which stay in use) into
-    ``previous_runs/{label}/`` of their folders."""
+    ``previous_runs/{label}/`` of their folders, never into an earlier move's."""
     for folder in sorted({e.parent for e in [*entries, *copies]}):
         target, suffix = folder / PREVIOUS_RUNS / label, 1
-        while target.exists():  # never merge into an earlier move
+        while target.exists():
             suffix += 1
             target = folder / PREVIOUS_RUNS / f"{label}.{suffix}"
         target.mkdir(parents=True)
         moved = sorted(e.name for e in entries if e.parent == folder)
+        copied = sorted(e.name for e in copies if e.parent == folder)
         for name in moved:
             os.replace(folder / name, target / name)
-        copied = sorted(e.name for e in copies if e.parent == folder)
         for name in copied:
             copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
             copy(folder / name, target / name)
         _fsync_dir(folder)
         also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
-        log.warning(
-            f"{reason}: moved {', '.join(moved)}{also} to {target} (nothing deleted)."
-        )
+        _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
 
 
 def check_writable(key: str, path: str | Path) -> None:
@@ -395,25 +325,23 @@ def _check_lock(folder: Path) -> None:
     )
 
 
-def _take_lock(folder: Path) -> None:
+def _take_lock(folder: Path, stop: threading.Event) -> None:
+    """Take ``folder``'s lock (on rank 0) and touch it until ``stop`` is set."""
     path = folder / LOCK_FILE
     _check_lock(folder)
     if path.exists():
-        log.warning(
-            f"Taking over {path}, left by a run that stopped: {path.read_text()}"
-        )
+        _warn(f"Taking over {path}, left by a run that stopped: {path.read_text()}")
         path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
+    owner = {"pid": os.getpid(), "host": socket.gethostname()}
+    owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:  # another run took it since the check
-        _check_lock(folder)
+        with open(path, "x") as f:  # O_EXCL: of two runs starting together, one wins
+            json.dump(owner, f)
+    except FileExistsError:
+        _check_lock(folder)  # names the run that took it since the check
         raise
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    with os.fdopen(fd, "w") as f:
-        json.dump(
-            {"pid": os.getpid(), "host": socket.gethostname(), "started": started}, f
-        )
+    threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
 
 
 def _heartbeat(path: Path, stop: threading.Event) -> None:
@@ -426,34 +354,25 @@ def _heartbeat(path: Path, stop: threading.Event) -> None:
 
 def _release_lock(path: Path, stop: threading.Event) -> None:
     stop.set()
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError, AttributeError):
-        pass
+    if _read_json(path).get("pid") == os.getpid():
+        path.unlink(missing_ok=True)
 
 
 # -- what a checkpoint holds ---------------------------------------------------------
 
 
-def _load_trainable(model: nn.Module, state_dict: dict[str, Any], where: Path) -> None:
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = sorted(
-        set(missing) & set(dsd.get_model_state_dict(model, options=_TRAINABLE))
-    )
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{where} does not match this model: missing trainable entries "
-            f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. Resume with "
-            "the model of the run that saved it."
-        )
+def _trainable(model: torch.nn.Module) -> dict[str, Any]:
+    return dsd.get_model_state_dict(model, options=_TRAINABLE)
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in g.items() if k not in ("params", "param_names")}
-        for g in optimizer.param_groups
-    ]
+def _sharded_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    optimizer_state = dsd.get_optimizer_state_dict(model, optimizer)
+    return {"model": _trainable(model), "optimizer": optimizer_state}
+
+
+def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    skip = ("params", "param_names")
+    return [{k: v for k, v in g.items() if k not in skip} for g in opt.param_groups]
 
 
 def _differs(a: Any, b: Any) -> bool:
@@ -463,55 +382,14 @@ def _differs(a: Any, b: Any) -> bool:
         return str(a) != str(b)
 
 
-def _fingerprint(dataset: Any) -> str:
-    """A cheap fingerprint of a dataset's contents: its first, middle and last sample."""
+def _dataset_identity(dataset: Any) -> dict[str, Any]:
+    """A dataset's length and a cheap fingerprint of its contents: a hash of its
+    first, middle and last sample."""
     n, digest = len(dataset), hashlib.sha256()
     for i in sorted({0, n // 2, n - 1}) if n else []:
         jsonable = lambda v: v.tolist() if hasattr(v, "tolist") else type(v).__name__  # noqa: E731
         digest.update(json.dumps(dataset[i], sort_keys=True, default=jsonable).encode())
-    return digest.hexdigest()[:16]
-
-
-def _lora_export(
-    state_dict: dict[str, Any], adapter: dict[str, Any], adapter_only: bool
-) -> dict[str, Any]:
-    """A LoRA model's export: its adapter, the PEFT adapter config and, unless
-    ``adapter_only``, the weights with the adapter merged in. Each merged base weight
-    is copied first: a CPU state dict may hold the live model's own tensors."""
-    export = {
-        training.ADAPTER_KEY: peft.get_adapter_state_dict(state_dict),
-        # A copy: checkpointers rewrite the config they save in place.
-        training.ADAPTER_CONFIG: {
-            **adapter,
-            "target_modules": [*adapter["target_modules"]],
-        },
-    }
-    if not adapter_only:
-        for name in [n for n in state_dict if n.endswith("lora_a.weight")]:
-            base = name.removesuffix("lora_a.weight") + "weight"
-            state_dict[base] = state_dict[base].clone()
-        export[training.MODEL_KEY] = peft.get_merged_lora_ckpt(
-            state_dict, rank=adapter["r"], alpha=adapter["lora_alpha"]
-        )
-    return export
-
-
-def _base_paths(cfg: Mapping[str, Any]) -> list[Path]:
-    """What every checkpointer section of ``cfg`` reads: a new run never moves them,
-    even when they are an earlier run's ``epoch_{N}``."""
-    paths = []
-    for key, section in cfg.items():
-        if str(key).endswith("checkpointer") and section.get("checkpoint_dir", None):
-            root = Path(section.checkpoint_dir)
-            files = section.get("checkpoint_files", None) or []
-            names = [] if isinstance(files, str | Mapping) else list(files)
-            names += (
-                [section.adapter_checkpoint]
-                if section.get("adapter_checkpoint")
-                else []
-            )
-            paths += [root] + [root / str(n) for n in names]
-    return paths
+    return {"dataset_length": n, "dataset_fingerprint": digest.hexdigest()[:16]}
 
 
 # -- the manager ---------------------------------------------------------------------
@@ -577,28 +455,21 @@ class CheckpointManager:
                     f"{key}={value!r} must be a positive integer or null (null: {null})"
                 )
         component = options.checkpointer._component_
-        if issubclass(_get_component_from_path(component), DistributedCheckpointer):
+        if issubclass(_component(component), DistributedCheckpointer):
             raise ValueError(
                 f"checkpointer._component_={component} reads no weights to start from: "
-                "use an HF, Meta or torchtune checkpointer (step checkpoints are "
-                "sharded already)."
+                "use an HF, Meta or torchtune checkpointer."
             )
-        self.options = o = options
-        self._out = Path(o.output_dir)
-        self._export_dir = Path(o.checkpointer.get("output_dir") or self._out)
+        self.options, self._out = options, Path(options.output_dir)
+        self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
-        if self._export_dir.absolute() != self._out.absolute():
-            check_writable("checkpointer.output_dir", self._export_dir)
+        check_writable("checkpointer.output_dir", self._export_dir)
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
             _check_lock(self._out)
-        # A new run: None; else the step checkpoints to try, newest first, or
-        # torchtune 0.6.1's "epoch" or "dcp" (async) epoch checkpoint.
-        self._resume_from = self._resume_points() if o.resume else None
-        self._run_id: str | None = None
-        self._legacy_state: dict[str, Any] = {}
-        self._checkpointer: Any = None
-        self._pending: tuple[Any, Path, Path] | None = None
-        self._async_group: Any = None
+        # A resume continues from the first whole one of these step checkpoints, or
+        # else from torchtune 0.6.1's "epoch" or "dcp" (asynchronous) checkpoint.
+        self._steps, self._legacy = self._resume_points()
+        self._checkpointer = self._run_id = self._pending = self._async_group = None
         self._lock: Callable[[], None] = lambda: None
 
     @classmethod
@@ -608,10 +479,11 @@ class CheckpointManager:
         ``keep_last_n_checkpoints``), ``device``, ``resume_from_checkpoint``,
         ``resume_allow_changes``, ``save_every_n_steps``,
         ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
-        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``) and, for a LoRA
-        model, its adapter and ``save_adapter_weights_only``."""
-        cfg_checkpointer = cfg.checkpointer.copy()
-        keep_last_n = cfg_checkpointer.pop("keep_last_n_checkpoints", None)
+        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``), for a LoRA model
+        its adapter and ``save_adapter_weights_only``, and what every checkpointer
+        section reads (a new run never moves it, even an earlier run's export)."""
+        checkpointer = cfg.checkpointer.copy()
+        keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
         model, adapter = cfg.get("model", None) or {}, None
         if "lora_rank" in model:
             modules = peft.get_lora_module_names(
@@ -621,125 +493,94 @@ class CheckpointManager:
             )
             adapter = {"r": model.lora_rank, "lora_alpha": model.lora_alpha}
             adapter |= {"target_modules": modules, "peft_type": "LORA"}
-        length_key = "epochs" if "epochs" in cfg else "num_steps"
-        return cls(
-            CheckpointOptions(
-                output_dir=Path(cfg.get("output_dir") or cfg_checkpointer.output_dir),
-                checkpointer=cfg_checkpointer,
-                device=utils.get_device(device=cfg.device),
-                resume=cfg.get("resume_from_checkpoint", False),
-                recipe_checkpoint=cfg_checkpointer.get("recipe_checkpoint", None),
-                every_n_steps=cfg.get("save_every_n_steps", None),
-                keep_last_n=keep_last_n,
-                async_save=cfg.get("enable_async_checkpointing", False),
-                allow_changes=cfg.get("resume_allow_changes", False),
-                optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
-                trajectory={k: cfg.get(k) for k in TRAJECTORY_KEYS if k in cfg},
-                length=(length_key, cfg.get(length_key, None)),
-                adapter_config=adapter,
-                adapter_only=cfg.get("save_adapter_weights_only", False),
-                keep=tuple(_base_paths(cfg)),
-            )
+        read = []
+        for key, section in cfg.items():
+            if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
+                root = Path(section.checkpoint_dir)
+                files = section.get("checkpoint_files")
+                names = [] if isinstance(files, str | Mapping) else list(files or [])
+                names += [section.get("adapter_checkpoint")]
+                read += [root, *(root / str(n) for n in names if n)]
+        length = "epochs" if "epochs" in cfg else "num_steps"
+        options = CheckpointOptions(
+            output_dir=Path(cfg.get("output_dir") or checkpointer.output_dir),
+            checkpointer=checkpointer,
+            device=utils.get_device(device=cfg.device),
+            resume=cfg.get("resume_from_checkpoint", False),
+            recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last_n=keep_last_n,
+            async_save=cfg.get("enable_async_checkpointing", False),
+            allow_changes=cfg.get("resume_allow_changes", False),
+            optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
+            trajectory={k: cfg.get(k) for k in TRAJECTORY_KEYS if k in cfg},
+            length=(length, cfg.get(length, None)),
+            adapter_config=adapter,
+            adapter_only=cfg.get("save_adapter_weights_only", False),
+            keep=tuple(read),
         )
+        return cls(options)
 
     # -- choosing what a resume continues from ----------------------------------------
 
-    def _resume_points(self) -> list[Path] | str:
+    def _resume_points(self) -> tuple[list[Path], str | None]:
         """The step checkpoints a resume may continue from, newest first (of the run
-        ``output_dir`` holds, or the one ``recipe_checkpoint`` names), or a 0.6.1
-        epoch checkpoint. Read now, before anything is built, are only names,
-        manifests and the optimizer class; :meth:`load` verifies every byte."""
-        named = self.options.recipe_checkpoint
-        folder = self._out / named if named else None
-        if folder is not None and step_of(folder) is None:
-            folder = folder.parent
-        if named and step_of(folder) is None:  # 0.6.1's recipe_state.pt
-            if not (self._export_dir / named).is_file():
+        ``output_dir`` holds, or the one ``recipe_checkpoint`` names), or else a
+        0.6.1 epoch checkpoint. Read now, before anything is built, are only names and
+        the newest one's optimizer class; :meth:`load` verifies every byte."""
+        named, out, export = self.options.recipe_checkpoint, self._out, self._export_dir
+        if not self.options.resume:
+            return [], None
+        folder = out / (named or "")
+        folder = folder if step_of(folder) is not None else folder.parent
+        if named and step_of(folder) is None:  # torchtune 0.6.1's recipe_state.pt
+            if not (export / named).is_file():
                 raise CheckpointError(
-                    f"checkpointer.recipe_checkpoint={named} names "
-                    f"{self._export_dir / named}, which does not exist. Name the "
-                    "recipe_state.pt of the run to continue (relative to "
-                    "checkpointer.output_dir), or leave it unset to resume from the "
-                    "newest checkpoint in output_dir."
+                    f"checkpointer.recipe_checkpoint={named}: {export / named} does "
+                    "not exist. Name the run's recipe_state.pt, or leave it unset."
                 )
-            return self._check_optimizer(self._export_dir / named, "epoch")
+            self._check_optimizer(export / named)
+            return [], "epoch"
         if named and not folder.is_dir():
             raise CheckpointError(
                 f"checkpointer.recipe_checkpoint={named} names the step checkpoint "
-                f"{folder}, which does not exist. The step checkpoints in {self._out} "
-                f"are {[p.name for p in _step_dirs(self._out)] or 'none'}: name one of "
-                "them, or leave checkpointer.recipe_checkpoint unset to resume from "
-                "the newest."
+                f"{folder}, which does not exist. The step checkpoints in {out} are "
+                f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
             )
-        points = []
-        for candidate in (
-            [folder] if named else _step_dirs(self._out, read_run_file(self._out))
-        ):
-            try:
-                read_manifest(candidate)
-                points.append(candidate)
-            except CheckpointError as e:
-                if named:
-                    raise self._unusable(e) from e
-                log.warning(f"Skipping step checkpoint {candidate}: {e}")
-        legacy = self._export_dir / "recipe_state" / RECIPE_STATE
-        if points:
-            return self._check_optimizer(points[0] / RECIPE_STATE, points)
-        if legacy.is_file() and not self.options.async_save:
-            return self._check_optimizer(legacy, "epoch")
-        if self.options.async_save and any(
-            self._export_dir.glob("dist_epoch_*/.metadata")
-        ):
-            return "dcp"
-        moved = self._out / PREVIOUS_RUNS
+        steps = [folder] if named else _step_dirs(out, read_run_file(out))
+        epoch_state = export / "recipe_state" / RECIPE_STATE
+        if steps or (epoch_state.is_file() and not self.options.async_save):
+            self._check_optimizer(steps[0] if steps else epoch_state)
+            return steps, None if steps else "epoch"
+        if self.options.async_save and any(export.glob("dist_epoch_*/.metadata")):
+            return [], "dcp"
+        moved = out / PREVIOUS_RUNS
+        hint = f" Earlier runs' checkpoints are in {moved}: move one back to resume it."
+        hint = hint if moved.is_dir() else ""
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
-            f"whole step checkpoint (step_N/) of this run in output_dir={self._out}, "
-            "and no torchtune 0.6.1 epoch checkpoint."
-            + (
-                f" Earlier runs' checkpoints are in {moved}: move one back into "
-                "output_dir to resume it."
-                if moved.is_dir()
-                else ""
-            )
-            + " Set resume_from_checkpoint=False to start a new run, or set "
-            "output_dir to the folder of the run to continue."
+            f"whole step checkpoint (step_N/) of this run in output_dir={out}, nor a "
+            f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
         )
 
-    def _unusable(self, error: Exception) -> CheckpointError:
-        return CheckpointError(
-            f"checkpointer.recipe_checkpoint={self.options.recipe_checkpoint} names a "
-            f"step checkpoint that cannot be resumed: {error}. Name another one, or "
-            "leave checkpointer.recipe_checkpoint unset to resume from the newest "
-            "whole one."
-        )
-
-    def _check_optimizer(self, recipe_state: Path, points: Any) -> Any:
-        """``points``, unless its optimizer state is another optimizer class's."""
+    def _check_optimizer(self, where: Path) -> None:
+        """Refuse a checkpoint (a step checkpoint or 0.6.1's recipe state file) whose
+        optimizer state is another optimizer class's."""
+        saved, same, configured = None, False, self.options.optimizer_component
         try:
-            state = torch.load(recipe_state, weights_only=False, mmap=True)
-        except Exception:  # damaged: load() names the file
-            return points
-        saved, configured = (
-            state.get(OPTIMIZER_COMPONENT),
-            self.options.optimizer_component,
-        )
-        if saved and configured and saved != configured:
-            try:
-                same = _get_component_from_path(saved) is _get_component_from_path(
-                    configured
-                )
-            except Exception:  # the saved one no longer imports
-                same = False
-            if not same:
-                where = recipe_state if points == "epoch" else recipe_state.parent
-                raise ValueError(
-                    f"optimizer._component_={configured} cannot resume from {where}: "
-                    f"its optimizer state was saved by {saved}, and another optimizer "
-                    f"class cannot load it. Set optimizer._component_={saved} to "
-                    "resume, or resume_from_checkpoint=False to start a new run."
-                )
-        return points
+            path = where / RECIPE_STATE if where.is_dir() else where
+            state = torch.load(path, weights_only=False, mmap=True)
+            saved = state.get("optimizer_component")
+            same = _component(saved) is _component(configured)
+        except Exception:  # damaged (load() names it), or a class no longer imported
+            pass
+        if saved and configured and saved != configured and not same:
+            raise ValueError(
+                f"optimizer._component_={configured} cannot resume from {where}: its "
+                f"optimizer state was saved by {saved}, and another optimizer class "
+                f"cannot load it. Set optimizer._component_={saved} to resume, or "
+                "resume_from_checkpoint=False to start a new run."
+            )
 
     # -- setup -------------------------------------------------------------------------
 
@@ -753,17 +594,14 @@ class CheckpointManager:
             dict[str, Any]: ``training.MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
-        legacy = self._resume_from == "epoch"
-        self._checkpointer = config.instantiate(
-            self.options.checkpointer, should_load_recipe_state=legacy
-        )
+        epoch, cfg = self._legacy == "epoch", self.options.checkpointer
+        self._checkpointer = config.instantiate(cfg, should_load_recipe_state=epoch)
         state = self._checkpointer.load_checkpoint()
+        if not epoch:
+            return state
         weights = (training.MODEL_KEY, training.ADAPTER_KEY)
-        if legacy:
-            self._legacy_state = {
-                k: state.pop(k) for k in list(state) if k not in weights
-            }
-        if legacy and self.options.adapter_config and training.ADAPTER_KEY not in state:
+        self._legacy_state = {k: state.pop(k) for k in list(state) if k not in weights}
+        if self.options.adapter_config and training.ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
                 "checkpointer.adapter_checkpoint, or resume from an output_dir whose "
@@ -773,7 +611,7 @@ class CheckpointManager:
 
     def load(
         self,
-        model: nn.Module | Mapping[str, nn.Module],
+        model: torch.nn.Module | Mapping[str, torch.nn.Module],
         optimizer: torch.optim.Optimizer,
         dataloader: Any,
         progress: Any,
@@ -785,9 +623,11 @@ class CheckpointManager:
 
         A resume first verifies the checkpoint and checks that the run continues its
         trajectory (the settings of :data:`TRAJECTORY_KEYS`, the dataset's length and
-        contents, the number of processes); then the lock is taken (one run per
-        ``output_dir``); a new run moves an earlier run's checkpoints aside. Call it
-        on every rank, after :meth:`load_base_checkpoint`.
+        a hash of its first, middle and last sample, the number of processes); then
+        the lock is taken (one run per ``output_dir``); a new run moves an earlier
+        run's checkpoints aside. A resume of an epoch-end checkpoint rewrites that
+        epoch's export if it is not whole (a crash or a full disk while it was
+        written). Call it on every rank, after :meth:`load_base_checkpoint`.
 
         Args:
             model (nn.Module | Mapping[str, nn.Module]): the model (FSDP2-sharded in
@@ -810,179 +650,162 @@ class CheckpointManager:
         """
         self._named = isinstance(model, Mapping)
         self._models = dict(model) if self._named else {training.MODEL_KEY: model}
-        self._optimizer, self._dataloader, self._progress = (
-            optimizer,
-            dataloader,
-            progress,
-        )
-        self._steps_per_epoch = steps_per_epoch
-        self._exporters = {
-            n: (exporters or {}).get(n, self._checkpointer) for n in self._models
-        }
+        self._optimizer, self._dataloader = optimizer, dataloader
+        self._progress, self._steps_per_epoch = progress, steps_per_epoch
+        exporters = {n: self._checkpointer for n in self._models} | (exporters or {})
+        self._exporters = exporters
+        self._export_roots = sorted({Path(e._output_dir) for e in exporters.values()})
         dataset = dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
                 f"An epoch has no optimizer step: {len(dataset)} samples make "
-                f"{len(dataloader)} batches per process, with "
-                f"{dict(self.options.trajectory)}. Use more data, or a smaller "
-                "batch_size or gradient_accumulation_steps."
+                f"{len(dataloader)} batches per process ({dict(self.options.trajectory)})"
+                ": use more data, or a smaller batch_size or gradient_accumulation_steps."
             )
-        self._trajectory = {
-            **self.options.trajectory,
-            "world_size": _world_size(),
-            "dataset_length": len(dataset),
-            "dataset_fingerprint": _fingerprint(dataset),
-        }
-        recipe_state = (
-            self._verified_recipe_state()
-            if isinstance(self._resume_from, list)
-            else None
-        )
-        _on_rank_zero(lambda: _take_lock(self._out))
-        lock, stop = self._out / LOCK_FILE, threading.Event()
-        if _rank() == 0:
-            threading.Thread(target=_heartbeat, args=(lock, stop), daemon=True).start()
-        self._lock = weakref.finalize(self, _release_lock, lock, stop)
-        if self._resume_from is None:
+        self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
+        self._trajectory |= _dataset_identity(dataset)
+        folder, recipe_state = self._verified() if self._steps else (None, {})
+        stop = threading.Event()
+        _on_rank_zero(lambda: _take_lock(self._out, stop))
+        self._lock = weakref.finalize(self, _release_lock, self._out / LOCK_FILE, stop)
+        if self.options.async_save and _sharded():  # its collectives run from a thread
+            self._async_group = dist.new_group(backend="gloo")
+        if folder is None and self._legacy is None:
             self._run_id = _on_rank_zero(self._start_run)
-            utils.log_rank_zero(
-                log, f"New run {self._run_id}: checkpoints go to {self._out}."
-            )
+            utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             return
-        if recipe_state is None:
-            self._restore_legacy()
-        else:
-            self._restore(recipe_state)
-        if recipe_state is not None and recipe_state.get("epoch_end", False):
-            self._repair_export(progress.epochs_run - 1)
+        self._restore(folder, recipe_state)
+        epoch, problems = progress.epochs_run - 1, []
+        for root in self._export_roots if recipe_state.get("epoch_end") else []:
+            try:
+                verify(root / f"epoch_{epoch}", EXPORT_MANIFEST)
+            except CheckpointError as e:
+                problems.append(str(e))
+        if problems:
+            _warn(
+                f"The export of epoch {epoch} is not whole ({'; '.join(problems)}): "
+                f"rewriting it from {folder}."
+            )
+            self._export(epoch)
         if progress.epochs_run >= progress.total_epochs:
             key, value = self.options.length
-            utils.log_rank_zero(
-                log,
-                f"resume_from_checkpoint=True: {self._resume_from} is at the end of "
-                "training "
-                f"({progress.epochs_run} epochs done, {key}={value}): nothing left "
-                f"to do. To train further, set {key} to more than {value}.",
-                level=logging.WARNING,
+            _warn(
+                f"resume_from_checkpoint=True: {folder or self._export_dir} is at the "
+                f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
+                f"nothing left to do. To train further, set {key} to more than {value}."
             )
             self._lock()
 
     def _start_run(self) -> str:
-        folders = {self._out, self._export_dir}
-        folders |= {Path(e._output_dir) for e in self._exporters.values()}
+        """Move what an earlier run left aside (a copy of what this run reads stays
+        in place: its exports may overwrite it) and name the new run."""
+        found = []
+        for root in {self._out, self._export_dir, *self._export_roots}:
+            found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
         keep = [k.absolute() for k in self.options.keep]
-        outputs = [
-            e
-            for folder in folders
-            if folder.is_dir()
-            for e in folder.iterdir()
-            if _RUN_OUTPUTS.match(e.name)
-        ]
-        # The base this run reads stays in place; a copy is kept, as this run's
-        # epoch exports may overwrite it.
-        read = [
-            e
-            for e in outputs
-            if any(k == e.absolute() or e.absolute() in k.parents for k in keep)
-        ]
-        found = [e for e in outputs if e not in read]
-        if any(e.name != RUN_FILE for e in found + read):
-            newest = time.gmtime(max(e.stat().st_mtime for e in found + read))
-            earlier = read_run_file(self._out) or time.strftime(
-                "before-%Y%m%d-%H%M%S", newest
-            )
-            _set_aside(
-                found,
-                f"run_{earlier}",
-                f"{self._out} held the checkpoints of an earlier run, which this new "
-                "run must neither overwrite nor resume from (to continue that run "
-                "instead, move them back and set resume_from_checkpoint=True)",
-                copies=read,
-            )
-        run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:8]
-        _write_run_file(self._out, run_id)
-        return run_id
+        read = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
+        if any(e.name != RUN_FILE for e in found):
+            newest = time.gmtime(max(e.stat().st_mtime for e in found))
+            earlier = read_run_file(self._out)
+            earlier = earlier or time.strftime("before-%Y%m%d-%H%M%S", newest)
+            reason = f"{self._out} held an earlier run's checkpoints, which this run "
+            reason += "must neither overwrite nor resume (to resume: move them back)"
+            moved = [e for e in found if e not in read]
+            _set_aside(moved, f"run_{earlier}", reason, copies=read)
+        run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
+        return _write_run_file(self._out, run_id)
 
-    def _verified_recipe_state(self) -> dict[str, Any]:
-        """The recipe state of the newest resume point whose every byte is verified
-        (a damaged one gives way to the one before, with a warning), refusing one
+    def _verified(self) -> tuple[Path, dict[str, Any]]:
+        """The newest resume point whose every byte verifies (a damaged one gives way
+        to the one before, with a warning) and its recipe state; refused if it was
         trained with other settings."""
-        for folder in self._resume_from:
+        for folder in self._steps:
             try:
                 verify(folder)
                 break
             except CheckpointError as e:
-                if self.options.recipe_checkpoint:
-                    raise self._unusable(e) from e
-                utils.log_rank_zero(
-                    log,
-                    f"Skipping step checkpoint {folder}: {e}",
-                    level=logging.WARNING,
-                )
+                if named := self.options.recipe_checkpoint:
+                    raise CheckpointError(
+                        f"checkpointer.recipe_checkpoint={named} cannot be resumed: "
+                        f"{e}. Name another one, or leave it unset."
+                    ) from e
+                _warn(f"Skipping step checkpoint {folder}: {e}")
         else:
             raise CheckpointError(
-                f"resume_from_checkpoint=True, but no step checkpoint in {self._out} "
-                "is whole (see the warnings above). Set resume_from_checkpoint=False "
-                "to start a new run."
+                f"resume_from_checkpoint=True, but no step checkpoint in {self._out} is "
+                "whole (see the warnings). Set resume_from_checkpoint=False to start anew."
             )
-        self._resume_from = folder
+        self._check_optimizer(folder)  # from_config checked the newest
         recipe_state = torch.load(folder / RECIPE_STATE, weights_only=False)
         # A checkpoint of an earlier build recorded its world size alone.
-        saved = recipe_state.get(TRAJECTORY)
-        keys = ["world_size"] if saved is None else {*saved, *self._trajectory}
-        saved = saved or {"world_size": recipe_state.get("world_size", 1)}
-        changes = {
-            k: (saved.get(k), self._trajectory.get(k))
-            for k in keys
-            if _differs(saved.get(k), self._trajectory.get(k))
-        }
-        listed = ", ".join(
-            f"{k}: {old!r} then, {new!r} now" for k, (old, new) in changes.items()
-        )
-        if "world_size" in changes or (changes and not self.options.allow_changes):
+        old, new = recipe_state.get("trajectory"), self._trajectory
+        keys = sorted({*old, *new}) if old else ["world_size"]
+        old = old or {"world_size": recipe_state.get("world_size", 1)}
+        pairs = {k: (old.get(k), new.get(k)) for k in keys}
+        diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
+        listed = ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
+        if "world_size" in diff or (diff and not self.options.allow_changes):
             raise CheckpointError(
-                f"{folder} was trained with other settings than this resume has "
-                f"({listed}), so the resumed run would not continue the same training. "
-                "Set them back to the checkpoint's (the dataset: the data it trained "
-                "on; world_size: as many processes), or set resume_allow_changes=True "
-                "to continue with the new ones anyway (not world_size: data positions "
-                "are per process), or resume_from_checkpoint=False to start a new run."
+                f"{folder} was trained with other settings ({listed}): set them back, "
+                "or resume_allow_changes=True to go on with them (not world_size: data "
+                "positions are per process), or resume_from_checkpoint=False."
             )
-        if changes:
-            utils.log_rank_zero(
-                log,
+        if diff:
+            _warn(
                 f"resume_allow_changes=True: resuming {folder} with other settings "
-                f"({listed}); this run differs from an uninterrupted one.",
-                level=logging.WARNING,
+                f"({listed}); this run differs from an uninterrupted one."
             )
-        return recipe_state
+        return folder, recipe_state
 
-    def _restore(self, recipe_state: dict[str, Any]) -> None:
-        folder = self._resume_from
-        self._run_id = _run_id_of(folder) or read_run_file(self._out)
-        before = _hyperparameters(self._optimizer)
-        if _sharded():
+    def _restore(self, folder: Path | None, recipe_state: dict[str, Any]) -> None:
+        """Put the run back where ``folder``, a step checkpoint, left it, or else
+        where the torchtune 0.6.1 epoch checkpoint did; name the config's optimizer
+        settings that the checkpoint's replaced."""
+        optimizer, before = self._optimizer, _hyperparameters(self._optimizer)
+        if folder is None:
+            recipe_state = self._restore_legacy()
+        elif _sharded():
             (model,) = self._models.values()
-            state = self._sharded_state(model)
+            state = _sharded_state(model, optimizer)
             dcp.load(state, checkpoint_id=folder / MODEL_OPTIMIZER_DCP)
             non_strict = dsd.StateDictOptions(strict=False)
             dsd.set_model_state_dict(model, state["model"], options=non_strict)
-            dsd.set_optimizer_state_dict(model, self._optimizer, state["optimizer"])
-            for group, saved in zip(
-                self._optimizer.param_groups, recipe_state[HYPERPARAMETERS], strict=True
-            ):
-                group.update(saved)
+            dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            saved = recipe_state["optimizer_param_group_hyperparameters"]
+            for group, values in zip(optimizer.param_groups, saved, strict=True):
+                group.update(values)
         else:
             state = torch.load(folder / MODEL_OPTIMIZER_FILE, weights_only=False)
             for name, model in self._models.items():
-                _load_trainable(
-                    model,
-                    state["model"][name] if self._named else state["model"],
-                    folder,
-                )
-            self._optimizer.load_state_dict(state["optimizer"])
-        self._warn_replaced(before, folder)
+                saved = state["model"][name] if self._named else state["model"]
+                missing, unexpected = model.load_state_dict(saved, strict=False)
+                missing = sorted(set(missing) & set(_trainable(model)))
+                if missing or unexpected:
+                    raise CheckpointError(
+                        f"{folder} does not match this model: missing trainable entries "
+                        f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. "
+                        "Resume with the model that saved it."
+                    )
+            optimizer.load_state_dict(state["optimizer"])
+        replaced = set()
+        after = _hyperparameters(optimizer)
+        for configured, saved in zip(before, after, strict=False):
+            # The LR a scheduler starts from is the saved initial_lr.
+            saved["lr"] = saved.pop("initial_lr", saved.get("lr"))
+            for key, value in configured.items():
+                if key in saved and _differs(value, now := saved[key]):
+                    replaced.add(f"optimizer.{key}={value} (the checkpoint's: {now})")
+        if replaced:
+            _warn(
+                f"Resuming from {folder or 'the epoch checkpoint'}: its optimizer state "
+                f"replaces {', '.join(sorted(replaced))}. To train with the config's "
+                "values, start a new run (resume_from_checkpoint=False)."
+            )
         self._progress.load_state_dict(recipe_state)
+        if folder is None:
+            return
+        self._run_id = _read_json(folder / MANIFEST).get("run_id")
+        self._run_id = self._run_id or read_run_file(self._out)
         rank_state = torch.load(folder / f"rank_{_rank()}.pt", weights_only=False)
         if rank_state[training.DATALOADER_KEY]:
             self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
@@ -997,102 +820,52 @@ class CheckpointManager:
         checkpoints and exports are moved aside, so that pruning and later resumes
         see this branch only."""
         later = [p for p in _step_dirs(self._out) if step_of(p) > step_of(folder)]
-        for exports in {Path(e._output_dir) for e in self._exporters.values()}:
-            epochs = [(p, p.name[6:]) for p in exports.glob("epoch_*")]
-            later += [
-                p
-                for p, e in epochs
-                if e.isdigit() and int(e) >= self._progress.epochs_run
-            ]
+        done = self._progress.epochs_run
+        for root in self._export_roots:
+            epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
+            later += [p for p, e in epochs if e is not None and e >= done]
         if later:
-            reason = (
-                f"Resuming from {folder.name}: the later checkpoints of this run "
-                "(damaged, or of the timeline this resume branches from) go aside"
-            )
+            reason = f"Resuming from {folder.name}: the later checkpoints of this run "
+            reason += "(damaged, or of the timeline this resume branches from) go aside"
             _set_aside(later, f"run_{self._run_id}-after-{folder.name}", reason)
 
-    def _restore_legacy(self) -> None:
-        """Resume a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
-        checkpointer, or the newest ``dist_epoch_{N}`` of DCP."""
-
-        def run_id() -> str:
-            if read_run_file(self._out) is None:
-                _write_run_file(self._out, f"0.6.1-{uuid.uuid4().hex[:8]}")
-            return read_run_file(self._out)
-
-        self._run_id = _on_rank_zero(run_id)
-        before = _hyperparameters(self._optimizer)
-        if self._resume_from == "dcp":
-            (model,) = self._models.values()
-            dsd._init_optim_state(self._optimizer)  # DCP loads into existing tensors
+    def _restore_legacy(self) -> dict[str, Any]:
+        """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
+        checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
+        run_id = lambda: read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"  # noqa: E731
+        self._run_id = _on_rank_zero(lambda: _write_run_file(self._out, run_id()))
+        models, optimizer = list(self._models.values()), self._optimizer
+        if self._legacy == "dcp":
+            (model,) = models
+            dsd._init_optim_state(optimizer)  # DCP loads into existing tensors
             state = {training.MODEL_KEY: model.state_dict(), training.EPOCHS_KEY: 0}
-            state[training.OPT_KEY] = self._optimizer.state_dict()
-            reader = DistributedCheckpointer(
-                self._export_dir, self._export_dir, process_group=self._group()
-            )
+            state[training.OPT_KEY] = optimizer.state_dict()
+            export, group = self._export_dir, self._async_group
+            reader = DistributedCheckpointer(export, export, process_group=group)
             state = reader.load_checkpoint(state)
+            weights, optim = state[training.MODEL_KEY], state[training.OPT_KEY]
             dsd.set_state_dict(
-                model,
-                self._optimizer,
-                model_state_dict=state[training.MODEL_KEY],
-                optim_state_dict=state[training.OPT_KEY],
+                model, optimizer, model_state_dict=weights, optim_state_dict=optim
             )
         else:
-            state = self._legacy_state
-            self._load_full_optimizer_state(state[training.OPT_KEY])
-        self._warn_replaced(before, "the epoch checkpoint")
-        steps = state[training.EPOCHS_KEY] * self._steps_per_epoch
-        self._progress.load_state_dict({**state, "global_step": steps})
-
-    def _load_full_optimizer_state(self, state_dict: dict[str, Any]) -> None:
-        """A full optimizer state: keyed by index, by parameter name (a distributed
-        run's), or in torchtune 0.6.1's in-backward format."""
-        models = list(self._models.values())
-        if is_legacy_in_bwd_state_dict(state_dict):
-            # Several models (PPO): 0.6.1 saved the last one's parameters only.
-            named = [
-                (n if m is models[-1] else None, p)
-                for m in models
-                for n, p in m.named_parameters()
-            ]
-            state_dict = convert_legacy_optim_in_bwd_state_dict(
-                state_dict, None if _sharded() else named
-            )
-        if _sharded():
-            training.load_from_full_optimizer_state_dict(
-                models[0], self._optimizer, state_dict, self.options.device
-            )
-        elif any(isinstance(k, str) for k in state_dict["state"]):
-            full = dsd.StateDictOptions(full_state_dict=True)
-            dsd.set_optimizer_state_dict(
-                models[0], self._optimizer, state_dict, options=full
-            )
-        else:
-            self._optimizer.load_state_dict(state_dict)
-
-    def _warn_replaced(self, before: list[dict[str, Any]], where: Any) -> None:
-        """Name the config's optimizer settings that the checkpoint's replaced (the LR
-        a scheduler starts from is the saved ``initial_lr``)."""
-        replaced = set()
-        for configured, saved in zip(
-            before, _hyperparameters(self._optimizer), strict=False
-        ):
-            for key, value in configured.items():
-                now = (
-                    saved.get("initial_lr", saved["lr"])
-                    if key == "lr"
-                    else saved.get(key)
+            state, optim = self._legacy_state, self._legacy_state[training.OPT_KEY]
+            if legacy_format.is_legacy_in_bwd_state_dict(optim):
+                # Several models (PPO): 0.6.1 saved the last one's parameters only.
+                pairs = [(m, n, p) for m in models for n, p in m.named_parameters()]
+                named = [(n if m is models[-1] else None, p) for m, n, p in pairs]
+                convert = legacy_format.convert_legacy_optim_in_bwd_state_dict
+                optim = convert(optim, None if _sharded() else named)
+            if _sharded():
+                training.load_from_full_optimizer_state_dict(
+                    models[0], optimizer, optim, self.options.device
                 )
-                if key != "initial_lr" and key in saved and _differs(value, now):
-                    replaced.add(f"optimizer.{key}={value} (the checkpoint's: {now})")
-        if replaced:
-            utils.log_rank_zero(
-                log,
-                f"Resuming from {where}: its optimizer state replaces "
-                f"{', '.join(sorted(replaced))}. To train with the config's values, "
-                "start a new run (resume_from_checkpoint=False).",
-                level=logging.WARNING,
-            )
+            elif any(isinstance(k, str) for k in optim["state"]):  # keyed by name
+                full = dsd.StateDictOptions(full_state_dict=True)
+                dsd.set_optimizer_state_dict(models[0], optimizer, optim, options=full)
+            else:
+                optimizer.load_state_dict(optim)
+        steps = state[training.EPOCHS_KEY] * self._steps_per_epoch
+        return {**state, "global_step": steps}
 
     # -- saving --------------------------------------------------------------------------
 
@@ -1117,168 +890,129 @@ class CheckpointManager:
             key, value = self.options.length
             utils.log_rank_zero(
                 log,
-                f"Training done (epochs done: {self._progress.epochs_run}). Final "
-                f"weights in {self._export_dir}/epoch_{epoch} (every file "
-                "checksummed); resumable state in "
-                f"{self._out}/step_{step} (run {self._run_id}). To train this run "
-                "further, rerun with the same output_dir, resume_from_checkpoint=True "
-                f"and {key} greater than {value}.",
+                f"Training done (epochs done: {self._progress.epochs_run}). Final weights"
+                f" in {self._export_dir}/epoch_{epoch} (every file checksummed); resumable"
+                f" state in {self._out}/step_{step} (run {self._run_id}). To train further:"
+                f" resume_from_checkpoint=True, {key} > {value}.",
             )
             self._lock()
 
-    def _group(self) -> Any:
-        if self._async_group is None and _sharded():
-            # An asynchronous save runs collectives from a thread of its own.
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
-
-    def _sharded_state(self, model: nn.Module) -> dict[str, Any]:
-        return {
-            "model": dsd.get_model_state_dict(model, options=_TRAINABLE),
-            "optimizer": dsd.get_optimizer_state_dict(model, self._optimizer),
-        }
-
     def _write_step(self, *, mid_epoch: bool, wait: bool = False) -> None:
+        """Write ``.step_{N}.partial/``; :meth:`_finish_pending` publishes it, now or
+        (an asynchronous save) at the next save or :meth:`close`."""
         self._finish_pending()
         step = self._progress.global_step
-        final, partial = self._out / f"step_{step}", self._out / f".step_{step}.partial"
+        partial = self._out / f".step_{step}.partial"
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
         future = None
         if _sharded():
-            state, where = (
-                self._sharded_state(*self._models.values()),
-                partial / MODEL_OPTIMIZER_DCP,
-            )
+            state = _sharded_state(*self._models.values(), self._optimizer)
+            where = partial / MODEL_OPTIMIZER_DCP
             if self.options.async_save and not wait:
-                future = dcp.async_save(
-                    state, checkpoint_id=where, process_group=self._group()
-                )
+                group = self._async_group
+                future = dcp.async_save(state, checkpoint_id=where, process_group=group)
             else:
                 dcp.save(state, checkpoint_id=where)
         else:
-            states = {
-                n: dsd.get_model_state_dict(m, options=_TRAINABLE)
-                for n, m in self._models.items()
-            }
-            state = {"model": states if self._named else states[training.MODEL_KEY]}
-            _save_file(
-                {**state, "optimizer": self._optimizer.state_dict()},
-                partial / MODEL_OPTIMIZER_FILE,
-            )
+            models = {n: _trainable(m) for n, m in self._models.items()}
+            model = models if self._named else models[training.MODEL_KEY]
+            state = {"model": model, "optimizer": self._optimizer.state_dict()}
+            _save_file(state, partial / MODEL_OPTIMIZER_FILE)
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         loader = self._dataloader.state_dict() if mid_epoch else None
-        _save_file(
-            {training.DATALOADER_KEY: loader, "rng": rng},
-            partial / f"rank_{_rank()}.pt",
-        )
-        recipe_state = {
-            **self._progress.state_dict(),
-            "global_step": step,
-            "world_size": _world_size(),
-            "epoch_end": not mid_epoch,
-            OPTIMIZER_COMPONENT: self.options.optimizer_component,
-            TRAJECTORY: self._trajectory,
-            HYPERPARAMETERS: _hyperparameters(self._optimizer),
-        }
+        rank_state = {training.DATALOADER_KEY: loader, "rng": rng}
+        _save_file(rank_state, partial / f"rank_{_rank()}.pt")
         if _rank() == 0:
+            recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
+            recipe_state["optimizer_component"] = self.options.optimizer_component
+            recipe_state["trajectory"] = self._trajectory
+            # Each group's hyperparameters: DCP loads only what a new optimizer has.
+            hyperparameters = _hyperparameters(self._optimizer)
+            recipe_state["optimizer_param_group_hyperparameters"] = hyperparameters
             _save_file(recipe_state, partial / RECIPE_STATE)
-        self._pending = (future, partial, final)
+        self._pending = (future, partial, step)
         if future is None:
             self._finish_pending()
+
+    def _write_manifest(self, root: Path, name: str) -> None:
+        """Write the manifest ``name`` of ``root``: the size and CRC-32 of each of
+        its files (the ranks of a distributed run share the reading)."""
+        files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
+        files = [p for p in files if p.name != name][_rank() :: _world_size()]
+        mine = [
+            (p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files
+        ]
+        files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
+        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id, "files": files}
+        text = json.dumps(manifest, indent=1)
+        _on_rank_zero(lambda: (root / name).write_text(text))
 
     def _finish_pending(self) -> None:
         """Complete the last step checkpoint: checksums, manifest, rename, prune."""
         if self._pending is None:
             return
-        (future, partial, final), self._pending = self._pending, None
+        (future, partial, step), self._pending = self._pending, None
         if future is not None:
             future.result()
         _barrier()
-        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id}
-        manifest |= {"global_step": step_of(final), "world_size": _world_size()}
-        manifest["files"] = _describe(partial, MANIFEST)
+        self._write_manifest(partial, MANIFEST)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
-            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            final = self._out / f"step_{step}"
             _fsync_dir(partial)
             if final.exists():  # never rewrite a checkpoint: keep the one replaced
-                _set_aside(
-                    [final], f"run_{self._run_id}-replaced", "Saving a step again"
-                )
+                label = f"run_{self._run_id}-replaced"
+                _set_aside([final], label, "Saving a step again")
             os.replace(partial, final)
             _fsync_dir(self._out)
             for old in _step_dirs(self._out, self._run_id)[keep:] if keep else []:
                 shutil.rmtree(old)
-                log.info(
-                    f"Deleted step checkpoint {old} (keep_last_n_checkpoints={keep})"
-                )
+                log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
             log.info(f"Step checkpoint saved to {final}")
 
         _on_rank_zero(publish)
 
-    def _export_folders(self, epoch: int) -> list[Path]:
-        return sorted(
-            {Path(e._output_dir) / f"epoch_{epoch}" for e in self._exporters.values()}
-        )
-
     def _export(self, epoch: int) -> None:
-        """Write ``epoch_{epoch}`` through each model's checkpointer, then its manifest."""
-        if _rank() == 0:
-            for folder in self._export_folders(epoch):  # not whole until rewritten
-                (folder / EXPORT_MANIFEST).unlink(missing_ok=True)
-        adapter, adapter_only = self.options.adapter_config, self.options.adapter_only
-        adapter_only = adapter_only and adapter is not None
+        """Write ``epoch_{epoch}`` through each model's checkpointer (LoRA: the
+        adapter, its PEFT config and, unless ``adapter_only``, the merged weights),
+        then its manifest."""
+        folders = [root / f"epoch_{epoch}" for root in self._export_roots]
+        for folder in folders if _rank() == 0 else []:  # not whole until rewritten
+            (folder / EXPORT_MANIFEST).unlink(missing_ok=True)
+        adapter = self.options.adapter_config
+        adapter_only = self.options.adapter_only and adapter is not None
         for name, model in self._models.items():
             if _sharded():
-                state = training.gather_cpu_state_dict(
-                    model,
-                    _rank() == 0,
-                    device=self.options.device,
-                    adapter_weights_only=adapter_only,
-                )
+                args = (model, _rank() == 0, self.options.device, adapter_only)
+                state = training.gather_cpu_state_dict(*args)
             else:
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            if _rank() == 0:
-                export = (
-                    {training.MODEL_KEY: state}
-                    if adapter is None
-                    else _lora_export(state, adapter, adapter_only)
-                )
-                extra = {"adapter_only": True} if adapter_only else {}
-                self._exporters[name].save_checkpoint(
-                    export, epoch=epoch, intermediate_checkpoint=False, **extra
-                )
+            if _rank() != 0:
+                continue
+            export = {training.MODEL_KEY: state}
+            if adapter is not None:
+                export = {training.ADAPTER_KEY: peft.get_adapter_state_dict(state)}
+                # A copy: the HF checkpointer rewrites the config it saves.
+                export[training.ADAPTER_CONFIG] = dict(adapter)
+            if adapter is not None and not adapter_only:
+                # Merged into copies: a CPU state dict may hold the model's own tensors.
+                for k in [k for k in state if k.endswith("lora_a.weight")]:
+                    base = k.removesuffix("lora_a.weight") + "weight"
+                    state[base] = state[base].clone()
+                rank, alpha = adapter["r"], adapter["lora_alpha"]
+                merged = peft.get_merged_lora_ckpt(state, rank, alpha)
+                export[training.MODEL_KEY] = merged
+            exporter = self._exporters[name]
+            exporter.save_checkpoint(export, epoch=epoch, adapter_only=adapter_only)
         _barrier()
-        for folder in self._export_folders(epoch):
-            manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id}
-            manifest["files"] = _describe(folder, EXPORT_MANIFEST)
-            text = json.dumps(manifest, indent=1)
-            _on_rank_zero(lambda f=folder, t=text: (f / EXPORT_MANIFEST).write_text(t))
-
-    def _repair_export(self, epoch: int) -> None:
-        """Rewrite the export of the epoch a resumed epoch-end checkpoint ended, if it
-        is missing or damaged (a crash or a full disk while it was written): the
-        model now holds exactly the weights it should hold."""
-        problems = []
-        for folder in self._export_folders(epoch):
-            try:
-                verify(folder, EXPORT_MANIFEST)
-            except CheckpointError as e:
-                problems.append(str(e))
-        if problems:
-            utils.log_rank_zero(
-                log,
-                f"The export of epoch {epoch} is not whole ({'; '.join(problems)}): "
-                f"rewriting it from {self._resume_from}.",
-                level=logging.WARNING,
-            )
-            self._export(epoch)
+        for folder in folders:
+            self._write_manifest(folder, EXPORT_MANIFEST)
 
     def close(self) -> None:
         """Complete a step checkpoint still being written in the background and
@@ -1286,11 +1020,3 @@ class CheckpointManager:
         self._finish_pending()
         self._lock()
         _barrier()  # a next run in these processes finds the lock released
-
-
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "CheckpointOptions",
-    "TrainingProgress",
-]

@@ -68,7 +68,6 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointManager,
     TrainingProgress,
     file_checksum,
-    read_manifest,
     read_run_file,
     step_of,
     verify,
@@ -221,18 +220,16 @@ def train(
     model = build(manager.load_base_checkpoint())
     optimizer = make_optimizer(model, cfg, in_backward)
     loader = make_loader(dataset or Samples(), cfg.batch_size)
-    steps_per_epoch = training.steps_per_epoch(
-        len(loader),
-        cfg.get("gradient_accumulation_steps", 1),
-        cfg.get("max_steps_per_epoch", None),
-    )
+    # Full optimizer steps per epoch, at most max_steps_per_epoch, as recipes count.
+    steps_per_epoch = len(loader) // cfg.get("gradient_accumulation_steps", 1)
+    steps_per_epoch = min(steps_per_epoch, cfg.get("max_steps_per_epoch") or 10**9)
     progress = TrainingProgress(total_epochs=cfg.epochs)
     manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
     run = Run(manager, model, optimizer, progress, progress.global_step)
     for epoch in range(progress.epochs_run, progress.total_epochs):
+        loader.sampler.set_epoch(epoch)
         for _, batch in training.epoch_batches(
             loader,
-            epoch,
             steps_done=progress.global_step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch,
         ):
@@ -571,10 +568,10 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     run = train(make_config(tmp_path), stop_after=5)
     out = tmp_path / "out"
     manifest = json.loads((out / "step_3" / MANIFEST).read_text())
-    assert manifest["version"] == 2 and manifest["global_step"] == 3
+    assert sorted(manifest) == ["files", "run_id", "version"]
+    assert manifest["version"] == 2
     assert read_run_file(out) is not None
     assert manifest["run_id"] == read_run_file(out)
-    assert manifest["world_size"] == 1
     assert sorted(manifest["files"]) == [
         MODEL_OPTIMIZER_FILE,
         "rank_0.pt",
@@ -583,7 +580,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     for name, entry in manifest["files"].items():
         data = (out / "step_3" / name).read_bytes()
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
-    assert read_manifest(out / "step_3") == manifest
+    assert verify(out / "step_3") == manifest
     # The epoch export: the weights alone (no optimizer state), with a manifest.
     export = json.loads((out / "epoch_0" / EXPORT_MANIFEST).read_text())
     data = (out / "epoch_0" / EXPORT_FILE).read_bytes()
@@ -600,7 +597,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     assert set(weights) == set(run.model.state_dict())
 
 
-def test_file_checksum_covers_files_larger_than_one_16_mib_chunk(
+def test_file_checksum_is_the_crc32_of_a_large_and_of_an_empty_file(
     tmp_path: Path,
 ) -> None:
     data = os.urandom((16 << 20) + 4099)
@@ -917,6 +914,30 @@ def test_another_optimizer_class_is_refused_when_the_manager_is_built(
         r"saved by torch.optim.AdamW, and another optimizer class cannot load it",
     ):
         CheckpointManager.from_config(resuming)
+
+
+def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_back_to(
+    tmp_path: Path,
+) -> None:
+    """The start checks the newest step checkpoint's optimizer class; when it is
+    damaged and the resume falls back to an older one, ``load`` checks that one's,
+    before anything is loaded or written."""
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    flip_byte(out / "step_4" / MODEL_OPTIMIZER_FILE, 0)
+    recipe_state = torch.load(out / "step_3" / RECIPE_STATE, weights_only=False)
+    recipe_state["optimizer_component"] = "torch.optim.SGD"
+    rewrite(out / "step_3", RECIPE_STATE, recipe_state)
+    before = snapshot(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"^optimizer._component_=torch.optim.AdamW cannot resume from "
+        rf"{re.escape(str(out / 'step_3'))}: its optimizer state was saved by "
+        r"torch.optim.SGD",
+    ):
+        resume(cfg)
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize(
