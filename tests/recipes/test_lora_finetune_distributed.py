@@ -384,22 +384,18 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
 
 def _bitsandbytes_refusal(component: str) -> str:
     return (
-        f"optimizer._component_={component} cannot train a model sharded with "
-        "FSDP2, with or without optimizer_in_bwd: FSDP2 makes every parameter a "
-        "DTensor, and bitsandbytes' update kernels take plain tensors only (8-bit ones "
-        "fail with 'got mixed torch.Tensor and DTensor', 32-bit ones with 'no sharding "
-        "strategy registered'). Use torch.optim.AdamW or torchao.optim._AdamW; for "
-        "low-bit optimizer state torchao.optim.AdamW8bit or torchao.optim.AdamW4bit; "
-        "or this optimizer in a single-device recipe."
+        f"optimizer._component_={component} cannot train a model sharded with FSDP2: "
+        "bitsandbytes' update kernels take plain tensors, not FSDP2's DTensors. Use "
+        "torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
+        "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe."
     )
 
 
 TORCHAO_REFUSAL = (
     "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with "
-    "enable_async_checkpointing=True under FSDP2: an asynchronous save first copies "
-    "the optimizer state, and this optimizer's quantized tensors cannot be copied that "
-    "way. Set enable_async_checkpointing=False (the sharded synchronous step "
-    "checkpoints hold its state), or use torch.optim.AdamW or torchao.optim._AdamW."
+    "enable_async_checkpointing=True under FSDP2: an asynchronous save cannot copy "
+    "its quantized state. Set enable_async_checkpointing=False, or use "
+    "torch.optim.AdamW."
 )
 
 

@@ -85,9 +85,8 @@ REFUSALS = {
         },
         ValueError,
         "optimizer_in_bwd=True with clip_grad_norm=1.0 cannot be combined with "
-        "enable_activation_offloading=True: clipping inside backward runs backward "
-        "twice over the same graph (once to measure the global norm, once to update), "
-        "and activation offloading frees each activation after its first use. Set "
+        "enable_activation_offloading=True: clipping runs backward twice, and "
+        "offloading frees activations after the first. Set "
         "enable_activation_offloading=False, clip_grad_norm=null, or "
         "optimizer_in_bwd=False.",
     ),
@@ -95,51 +94,48 @@ REFUSALS = {
         IN_BWD | {"gradient_accumulation_steps": 4},
         ValueError,
         "optimizer_in_bwd=True cannot be combined with gradient_accumulation_steps=4: "
-        "each parameter is updated as soon as its gradient is ready, so gradients "
-        "cannot be accumulated over several batches. Set gradient_accumulation_steps=1 "
-        "or optimizer_in_bwd=False.",
+        "each gradient is used as soon as it is ready. Set "
+        "gradient_accumulation_steps=1 or optimizer_in_bwd=False.",
     ),
     "in-backward with a compiled optimizer step": (
         IN_BWD | {"compile": {"optimizer_step": True}},
         ValueError,
         "optimizer_in_bwd=True cannot be combined with compile.optimizer_step=True: "
-        "in-backward updates run a bucket of parameters at a time inside autograd "
-        "hooks, where a compiled whole-optimizer step cannot run. Set "
+        "in-backward updates run inside autograd hooks, not in one step. Set "
         "compile.optimizer_step=False or optimizer_in_bwd=False.",
     ),
     "a negative bucket cap": (
         IN_BWD | {"optimizer_in_bwd_bucket_cap_mb": -1},
         ValueError,
-        "optimizer_in_bwd_bucket_cap_mb=-1 is not a finite number >= 0. It is the most "
-        "MiB of gradients one in-backward optimizer call updates: 0 updates each "
-        "parameter on its own (lowest memory); leave it unset for the default.",
+        "optimizer_in_bwd_bucket_cap_mb=-1 is not a finite number >= 0: set it to the "
+        "MiB of gradients per update (0: each parameter on its own), or leave it unset "
+        "for the default.",
     ),
     "an infinite bucket cap": (
         IN_BWD | {"optimizer_in_bwd_bucket_cap_mb": float("inf")},
         ValueError,
-        "optimizer_in_bwd_bucket_cap_mb=inf is not a finite number >= 0.",
+        "optimizer_in_bwd_bucket_cap_mb=inf is not a finite number >= 0: set it to ",
     ),
     "LBFGS, which needs a closure": (
         {"optimizer": {"_component_": "torch.optim.LBFGS"}},
         ValueError,
         "optimizer._component_=torch.optim.LBFGS cannot be used: its step() needs a "
-        "closure that recomputes the loss several times per step, and the recipes "
-        "take one forward and backward per step (with optimizer_in_bwd=True or "
-        "False). Use an optimizer that steps without a closure, e.g. "
-        "torch.optim.AdamW.",
+        "closure, and the recipes run one forward and backward per step. Use an "
+        "optimizer that steps without one, e.g. torch.optim.AdamW.",
     ),
     "SparseAdam, which needs sparse gradients": (
         {"optimizer": {"_component_": "torch.optim.SparseAdam"}},
         ValueError,
-        "optimizer._component_=torch.optim.SparseAdam cannot be used: it updates "
-        "from sparse gradients only, and these models' gradients are dense",
+        "optimizer._component_=torch.optim.SparseAdam cannot be used: it needs sparse "
+        "gradients, and these models' gradients are dense. Use torch.optim.Adam or "
+        "torch.optim.AdamW.",
     ),
     "torchao's CPUOffloadOptimizer in backward": (
         IN_BWD | {"optimizer": {"_component_": "torchao.optim.CPUOffloadOptimizer"}},
         ValueError,
         "optimizer._component_=torchao.optim.CPUOffloadOptimizer cannot be combined "
         "with optimizer_in_bwd=True: it already updates each parameter in gradient "
-        "hooks of its own",
+        "hooks of its own. Set optimizer_in_bwd=False, or use another optimizer.",
     ),
     "a resume with nothing to resume from": (
         {"resume_from_checkpoint": True},
@@ -172,9 +168,8 @@ REFUSALS = {
         {"profiler": {"_component_": "torch.profiler.profile", "enabled": True}},
         ValueError,
         "profiler._component_=torch.profiler.profile is not supported: the recipe "
-        "reads the profiler's settings back from what "
-        "torchtune.training.setup_torch_profiler returns, so only it can build the "
-        "profiler. Set profiler._component_=torchtune.training.setup_torch_profiler, "
+        "reads its settings back from what torchtune.training.setup_torch_profiler "
+        "returns. Set profiler._component_=torchtune.training.setup_torch_profiler, "
         "or null for the same.",
     ),
     "a step checkpoint interval of 0": (
@@ -210,7 +205,9 @@ FSDP_REFUSAL = (
     {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
     ValueError,
     "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a model "
-    "sharded with FSDP2",
+    "sharded with FSDP2: bitsandbytes' update kernels take plain tensors, not FSDP2's "
+    "DTensors. Use torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
+    "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe.",
 )
 
 
@@ -300,9 +297,9 @@ def test_every_recipe_refuses_to_resume_another_optimizers_state_first(
     before = snapshot_files(out)
     message = (
         f"optimizer._component_=torch.optim.AdamW cannot resume from {step}: its "
-        "optimizer state was saved by torch.optim.SGD, and another optimizer class "
-        "cannot load it. Set optimizer._component_=torch.optim.SGD to resume, or "
-        "resume_from_checkpoint=False to start a new run."
+        "optimizer state was saved by torch.optim.SGD. Set "
+        "optimizer._component_=torch.optim.SGD to resume, or "
+        "resume_from_checkpoint=False to start anew."
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         _recipe_class(recipe)(cfg)
@@ -364,9 +361,8 @@ def test_every_recipe_refuses_a_folder_another_live_run_holds_first(
     before = snapshot_files(out)
     message = (
         f"output_dir={out} is in use by another run (process {os.getppid()} on host "
-        f"{socket.gethostname()}, started then): two runs in one folder would "
-        "overwrite each other's checkpoints. Wait for it to finish, stop it, or set "
-        "output_dir to another folder."
+        f"{socket.gethostname()}, started then): two runs would overwrite each other's "
+        "checkpoints. Wait for it to finish, stop it, or use another output_dir."
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         _recipe_class(recipe)(cfg)

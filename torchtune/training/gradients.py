@@ -69,14 +69,11 @@ def tensor_norms(grads: Sequence[torch.Tensor]) -> list[GradNorm]:
         key = (getattr(g, "device_mesh", None), g.device, g.dtype)
         groups.setdefault(key, []).append(i)
     norms: list[Any] = [None] * len(grads)
-    for (_, device, _), indices in groups.items():
+    for (mesh, device, dtype), indices in groups.items():
         group_norms = _norms_of_group([grads[i] for i in indices], device)
         for i, norm in zip(indices, group_norms, strict=True):
-            norms[i] = norm
-    return [
-        GradNorm(norm, getattr(g, "device_mesh", None), g.device, g.dtype)
-        for g, norm in zip(grads, norms, strict=True)
-    ]
+            norms[i] = GradNorm(norm, mesh, device, dtype)
+    return norms
 
 
 def total_norm(norms: Iterable[GradNorm]) -> torch.Tensor:
@@ -144,12 +141,9 @@ def scale_grads_(grads: Iterable[torch.Tensor], scale: torch.Tensor | float) -> 
     """
     on_device: dict[torch.device, Any] = {}
     for grad in grads:
-        if isinstance(scale, torch.Tensor):
-            if grad.device not in on_device:
-                on_device[grad.device] = scale.to(grad.device)
-            grad *= on_device[grad.device]
-        else:
-            grad *= scale
+        if isinstance(scale, torch.Tensor) and grad.device not in on_device:
+            on_device[grad.device] = scale.to(grad.device)
+        grad *= on_device.get(grad.device, scale)
 
 
 def scale_and_clip_grads_(

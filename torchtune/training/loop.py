@@ -86,12 +86,9 @@ def setup_profiler(
     kwargs = {k: v for k, v in (cfg_profiler or {}).items() if k != "_component_"}
     profiler, profiler_cfg = setup_torch_profiler(**kwargs)
     utils.log_rank_zero(log, f"Profiler config after instantiation: {profiler_cfg}")
-    if not (
-        profiler_cfg["enabled"]
-        and profiler_cfg.get("profile_memory", False)
-        and device.type == "cuda"
-        and utils.get_world_size_and_rank()[1] == 0
-    ):
+    memory = profiler_cfg["enabled"] and profiler_cfg.get("profile_memory", False)
+    rank = utils.get_world_size_and_rank()[1]
+    if not memory or device.type != "cuda" or rank != 0:
         return profiler
     first = profiler_cfg["wait_steps"] + profiler_cfg["warmup_steps"]
     return _MemoryHistoryProfiler(profiler, first, first + profiler_cfg["active_steps"])

@@ -52,9 +52,8 @@ def get_cosine_schedule_with_warmup(
     def lr_factor(step: int) -> float:
         if step < num_warmup_steps:
             return step / max(1, num_warmup_steps)
-        progress = (step - num_warmup_steps) / max(
-            1, num_training_steps - num_warmup_steps
-        )
+        decay_steps = max(1, num_training_steps - num_warmup_steps)
+        progress = (step - num_warmup_steps) / decay_steps
         return max(0.0, 0.5 * (1.0 + math.cos(2.0 * math.pi * num_cycles * progress)))
 
     return LambdaLR(optimizer, lr_factor, last_epoch)

@@ -8,6 +8,7 @@ the deprecated names as in 0.6.1."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import sys
@@ -73,14 +74,13 @@ def set_activation_checkpointing(
 # ---------------------------------------------------------------------------
 
 _GIB = 1024**3
+_STAT_KEYS = ("peak_memory_active", "peak_memory_alloc", "peak_memory_reserved")
 
 
 def _accelerator_namespace(device_type: str) -> Any | None:
     """The ``torch.<device_type>`` module if it has a caching allocator to query."""
-    if device_type == "cpu":
-        return None
     namespace = getattr(torch, device_type, None)
-    if namespace is None or not hasattr(namespace, "max_memory_allocated"):
+    if device_type == "cpu" or not hasattr(namespace, "max_memory_allocated"):
         return None
     return namespace
 
@@ -92,13 +92,10 @@ def _cpu_peak_rss_bytes() -> int:
     :func:`_reset_cpu_peak_rss` can reset. Elsewhere falls back to
     ``getrusage(RUSAGE_SELF).ru_maxrss``, the peak since the process started.
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     import resource  # Unix only, hence imported here
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -106,17 +103,13 @@ def _cpu_peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _reset_cpu_peak_rss() -> bool:
-    """Reset the process's peak RSS to its current RSS. Returns whether it worked.
+def _reset_cpu_peak_rss() -> None:
+    """Reset the process's peak RSS to its current RSS, where the OS can.
 
     Linux (4.0+) resets ``VmHWM`` when ``5`` is written to ``/proc/self/clear_refs``.
     """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def cleanup_before_training() -> None:
@@ -166,16 +159,10 @@ def get_memory_stats(
         peak_rss = _cpu_peak_rss_bytes() / _GIB
         if reset_stats:
             _reset_cpu_peak_rss()
-        return {
-            "peak_memory_active": peak_rss,
-            "peak_memory_alloc": peak_rss,
-            "peak_memory_reserved": peak_rss,
-        }
+        return dict.fromkeys(_STAT_KEYS, peak_rss)
+    active = namespace.memory_stats(device).get("active_bytes.all.peak", 0)
     stats = {
-        "peak_memory_active": namespace.memory_stats(device).get(
-            "active_bytes.all.peak", 0
-        )
-        / _GIB,
+        "peak_memory_active": active / _GIB,
         "peak_memory_alloc": namespace.max_memory_allocated(device) / _GIB,
         "peak_memory_reserved": namespace.max_memory_reserved(device) / _GIB,
     }

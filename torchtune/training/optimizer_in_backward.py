@@ -533,9 +533,7 @@ class OptimizerInBackward(Optimizer):
             self._phase = "update"
             loss.backward()
         finally:
-            self._phase = None
-            self._grad_scale = None
-            self._clip_coef = None
+            self._phase = self._grad_scale = self._clip_coef = None
 
     @property
     def grad_norm(self) -> torch.Tensor:

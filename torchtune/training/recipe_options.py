@@ -28,8 +28,8 @@ COMPILE_TARGETS = ("model", "loss", "optimizer_step")
 # returns.
 _TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
 
-# torchao optimizers that keep their state in quantized tensor subclasses.
-_TORCHAO_LOW_BIT_OPTIMIZERS = "Adam8bit Adam4bit AdamFp8 AdamW8bit AdamW4bit AdamWFp8"
+# torchao optimizers (by class name) with state in quantized tensor subclasses.
+_TORCHAO_LOW_BIT = "Adam8bit Adam4bit AdamFp8 AdamW8bit AdamW4bit AdamWFp8".split()
 
 # The fields :meth:`RecipeOptions.from_config` reads otherwise than by their name.
 _NOT_READ_AS_NAMED = ("device", "dtype", "bucket_cap_mb", "clip_grad_norm", "compile")
@@ -84,59 +84,40 @@ def _check_optimizer(
     is_class = isinstance(cls, type)
     if is_class and issubclass(cls, torch.optim.LBFGS):
         raise ValueError(
-            f"{key} cannot be used: its step() needs a closure that recomputes the "
-            "loss several times per step, and the recipes take one forward and "
-            "backward per step (with optimizer_in_bwd=True or False). Use an "
-            "optimizer that steps without a closure, e.g. torch.optim.AdamW."
+            f"{key} cannot be used: its step() needs a closure, and the recipes run "
+            "one forward and backward per step. Use an optimizer that steps without "
+            "one, e.g. torch.optim.AdamW."
         )
     if is_class and issubclass(cls, torch.optim.SparseAdam):
         raise ValueError(
-            f"{key} cannot be used: it updates from sparse gradients only, and "
-            "these models' gradients are dense (it would fail at the first step). "
-            "Use torch.optim.Adam or torch.optim.AdamW."
+            f"{key} cannot be used: it needs sparse gradients, and these models' "
+            "gradients are dense. Use torch.optim.Adam or torch.optim.AdamW."
         )
-    if (
-        optimizer_in_bwd
-        and getattr(cls, "__name__", "") == "CPUOffloadOptimizer"
-        and module.startswith("torchao")
-    ):
+    package, name = module.split(".")[0], getattr(cls, "__name__", "")
+    if optimizer_in_bwd and package == "torchao" and name == "CPUOffloadOptimizer":
         raise ValueError(
             f"{key} cannot be combined with optimizer_in_bwd=True: it already "
-            "updates each parameter in gradient hooks of its own, on the CPU, so "
-            "an in-backward optimizer over it would update twice or not at all. "
-            "Set optimizer_in_bwd=False (CPUOffloadOptimizer then frees gradients "
-            "as early itself), or use another optimizer."
+            "updates each parameter in gradient hooks of its own. Set "
+            "optimizer_in_bwd=False, or use another optimizer."
         )
     if not distributed:
         return
-    package = module.split(".")[0]
     if package == "bitsandbytes":
         from bitsandbytes.optim.optimizer import Optimizer8bit
 
         if is_class and issubclass(cls, Optimizer8bit):
             raise ValueError(
-                f"{key} cannot train a model sharded with FSDP2, with or without "
-                "optimizer_in_bwd: FSDP2 makes every parameter a DTensor, and "
-                "bitsandbytes' update kernels take plain tensors only (8-bit ones "
-                "fail with 'got mixed torch.Tensor and DTensor', 32-bit ones with "
-                "'no sharding strategy registered'). Use torch.optim.AdamW or "
-                "torchao.optim._AdamW; for low-bit optimizer state "
-                "torchao.optim.AdamW8bit or torchao.optim.AdamW4bit; or this "
-                "optimizer in a single-device recipe."
+                f"{key} cannot train a model sharded with FSDP2: bitsandbytes' "
+                "update kernels take plain tensors, not FSDP2's DTensors. Use "
+                "torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
+                "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe."
             )
-    if package == "torchao" and async_save:
-        import torchao.optim
-
-        names = _TORCHAO_LOW_BIT_OPTIMIZERS.split()
-        if cls in [getattr(torchao.optim, name, None) for name in names]:
-            raise ValueError(
-                f"{key} cannot be combined with enable_async_checkpointing=True under "
-                "FSDP2: an asynchronous save first copies the optimizer state, and "
-                "this optimizer's quantized tensors cannot be copied that way. Set "
-                "enable_async_checkpointing=False (the sharded synchronous step "
-                "checkpoints hold its state), or use torch.optim.AdamW or "
-                "torchao.optim._AdamW."
-            )
+    if package == "torchao" and async_save and name in _TORCHAO_LOW_BIT:
+        raise ValueError(
+            f"{key} cannot be combined with enable_async_checkpointing=True under "
+            "FSDP2: an asynchronous save cannot copy its quantized state. Set "
+            "enable_async_checkpointing=False, or use torch.optim.AdamW."
+        )
 
 
 def _check_bool(key: str, value: object) -> None:
@@ -180,22 +161,17 @@ def warn_unknown_keys(cfg: DictConfig) -> None:
             continue
         close = difflib.get_close_matches(str(key), _known_keys(), n=1)
         hint = f": did you mean {close[0]}?" if close else "."
-        utils.log_rank_zero(
-            log,
-            f"{key}={cfg[key]!r} is a key no recipe reads, so it has no effect{hint}",
-            level=logging.WARNING,
-        )
+        message = f"{key}={cfg[key]!r} is a key no recipe reads, so it has no effect"
+        utils.log_rank_zero(log, message + hint, level=logging.WARNING)
 
 
 def _clip_grad_norm_value(value: object) -> object:
     # torchtune documents clip_grad_norm='inf' (measure and log the norm, never
     # clip): a string that reads as a number is that number.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,9 +273,8 @@ class RecipeOptions:
             isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip > 0
         ):
             raise ValueError(
-                f"clip_grad_norm={clip!r} is not a positive number: it is the largest "
-                "global gradient norm a step may use. Set it to a number > 0, inf to "
-                "measure the norm and never clip, or null for no clipping."
+                f"clip_grad_norm={clip!r} is not a positive number: set it to a "
+                "number > 0, inf (measure the norm only) or null (no clipping)."
             )
         if self.optimizer_in_bwd:
             self._check_in_backward()
@@ -317,15 +292,13 @@ class RecipeOptions:
             raise ValueError(
                 "compile is not supported on NPU devices. Set compile=False."
             )
-        if self.enable_activation_offloading and self.device.type != "cuda":
+        offloading = self.enable_activation_offloading
+        if offloading and self.device.type != "cuda":
             raise RuntimeError(
                 "enable_activation_offloading=True needs a CUDA device, got "
                 f"device={self.device.type}. Set enable_activation_offloading=False."
             )
-        if (
-            self.enable_activation_offloading
-            and not self.enable_activation_checkpointing
-        ):
+        if offloading and not self.enable_activation_checkpointing:
             raise RuntimeError(
                 "enable_activation_offloading=True needs "
                 "enable_activation_checkpointing=True. Set both, or "
@@ -338,34 +311,29 @@ class RecipeOptions:
             raise ValueError(
                 f"optimizer_in_bwd=True with clip_grad_norm={self.clip_grad_norm} "
                 "cannot be combined with enable_activation_offloading=True: clipping "
-                "inside backward runs backward twice over the same graph (once to "
-                "measure the global norm, once to update), and activation offloading "
-                "frees each activation after its first use. Set "
-                "enable_activation_offloading=False, clip_grad_norm=null, or "
-                "optimizer_in_bwd=False."
+                "runs backward twice, and offloading frees activations after the "
+                "first. Set enable_activation_offloading=False, clip_grad_norm=null, "
+                "or optimizer_in_bwd=False."
             )
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "optimizer_in_bwd=True cannot be combined with "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: each "
-                "parameter is updated as soon as its gradient is ready, so gradients "
-                "cannot be accumulated over several batches. Set "
+                "gradient is used as soon as it is ready. Set "
                 "gradient_accumulation_steps=1 or optimizer_in_bwd=False."
             )
         if self.compile["optimizer_step"]:
             raise ValueError(
                 "optimizer_in_bwd=True cannot be combined with "
-                "compile.optimizer_step=True: in-backward updates run a bucket of "
-                "parameters at a time inside autograd hooks, where a compiled "
-                "whole-optimizer step cannot run. Set compile.optimizer_step=False or "
+                "compile.optimizer_step=True: in-backward updates run inside autograd "
+                "hooks, not in one step. Set compile.optimizer_step=False or "
                 "optimizer_in_bwd=False."
             )
         if not is_valid_bucket_cap(self.bucket_cap_mb):
             raise ValueError(
                 f"optimizer_in_bwd_bucket_cap_mb={self.bucket_cap_mb!r} is not a "
-                "finite number >= 0. It is the most MiB of gradients one in-backward "
-                "optimizer call updates: 0 updates each parameter on its own (lowest "
-                "memory); leave it unset for the default."
+                "finite number >= 0: set it to the MiB of gradients per update (0: "
+                "each parameter on its own), or leave it unset for the default."
             )
 
     @classmethod
@@ -407,9 +375,8 @@ class RecipeOptions:
         if (profiler or _TORCH_PROFILER) != _TORCH_PROFILER:
             raise ValueError(
                 f"profiler._component_={profiler} is not supported: the recipe reads "
-                f"the profiler's settings back from what {_TORCH_PROFILER} returns, so "
-                f"only it can build the profiler. Set profiler._component_="
-                f"{_TORCH_PROFILER}, or null for the same."
+                f"its settings back from what {_TORCH_PROFILER} returns. Set "
+                f"profiler._component_={_TORCH_PROFILER}, or null for the same."
             )
         collate_fn = cfg.get("collate_fn", None)
         if collate_fn is not None and "left_pad_sequence" in collate_fn:
@@ -424,10 +391,10 @@ class RecipeOptions:
             for f in fields(cls)
             if f.name in cfg and f.name not in _NOT_READ_AS_NAMED
         }
-        cfg_optimizer = cfg.get("optimizer", None)
-        if cfg_optimizer is not None and cfg_optimizer.get("_component_", None):
+        optimizer = (cfg.get("optimizer", None) or {}).get("_component_")
+        if optimizer:
             _check_optimizer(
-                cfg_optimizer._component_,
+                optimizer,
                 optimizer_in_bwd=read.get("optimizer_in_bwd") is True,
                 distributed=distributed,
                 async_save=read.get("enable_async_checkpointing") is True,

@@ -110,13 +110,10 @@ def build_sharded_model(
         model = prepare(model)
 
     if dp_mesh is None or dp_mesh.size() > 1:
+        layers = options.custom_sharded_layers
         shard_model(
             model=model,
-            shard_conditions=[
-                partial(
-                    get_shard_conditions, names_to_match=options.custom_sharded_layers
-                )
-            ],
+            shard_conditions=[partial(get_shard_conditions, names_to_match=layers)],
             cpu_offload=options.fsdp_cpu_offload,
             reshard_after_forward=options.fsdp_reshard_after_forward,
             dp_mesh=dp_mesh,
@@ -131,10 +128,9 @@ def build_sharded_model(
         model, state_dict, device, strict=True, cpu_offload=options.fsdp_cpu_offload
     )
     validate_no_params_on_meta_device(model)
+    elapsed = time.perf_counter() - start
     utils.log_rank_zero(
-        log,
-        f"Model built, sharded and loaded in {time.perf_counter() - start:.2f} s, "
-        f"in {dtype}.",
+        log, f"Model built, sharded and loaded in {elapsed:.2f} s, in {dtype}."
     )
     if is_rank_zero and device.type != "cpu":
         log_memory_stats(get_memory_stats(device=device))

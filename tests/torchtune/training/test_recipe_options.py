@@ -244,8 +244,12 @@ def test_recipe_options_refuse_a_count_that_is_not_a_positive_integer(
 def test_recipe_options_refuse_a_clip_grad_norm_that_is_not_positive(value) -> None:
     with pytest.raises(
         ValueError, match=f"^clip_grad_norm={value!r} is not a positive"
-    ):
+    ) as info:
         _options(clip_grad_norm=value)
+    # the fix
+    assert str(info.value).endswith(
+        "set it to a number > 0, inf (measure the norm only) or null (no clipping)."
+    )
 
 
 def test_recipe_options_apply_the_in_backward_refusals_only_in_backward() -> None:

@@ -51,6 +51,7 @@ from torchtune.config._utils import _get_component_from_path as _component
 from torchtune.modules import peft
 from torchtune.training import optim_in_bwd_legacy_state_dict as legacy_format
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.optimizer_in_backward import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
@@ -319,9 +320,8 @@ def _check_lock(folder: Path) -> None:
         return
     raise CheckpointError(
         f"output_dir={folder} is in use by another run (process {pid} on host {host}, "
-        f"started {owner.get('started')}): two runs in one folder would overwrite each "
-        "other's checkpoints. Wait for it to finish, stop it, or set output_dir to "
-        "another folder."
+        f"started {owner.get('started')}): two runs would overwrite each other's "
+        "checkpoints. Wait for it to finish, stop it, or use another output_dir."
     )
 
 
@@ -371,8 +371,7 @@ def _sharded_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    skip = ("params", "param_names")
-    return [{k: v for k, v in g.items() if k not in skip} for g in opt.param_groups]
+    return [hyperparameters(group) for group in opt.param_groups]
 
 
 def _differs(a: Any, b: Any) -> bool:
@@ -577,9 +576,8 @@ class CheckpointManager:
         if saved and configured and saved != configured and not same:
             raise ValueError(
                 f"optimizer._component_={configured} cannot resume from {where}: its "
-                f"optimizer state was saved by {saved}, and another optimizer class "
-                f"cannot load it. Set optimizer._component_={saved} to resume, or "
-                "resume_from_checkpoint=False to start a new run."
+                f"optimizer state was saved by {saved}. Set optimizer._component_="
+                f"{saved} to resume, or resume_from_checkpoint=False to start anew."
             )
 
     # -- setup -------------------------------------------------------------------------
@@ -788,8 +786,7 @@ class CheckpointManager:
                     )
             optimizer.load_state_dict(state["optimizer"])
         replaced = set()
-        after = _hyperparameters(optimizer)
-        for configured, saved in zip(before, after, strict=False):
+        for configured, saved in zip(before, _hyperparameters(optimizer), strict=False):
             # The LR a scheduler starts from is the saved initial_lr.
             saved["lr"] = saved.pop("initial_lr", saved.get("lr"))
             for key, value in configured.items():

@@ -911,7 +911,8 @@ def test_another_optimizer_class_is_refused_when_the_manager_is_built(
         ValueError,
         match=r"^optimizer._component_=torch.optim.SGD cannot resume from "
         rf"{re.escape(str(tmp_path / 'out' / 'step_4'))}: its optimizer state was "
-        r"saved by torch.optim.AdamW, and another optimizer class cannot load it",
+        r"saved by torch.optim.AdamW\. Set optimizer._component_=torch.optim.AdamW "
+        r"to resume, or resume_from_checkpoint=False to start anew\.$",
     ):
         CheckpointManager.from_config(resuming)
 
