@@ -106,6 +106,16 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/RemoveDecorator",
         "after: def step(self, closure: None = None) -> None:  # type: ignore[override]",
     ): "step() updates through _update, which has its own torch.no_grad()",
+    (
+        _MEMORY,
+        "_record_norms",
+        "core/ReplaceTrueWithFalse",
+        "for param, norm in zip(params, norms, strict=False):",
+    ): "tensor_norms returns one norm per gradient given, so the lengths agree",
+    (_MEMORY, "backward", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
+        "every caller passes the loss by position and the rest by keyword, which "
+        "both signatures accept"
+    ),
     **{
         (_MANAGER, "_restore_legacy", "core/NumberReplacer", line): (
             "a placeholder that the DCP load of a torchtune 0.6.1 dist_epoch_N "
