@@ -89,6 +89,7 @@ _KEEP = {
 # Each was checked by hand; see "Mutation testing" in CONTRIBUTING.md.
 _MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
+_DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
 _ONE_GROUP = (
     "a bucket's parameters are of one param group, so its last parameter gives the "
     "same answer as its first"
@@ -116,6 +117,34 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "every caller passes the loss by position and the rest by keyword, which "
         "both signatures accept"
     ),
+    (
+        _DEPRECATED,
+        "_in_backward",
+        "core/NumberReplacer",
+        "by_param[params[ -1]] = optimizer",
+    ): ("it is reached only after checking that the optimizer holds one parameter"),
+    **{
+        (_DEPRECATED, where, "core/NumberReplacer", line): (
+            "a per-parameter optimizer has one param group, and so does the "
+            "OptimizerInBackward the deprecated API builds"
+        )
+        for where, line in (
+            ("_in_backward", "shared = hyperparameters(first.param_groups[ -1])"),
+            (
+                "_in_backward",
+                "if any(hyperparameters(o.param_groups[ -1]) != shared for o in "
+                "optimizers):",
+            ),
+            (
+                "load_state_dict",
+                "self.param_groups[ -1].update(hyperparameters(first.param_groups[0]))",
+            ),
+            (
+                "load_state_dict",
+                "self.param_groups[0].update(hyperparameters(first.param_groups[ -1]))",
+            ),
+        )
+    },
     **{
         (_MANAGER, "_restore_legacy", "core/NumberReplacer", line): (
             "a placeholder that the DCP load of a torchtune 0.6.1 dist_epoch_N "

@@ -90,15 +90,14 @@ LEGACY_TESTS=(
   "$TT/test_optim_in_bwd_legacy_state_dict.py"
 )
 LEGACY_TARGETS=(
-  is_legacy_in_bwd_state_dict _unwrapped _entries _checked_pairs
-  convert_legacy_param_groups convert_legacy_optim_in_bwd_state_dict
+  is_legacy_in_bwd_state_dict _unwrapped _entries convert_legacy_optim_in_bwd_state_dict
 )
 CLIENT_TESTS=("$TT/checkpointing/test_checkpoint_manager.py")
 CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_manager.py"
 CLIENT_TARGETS=(
-  TrainingProgress _on_rank_zero file_checksum _describe read_manifest verify
-  _step_dirs _set_aside check_writable _check_lock _take_lock _load_trainable
-  _fingerprint _lora_export _base_paths CheckpointManager
+  TrainingProgress _on_rank_zero _read_json file_checksum verify step_of _step_dirs
+  _set_aside check_writable _check_lock _take_lock _differs _dataset_identity
+  CheckpointOptions CheckpointManager
 )
 # Multi-process (gloo) scenarios take minutes each; the import-order check runs
 # fresh interpreters and cannot see a mutant that the other tests miss.

@@ -62,11 +62,9 @@ def _in_backward(
     owners = {_STEPPED_BY.get(o, lambda: None)() for o in optimizers}
     if owners != {None}:
         owner = owners.pop()
-        if (
-            owners
-            or owner is None
-            or len(owner.param_groups[0]["params"]) != len(by_param)
-        ):
+        # One earlier instance (not None: that set had one element), for exactly
+        # these parameters.
+        if owners or len(owner.param_groups[0]["params"]) != len(by_param):
             raise ValueError(
                 "some of these per-parameter optimizers are already stepped in backward "
                 "for other parameters (by an earlier register_optim_in_bwd_hooks): give "

@@ -34,6 +34,7 @@ from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
     BITWISE,
     assert_same_state_dict,
+    batch,
     freeze_first_layer,
     loss_fn,
     make_model,
@@ -163,6 +164,47 @@ def test_optimizers_stepped_for_other_parameters_are_refused() -> None:
         register_optim_in_bwd_hooks(model, optim_dict)
         with pytest.raises(ValueError, match="already stepped in backward"):
             OptimizerInBackwardWrapper({"0.weight": optim_dict[model[0].weight]})
+
+
+def test_optimizers_only_some_of_which_are_stepped_in_backward_are_refused() -> None:
+    # As many parameters as the earlier instance steps, but one optimizer is new.
+    model = make_model()
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
+    first, *rest = model.parameters()
+    with pytest.warns(DeprecationWarning):
+        register_optim_in_bwd_hooks(model, optim_dict)
+        optim_map = {"new": adamw([first])} | {
+            str(i): optim_dict[p] for i, p in enumerate(rest)
+        }
+        with pytest.raises(ValueError, match="already stepped in backward"):
+            OptimizerInBackwardWrapper(optim_map)
+
+
+def test_a_one_parameter_model_trains_with_the_0_6_1_calls_as_plain() -> None:
+    torch.manual_seed(0)
+    reference = nn.Linear(6, 3, bias=False)
+    model = copy.deepcopy(reference)
+    plain = adamw(reference.parameters())
+    set_up_like_0_6_1(model, adamw)
+    for step in range(3):
+        reference(batch(step)).square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+        model(batch(step)).square().mean().backward()
+    assert_close(model.weight, reference.weight, **BITWISE)
+
+
+def test_the_deprecation_warnings_point_at_the_callers_line() -> None:
+    # Each call straight from this function: one frame further up is pytest's.
+    model = make_model()
+    optim_dict = {p: adamw([p]) for p in model.parameters()}
+    with pytest.warns(DeprecationWarning) as caught:
+        register_optim_in_bwd_hooks(model, optim_dict)
+        create_optim_in_bwd_wrapper(model, optim_dict)
+        OptimizerInBackwardWrapper(
+            {n: optim_dict[p] for n, p in model.named_parameters()}
+        )
+    assert [w.filename for w in caught] == [__file__] * 3
 
 
 def test_per_parameter_optimizers_with_different_hyperparameters_are_refused() -> None:
