@@ -90,6 +90,7 @@ _KEEP = {
 _MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
+_LEGACY = "torchtune/training/optim_in_bwd_legacy_state_dict.py"
 _ONE_GROUP = (
     "a bucket's parameters are of one param group, so its last parameter gives the "
     "same answer as its first"
@@ -143,6 +144,16 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
                 "load_state_dict",
                 "self.param_groups[0].update(hyperparameters(first.param_groups[ -1]))",
             ),
+        )
+    },
+    **{
+        (_LEGACY, "_entries", "core/NumberReplacer", line): (
+            "reached only after checking that there is one group of one parameter"
+        )
+        for line in (
+            'if len(groups) != 1 or len(groups[ -1]["params"]) != 1:',
+            'entries[_unwrapped(name)] = (per_param["state"].get(group['
+            '"params"][ -1]), hyper)',
         )
     },
     **{

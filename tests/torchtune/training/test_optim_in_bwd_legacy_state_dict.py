@@ -366,3 +366,12 @@ def test_named_params_must_be_name_and_parameter_pairs(bad) -> None:
     legacy = legacy_checkpoint(model, "single_device")
     with pytest.raises(TypeError, match=re.escape("(name or None, parameter) pairs")):
         convert_legacy_optim_in_bwd_state_dict(legacy, bad(model))
+
+
+def test_a_state_dict_in_another_format_is_refused_naming_its_first_keys() -> None:
+    not_legacy = {f"key{i}": i for i in range(7)}
+    with pytest.raises(ValueError) as error:
+        convert_legacy_optim_in_bwd_state_dict(not_legacy)
+    assert str(error.value).endswith(
+        "got keys ['key0', 'key1', 'key2', 'key3', 'key4']"
+    )
