@@ -15,8 +15,8 @@ says so in its log and trains without it, which is what the test asserts.
 Every single-device run is 2 epochs of 2 steps of AdamW with the cosine schedule and
 no warmup (so every step updates the weights and the losses of steps 2 to 4 depend
 on the updates), in this process (``run_tune_in_process``). The distributed runs are
-one launch of 2 processes, forked from this one, that trains three configurations in
-turn, 4 steps each.
+one launch of 2 processes, forked from a preloaded server (not from this process,
+which has compiled), that trains four configurations in turn, 4 steps each.
 
 Tolerances, from the arithmetic [measured on x86 CPU, 2 cores, torch 2.13]:
 
@@ -37,7 +37,6 @@ Tolerances, from the arithmetic [measured on x86 CPU, 2 cores, torch 2.13]:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -52,10 +51,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from torch.testing import assert_close
 
 from tests.assets.make_assets import TINY_MODEL_KWARGS, TinyAssets
-from tests.recipes.utils import TuneRun, read_disk_log, run_tune_in_process, tiny_config
+from tests.recipes.utils import (
+    TuneRun,
+    assert_same_training,
+    load_recipe_class,
+    read_run,
+    run_tune_in_process,
+    series,
+    tiny_config,
+    tolerances,
+)
 from tests.torchtune.distributed_launcher import run_distributed, write_report
 
 pytestmark = pytest.mark.integration_test
@@ -67,31 +74,13 @@ NUM_LAYERS = TINY_MODEL_KWARGS["num_layers"]
 SINGLE_DEVICE_CONFIG = tiny_config("tiny_full_single_device")
 SHARD = "model-00001-of-00001"  # the weight file 0.6.1's checkpointers write
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
+# rtol for the loss and the grad norm (module docstring).
+EXACT = tolerances(0.0, 0.0)
 ACROSS_MODES = EXACT
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 
 # -- helpers -------------------------------------------------------------------
-
-
-Metrics = dict[int, dict[str, float]]  # step -> metric -> value, as runs log them
-
-
-def _series(metrics: Metrics, name: str, steps: range = ALL_STEPS) -> torch.Tensor:
-    return torch.tensor([metrics[s][name] for s in steps], dtype=torch.float64)
-
-
-def _assert_same_training(
-    run: Metrics, reference: Metrics, tol: dict[str, float], steps: range = ALL_STEPS
-) -> None:
-    """The same steps, each with the same loss and grad_norm (within ``tol``) and lr."""
-    assert list(run) == list(steps), run
-    for metric in ("loss", "grad_norm"):
-        assert_close(
-            _series(run, metric, steps), _series(reference, metric, steps), **tol
-        )
-    assert_close(_series(run, "lr", steps), _series(reference, "lr", steps), **EXACT)
 
 
 @dataclass
@@ -242,10 +231,8 @@ def test_compile_runs_the_compiled_model_and_loss(
 def test_compile_in_backward_matches_compile_plain(
     compiled_runs: dict[str, CountedRun],
 ) -> None:
-    _assert_same_training(
-        compiled_runs["in_bwd"].run.metrics,
-        compiled_runs["plain"].run.metrics,
-        ACROSS_MODES,
+    assert_same_training(
+        compiled_runs["in_bwd"].run, compiled_runs["plain"].run, ACROSS_MODES, ALL_STEPS
     )
 
 
@@ -253,9 +240,7 @@ def test_compile_in_backward_matches_in_backward_without_compile(
     compiled_runs: dict[str, CountedRun], in_bwd: CountedRun
 ) -> None:
     # aot_eager runs the same aten kernels as eager mode (module docstring).
-    _assert_same_training(
-        compiled_runs["in_bwd"].run.metrics, in_bwd.run.metrics, EXACT
-    )
+    assert_same_training(compiled_runs["in_bwd"].run, in_bwd.run, EXACT, ALL_STEPS)
 
 
 # -- packed datasets -------------------------------------------------------------
@@ -296,10 +281,8 @@ def test_packed_dataset_trains_in_backward_as_plain(
         assert counted.counts["packs_read"] >= len(ALL_STEPS) * 8, counted.counts
     # Packed batches are other sequences than padded ones: another first loss.
     assert packed_runs["in_bwd"].run.losses[0] != in_bwd.run.losses[0]
-    _assert_same_training(
-        packed_runs["in_bwd"].run.metrics,
-        packed_runs["plain"].run.metrics,
-        ACROSS_MODES,
+    assert_same_training(
+        packed_runs["in_bwd"].run, packed_runs["plain"].run, ACROSS_MODES, ALL_STEPS
     )
 
 
@@ -351,10 +334,11 @@ def test_dataset_list_trains_in_backward_as_plain(
         assert counted.counts["examples_read"] >= len(ALL_STEPS) * 8, counted.counts
     # The concatenation is longer, so the shuffled order, and the first batch, differ.
     assert dataset_list_runs["in_bwd"].run.losses[0] != in_bwd.run.losses[0]
-    _assert_same_training(
-        dataset_list_runs["in_bwd"].run.metrics,
-        dataset_list_runs["plain"].run.metrics,
+    assert_same_training(
+        dataset_list_runs["in_bwd"].run,
+        dataset_list_runs["plain"].run,
         ACROSS_MODES,
+        ALL_STEPS,
     )
 
 
@@ -391,13 +375,12 @@ def test_activation_checkpointing_recomputes_every_layer_in_backward(
 def test_activation_checkpointing_in_backward_matches_without_it_and_plain(
     checkpointed_runs: dict[str, CountedRun], in_bwd: CountedRun
 ) -> None:
-    _assert_same_training(
-        checkpointed_runs["in_bwd"].run.metrics, in_bwd.run.metrics, EXACT
-    )
-    _assert_same_training(
-        checkpointed_runs["in_bwd"].run.metrics,
-        checkpointed_runs["plain"].run.metrics,
+    assert_same_training(checkpointed_runs["in_bwd"].run, in_bwd.run, EXACT, ALL_STEPS)
+    assert_same_training(
+        checkpointed_runs["in_bwd"].run,
+        checkpointed_runs["plain"].run,
         ACROSS_MODES,
+        ALL_STEPS,
     )
 
 
@@ -491,13 +474,13 @@ def test_checkpointer_format_trains_and_resumes_as_the_hf_format(
 ) -> None:
     run, resumed = format_run["run"], format_run["resumed"]
     # The same weights as the HF checkpoint, so the same run, bitwise.
-    _assert_same_training(run.metrics, in_bwd.run.metrics, EXACT)
+    assert_same_training(run, in_bwd.run, EXACT, ALL_STEPS)
     # The epoch-0 checkpoint it wrote is in its own format (the input's key names)...
     saved = torch.load(run.output_dir / "epoch_0" / f"{SHARD}.bin", weights_only=True)
     assert format_run["key"] in saved
     assert set(saved) == format_run["keys"]
     # ...and resuming from it continues the uninterrupted run, bitwise.
-    _assert_same_training(resumed.metrics, in_bwd.run.metrics, EXACT, EPOCH_1)
+    assert_same_training(resumed, in_bwd.run, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
 
 
 # -- full_finetune_distributed: activation checkpointing and the FSDP keys ---------
@@ -534,21 +517,6 @@ CPU_OFFLOAD_IGNORED = (
 )
 
 
-def _load_distributed_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    import torchtune
-
-    path = (
-        Path(torchtune.__file__).parent.parent
-        / "recipes"
-        / "full_finetune_distributed.py"
-    )
-    spec = importlib.util.spec_from_file_location("_full_finetune_distributed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FullFinetuneRecipeDistributed
-
-
 class _Messages(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -567,9 +535,10 @@ def _distributed_runs(out_dir: Path) -> None:
 
     from torchtune.modules import TransformerSelfAttentionLayer
 
-    recipe_cls = _load_distributed_recipe_class()
+    recipe_cls = load_recipe_class(
+        "full_finetune_distributed", "FullFinetuneRecipeDistributed"
+    )
     rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
-    os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     report: dict[str, str] = {}
     logger = logging.getLogger("torchtune.utils._logging")  # the recipes' logger
     with pytest.MonkeyPatch.context() as mp:
@@ -624,9 +593,9 @@ def distributed_runs(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, dict[str, Any]]:
     """The configs of ``DISTRIBUTED_RUNS`` on 2 processes (batch_size 4 per rank),
-    1 epoch of 4 steps each, in one launch: per config, its metrics and each rank's
-    facts. The ranks are forked from this process: no interpreter start or import is
-    paid."""
+    1 epoch of 4 steps each, in one launch: per config, its run and each rank's
+    facts. The ranks are forked from the preloaded server: no interpreter start or
+    import is paid, and nothing this process compiled comes with the fork."""
     out = tmp_path_factory.mktemp("full_finetune_distributed")
     for name, overrides in DISTRIBUTED_RUNS.items():
         cfg = OmegaConf.load(tiny_config("tiny_full_distributed"))
@@ -642,12 +611,14 @@ def distributed_runs(
             }
         )
         OmegaConf.save(cfg, out / f"{name}.yaml")
-    launch = run_distributed(__name__, "_distributed_runs", out, timeout_s=TIMEOUT_S)
+    launch = run_distributed(
+        __name__, "_distributed_runs", out, timeout_s=TIMEOUT_S, start="preloaded"
+    )
     runs = {}
     for name in DISTRIBUTED_RUNS:
         assert launch.outcome(name) == "ok", launch.outcome(name)
         runs[name] = {
-            "metrics": read_disk_log(out / name / "logs" / "metrics.txt"),
+            "run": read_run(out / name),
             "facts": [json.loads(r[f"{name} facts"]) for r in launch.reports],
         }
     return runs
@@ -708,15 +679,15 @@ def test_distributed_activation_checkpointing_recomputes_every_layer(
 def test_distributed_keys_train_in_backward_as_without_them_and_as_plain(
     distributed_runs: dict[str, dict[str, Any]],
 ) -> None:
-    in_bwd = distributed_runs["in_bwd"]["metrics"]
-    losses = _series(in_bwd, "loss")
-    assert losses[-1] < losses[0] - 0.1, losses  # it learns
-    keys = distributed_runs["in_bwd_keys"]["metrics"]
+    in_bwd = distributed_runs["in_bwd"]["run"]
+    assert in_bwd.losses[-1] < in_bwd.losses[0] - 0.1, in_bwd.losses  # it learns
+    keys = distributed_runs["in_bwd_keys"]["run"]
     # Recomputed layers, other FSDP units, gathered layers kept: the same values
     # through the same kernels, and each gradient the same sum of the two ranks'.
-    _assert_same_training(keys, in_bwd, EXACT)
-    selective = distributed_runs["in_bwd_selective_ac"]["metrics"]
-    _assert_same_training(selective, in_bwd, EXACT)
-    plain_keys = distributed_runs["plain_keys"]["metrics"]
-    assert (_series(plain_keys, "grad_norm") > DISTRIBUTED_CLIP).all()  # all clipped
-    _assert_same_training(keys, plain_keys, ACROSS_MODES)
+    assert_same_training(keys, in_bwd, EXACT, ALL_STEPS)
+    selective = distributed_runs["in_bwd_selective_ac"]["run"]
+    assert_same_training(selective, in_bwd, EXACT, ALL_STEPS)
+    plain_keys = distributed_runs["plain_keys"]["run"]
+    # All clipped.
+    assert (series(plain_keys, "grad_norm", ALL_STEPS) > DISTRIBUTED_CLIP).all()
+    assert_same_training(keys, plain_keys, ACROSS_MODES, ALL_STEPS)

@@ -11,6 +11,10 @@ layer dropout (the last layer, probability 0.5), so every claim below covers the
 Layer dropout draws from generators seeded by (seed, step, layer): both modes, and a
 resumed run, draw the same samples to skip, so the runs compare step by step.
 
+The runs are ``tune run`` on 2 processes forked from a preloaded server
+(``run_tune_forked``: real processes, with what torchrun gives each rank, without an
+interpreter start and imports per run).
+
 Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
 - ``EXACT``: a resumed run reloads exact fp32 weights and optimizer state, recomputes
@@ -25,7 +29,6 @@ Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,15 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.assets.make_assets import TinyAssets
-from tests.recipes.utils import TuneRun, run_tune, tiny_config
+from tests.recipes.utils import (
+    TuneRun,
+    assert_same_training,
+    load_recipe_class,
+    run_tune_forked,
+    series,
+    tiny_config,
+    tolerances,
+)
 
 pytestmark = pytest.mark.integration_test
 
@@ -46,7 +57,7 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 SHARD = "model-00001-of-00001.safetensors"
-EXACT = {"rtol": 0.0, "atol": 0.0}
+EXACT = tolerances(0.0, 0.0)
 # The grad norm every run clips at: the tiny model's norms cross it.
 CLIP = 4.0
 
@@ -58,26 +69,8 @@ def _train(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
         "max_steps_per_epoch": STEPS,
         "clip_grad_norm": CLIP,
     }
-    return run_tune(
+    return run_tune_forked(
         RECIPE, CONFIG, base | overrides, nproc=2, output_dir=out, timeout=TIMEOUT_S
-    )
-
-
-def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
-    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
-
-
-def _assert_same_training(
-    run: TuneRun, reference: TuneRun, tol: dict[str, float], steps: range
-) -> None:
-    """Same loss and gradient norm at every step (within ``tol``), same lr."""
-    assert list(run.metrics) == list(steps), run.metrics
-    for name in ("loss", "grad_norm"):
-        torch.testing.assert_close(
-            _metric(run, name, steps), _metric(reference, name, steps), **tol
-        )
-    torch.testing.assert_close(
-        _metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT
     )
 
 
@@ -107,9 +100,9 @@ def test_in_backward_matches_plain_with_early_exit_and_layer_dropout(
     in_bwd: TuneRun, plain: TuneRun
 ) -> None:
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    norms = _metric(plain, "grad_norm", ALL_STEPS)
+    norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    _assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
+    assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
 
 
 def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
@@ -130,18 +123,13 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
         out, tiny_assets, optimizer_in_bwd=True, resume_from_checkpoint=True
     )
     assert f"Resumed from step checkpoint {out / f'step_{STEPS}'}." in resumed.output
-    _assert_same_training(resumed, in_bwd, EXACT, range(STEPS + 1, EPOCHS * STEPS + 1))
-
-
-def _load_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    import torchtune
-
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
-    spec = importlib.util.spec_from_file_location("_early_exit_recipe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.EarlyExitFinetuneRecipeDistributed
+    assert_same_training(
+        resumed,
+        in_bwd,
+        EXACT,
+        range(STEPS + 1, EPOCHS * STEPS + 1),
+        reference_steps=ALL_STEPS,
+    )
 
 
 def test_early_exit_with_a_chunked_loss_is_refused_leaving_output_dir_untouched(
@@ -157,7 +145,7 @@ def test_early_exit_with_a_chunked_loss_is_refused_leaving_output_dir_untouched(
     cfg.loss = {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
 
     with pytest.raises(ValueError, match="early_exit_loss needs a loss with reduction"):
-        _load_recipe_class()(cfg)
+        load_recipe_class(RECIPE, "EarlyExitFinetuneRecipeDistributed")(cfg)
     assert not torch.distributed.is_initialized()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
     after = checkpoint.stat()

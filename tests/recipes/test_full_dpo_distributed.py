@@ -7,12 +7,10 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 
 - 2 processes, in-backward vs plain: the same loss, pair metrics (rewards, log
   probabilities, logits) and grad norm at every step;
-- resumed from the step checkpoint written at epoch 0's end (``step_3``) vs
-  uninterrupted: in-backward -> in-backward, saved synchronously, and plain ->
-  in-backward, saved asynchronously;
-- resumed mid-epoch from the sharded step checkpoint of step 4
-  (``save_every_n_steps``, copied alone into a fresh ``output_dir``) vs
-  uninterrupted, in-backward;
+- resumed from a step checkpoint vs uninterrupted, in each save mode: plain ->
+  in-backward from the one written in the background at epoch 0's end
+  (``step_3``), and in-backward -> in-backward mid-epoch from the synchronous one of
+  step 4 (``save_every_n_steps``, copied alone into a fresh ``output_dir``);
 - resumed from a torchtune 0.6.1 epoch-0 checkpoint (made from ``step_3``: the
   ``epoch_0`` weights and ``recipe_state/recipe_state.pt``, its optimizer state in
   0.6.1's in-backward format) vs uninterrupted, in both modes;
@@ -23,11 +21,12 @@ shipped (plain fused AdamW, gradient accumulation, bf16, activation checkpointin
 and with ``optimizer_in_bwd=True``; an optimizer FSDP2 cannot train (bitsandbytes')
 is refused before anything is written.
 
-The 2-process runs are ``tune run --nproc_per_node 2`` subprocesses, started
-together on first use (a run mostly waits on interpreter start-up and collectives,
-so two overlap in about the time of one); the 1-process runs go through ``tune``'s
-entry point in this process, on a 1-rank gloo group, while the first subprocesses
-start. All are shared by the tests of this module.
+The 2-process runs are ``tune run`` on processes forked from a preloaded server
+(``run_tune_forked``: real processes, with what torchrun gives each rank, without an
+interpreter start and imports per run), two at a time, started on first use; the
+1-process runs go through ``tune``'s entry point in this process, on a 1-rank gloo
+group, while the first 2-process runs train. All are shared by the tests of this
+module.
 
 Tolerances, from the arithmetic (measured on these runs in brackets):
 
@@ -59,11 +58,9 @@ batches) shows in ``grad_norm`` by a factor of 2 or more, far beyond these.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 import shutil
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,11 +79,13 @@ from tests.assets.make_assets import TinyAssets
 from tests.assets.make_dpo_assets import write_preference_data
 from tests.recipes.utils import (
     TuneRun,
-    run_tune,
+    load_recipe_class,
+    run_tune_forked,
     run_tune_in_process,
     shipped_config_overrides,
     tiny_config,
 )
+from tests.torchtune.distributed_launcher import free_port, preloaded_context
 
 pytestmark = pytest.mark.integration_test
 
@@ -154,17 +153,20 @@ def _assert_same_lr(run: TuneRun, reference: TuneRun, steps: range) -> None:
 
 
 class Runs:
-    """The module's ``tune run`` subprocesses, started on first use, all at once.
+    """The module's 2-process runs, started on first use, two at a time.
 
     ``runs[name]`` waits for the run ``name`` and returns it (or raises what it
-    raised). Resumed runs wait for the run they resume from, then start at once.
+    raised). Resumed runs wait for the run they resume from, then start.
     """
 
     def __init__(self, root: Path, assets: TinyAssets) -> None:
         self._root = root
         self._assets = assets
-        # One thread per subprocess run: each mostly waits on its subprocess.
-        self._pool = ThreadPoolExecutor(max_workers=7)
+        # The server the ranks fork from starts here, before any thread does.
+        preloaded_context()
+        # Two 2-process runs at a time keep both cores busy while one waits (on a
+        # collective, on a save); the runs they resume from are submitted first.
+        self._pool = ThreadPoolExecutor(max_workers=2)
         self._futures: dict[str, Future[TuneRun]] = {}
         self._submit(
             "in_bwd",
@@ -183,17 +185,10 @@ class Runs:
             enable_async_checkpointing=True,
             **{"checkpointer.keep_last_n_checkpoints": EPOCHS},
         )
-        # The 1-process runs go in this process while the first subprocesses start
-        # up; the resumed runs start after them (they set this process's
-        # environment, which a subprocess started meanwhile would inherit).
+        # The 1-process runs go in this process while the first 2-process runs
+        # train; the resumed runs start after them (they set this process's
+        # environment, which a run started meanwhile would be given).
         self._in_process_done = threading.Event()
-        self._submit(
-            "in_bwd_from_in_bwd",
-            self._resume,
-            "in_bwd",
-            "in_bwd_from_in_bwd",
-            optimizer_in_bwd=True,
-        )
         self._submit(
             "in_bwd_from_step",
             self._resume_from_step,
@@ -266,8 +261,8 @@ class Runs:
         }
 
     def _train(self, name: str, **overrides: Any) -> TuneRun:
-        """2 processes, ``tune run --nproc_per_node 2`` in a subprocess."""
-        return run_tune(
+        """2 processes, ``tune run`` on each (``run_tune_forked``)."""
+        return run_tune_forked(
             RECIPE,
             CONFIG,
             self._settings(**overrides),
@@ -291,10 +286,7 @@ class Runs:
     def _tune_in_process(
         self, name: str, config: Path, overrides: dict[str, Any] | list[str]
     ) -> TuneRun:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         # What run_tune gives its subprocesses: offline, one thread (as torchrun
         # gives each process; more only spin on a busy 2-core machine).
@@ -496,19 +488,6 @@ def test_in_backward_matches_plain_on_two_processes(runs: Runs) -> None:
     _assert_same_lr(in_bwd, plain, ALL_STEPS)
 
 
-def test_in_backward_resume_from_sync_epoch_0_equals_uninterrupted_run(
-    runs: Runs,
-) -> None:
-    resumed, uninterrupted = runs["in_bwd_from_in_bwd"], runs["in_bwd"]
-    step_checkpoint = resumed.output_dir / f"step_{STEPS}"
-    assert f"Resumed from step checkpoint {step_checkpoint}." in resumed.output
-    assert list(resumed.metrics) == list(EPOCH_1)
-    _assert_same(
-        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
-    )
-    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
-
-
 def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
     runs: Runs,
 ) -> None:
@@ -645,15 +624,6 @@ def test_shipped_llama3_1_8B_full_dpo_config_trains_on_cpu(
     assert {t.dtype for t in load_file(shard).values()} == {torch.bfloat16}
 
 
-def _load_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
-    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FullDPORecipeDistributed
-
-
 @pytest.mark.parametrize(
     "optimizer",
     ["bitsandbytes.optim.PagedAdamW8bit", "bitsandbytes.optim.AdamW"],
@@ -678,12 +648,9 @@ def test_recipe_refuses_a_bitsandbytes_optimizer_before_building_anything(
         {"optimizer_in_bwd": optimizer_in_bwd, "optimizer": {"_component_": optimizer}}
     )
     # A 1-rank group could start: only the refusal keeps it from starting.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for key, value in (
         ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(port)),
+        ("MASTER_PORT", str(free_port())),
         ("RANK", "0"),
         ("LOCAL_RANK", "0"),
         ("WORLD_SIZE", "1"),
@@ -695,7 +662,7 @@ def test_recipe_refuses_a_bitsandbytes_optimizer_before_building_anything(
             match=f"^optimizer._component_={re.escape(optimizer)} cannot train a "
             "model sharded with FSDP2",
         ):
-            _load_recipe_class()(cfg)
+            load_recipe_class(RECIPE, "FullDPORecipeDistributed")(cfg)
         assert not torch.distributed.is_initialized()
     finally:
         if torch.distributed.is_initialized():

@@ -3,9 +3,11 @@
 Every claim is an equivalence between runs on the same seed and data:
 
 - in-backward vs plain, 2 processes vs 1 at the same global batch;
-- resumed vs uninterrupted, from the step checkpoint of an epoch's end, written
-  synchronously or in the background (``enable_async_checkpointing``), within a
-  mode and across modes;
+- resumed vs uninterrupted, from the step checkpoint of an epoch's end, across
+  modes each way and in each save mode: plain from an in-backward run's
+  synchronous checkpoint, in-backward from a plain run's written in the background
+  (``enable_async_checkpointing``); within a mode in bf16 and with torchao's
+  optimizer (below), on 1 process with a partly frozen model;
 - FSDP x tensor parallel on 4 processes, resumed from a torchtune 0.6.1 epoch
   checkpoint (a full one, which any process layout resumes) made of a 2-process
   FSDP run's, vs that run;
@@ -27,6 +29,11 @@ one its second loss shows. Runs are shared through module-scoped fixtures; every
 run is configured for the same ``EPOCHS`` x ``STEPS`` (the cosine schedule depends
 on the total) and keeps the step checkpoint of every epoch's end, and resumes start
 from an epoch-0 or epoch-1 checkpoint.
+
+The multi-process runs are ``tune run`` on processes forked from a preloaded server
+(``run_tune_forked``: each rank a real process, with what torchrun gives it, without
+an interpreter start and imports per run); the 1-process runs with a partly frozen
+model or from 0.6.1's format go through ``tune``'s entry point in this process.
 
 Tolerances, from the arithmetic; each set is about ten times the largest difference
 measured on this project's x86 CPU (``assert_series_close`` and
@@ -66,11 +73,9 @@ both are compared.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
-import socket
 import time
 import traceback
 from collections.abc import Iterable
@@ -88,18 +93,25 @@ from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
     assert_same_steps,
+    assert_same_training,
     assert_series_close,
     assert_steps,
     assert_weights_close,
     full_optimizer_state,
+    load_recipe_class,
     load_weights,
-    read_disk_log,
-    run_tune,
+    read_run,
+    run_tune_forked,
     run_tune_in_process,
     series,
     tiny_config,
+    tolerances,
 )
-from tests.torchtune.distributed_launcher import run_distributed, write_report
+from tests.torchtune.distributed_launcher import (
+    free_port,
+    run_distributed,
+    write_report,
+)
 
 pytestmark = pytest.mark.integration_test
 
@@ -110,32 +122,19 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
-# Tolerances for the loss, the grad norm and the final weights (module docstring).
-Tolerances = dict[str, dict[str, float]]
-
-
-def _tolerances(loss: float, grad_norm: float, weights: float) -> Tolerances:
-    """rtol for the loss and the grad norm, atol for the weights (0: bitwise)."""
-    return {
-        "loss": {"rtol": loss, "atol": 0.0},
-        "grad_norm": {"rtol": grad_norm, "atol": 0.0},
-        "weights": {"rtol": 0.0, "atol": weights},
-    }
-
-
+# Tolerances for the loss, the grad norm and the final weights (module docstring):
+# rtol for the loss and the grad norm, atol for the weights (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; weights absolute] difference.
-SAME = _tolerances(0.0, 0.0, 0.0)
+SAME = tolerances(0.0, 0.0, 0.0)
 ACROSS_MODES = SAME
-ACROSS_LAYOUTS = _tolerances(1.2e-6, 3.4e-6, 6e-7)  # [1.1e-7, 3.4e-7; 6.0e-8]
+ACROSS_LAYOUTS = tolerances(1.2e-6, 3.4e-6, 6e-7)  # [1.1e-7, 3.4e-7; 6.0e-8]
 # Two steps after a resume from epoch 1.
 RESUMED_ACROSS_MODES = SAME
 # ... on one process, against the 2-process run.
-RESUMED_ACROSS_MODES_AND_LAYOUTS = _tolerances(1.2e-6, 2.3e-6, 8e-8)
+RESUMED_ACROSS_MODES_AND_LAYOUTS = tolerances(1.2e-6, 2.3e-6, 8e-8)
 # [1.1e-7, 2.3e-7; 7.5e-9]
 # ... FSDP x tensor parallel on 4 processes, against the FSDP run.
-RESUMED_ACROSS_LAYOUTS_2D = _tolerances(
-    1.2e-6, 1.5e-6, 4e-8
-)  # [1.1e-7, 1.5e-7; 3.7e-9]
+RESUMED_ACROSS_LAYOUTS_2D = tolerances(1.2e-6, 1.5e-6, 4e-8)  # [1.1e-7, 1.5e-7; 3.7e-9]
 # torchao's AdamW8bit, 4 steps; its weights are compared in norm (module docstring).
 # bf16, 4 steps; its weights are compared in norm (module docstring).
 # The grad norm the clipping runs clip at: the tiny model's norms cross it.
@@ -156,7 +155,7 @@ def _train(
         "clip_grad_norm": CLIP,
         **KEEP_EPOCH_STEPS,
     }
-    return run_tune(
+    return run_tune_forked(
         RECIPE, CONFIG, base | overrides, nproc=nproc, output_dir=out, timeout=TIMEOUT_S
     )
 
@@ -195,7 +194,7 @@ def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
         **KEEP_EPOCH_STEPS,
     }
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -212,12 +211,6 @@ def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
         torch.set_num_threads(threads)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _steps_after(epoch: int) -> range:
     return range((epoch + 1) * STEPS + 1, EPOCHS * STEPS + 1)
 
@@ -232,29 +225,6 @@ def _base_weights(assets: TinyAssets) -> dict[str, torch.Tensor]:
 def _final_weights(run: TuneRun) -> dict[str, torch.Tensor]:
     """The weights of ``run``'s last checkpoint, written when it finished."""
     return load_weights(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
-
-
-def _assert_same_training(
-    run: TuneRun,
-    reference: TuneRun,
-    tol: Tolerances,
-    steps: range = ALL_STEPS,
-    reference_steps: range = ALL_STEPS,
-) -> None:
-    """``run`` logged exactly ``steps``, ``reference`` exactly ``reference_steps``
-    (every step, unless it is a resumed run itself); at each of ``steps`` they have
-    the same loss and gradient norm (within ``tol``) and the same lr, and both end
-    with the same weights (within ``tol``): those also hold the update of the last
-    step, which no logged loss shows."""
-    assert_steps(reference, reference_steps)
-    assert_steps(run, steps)
-    for name in ("loss", "grad_norm"):
-        assert_series_close(run, reference, name, steps, **tol[name])
-    # The schedule depends on nothing but the step count.
-    assert_series_close(run, reference, "lr", steps, **EXACT)
-    assert_weights_close(
-        _final_weights(run), _final_weights(reference), **tol["weights"]
-    )
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +273,13 @@ def test_in_backward_matches_plain_on_two_processes(
     # In-backward read before step(): 0 had no update run inside backward.
     assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     _assert_clips_some_steps_only(plain_async, ALL_STEPS)
-    _assert_same_training(in_bwd, plain_async, ACROSS_MODES)
+    assert_same_training(
+        in_bwd,
+        plain_async,
+        ACROSS_MODES,
+        ALL_STEPS,
+        final_weights=_final_weights,
+    )
 
 
 def _assert_clips_some_steps_only(run: TuneRun, steps: Iterable[int]) -> None:
@@ -324,25 +300,31 @@ def test_two_processes_match_one_process_at_the_same_global_batch(
         batch_size=8,
         optimizer_in_bwd=True,
     )
-    _assert_same_training(in_bwd, one, ACROSS_LAYOUTS)
-
-
-def test_in_backward_resume_from_sync_checkpoint_equals_uninterrupted_run(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
-) -> None:
-    resumed = _resume(
-        in_bwd, 1, runs_dir / "in_bwd_from_in_bwd", tiny_assets, optimizer_in_bwd=True
+    assert_same_training(
+        in_bwd,
+        one,
+        ACROSS_LAYOUTS,
+        ALL_STEPS,
+        final_weights=_final_weights,
     )
-    _assert_same_training(resumed, in_bwd, SAME, _steps_after(1))
 
 
 def test_plain_resume_from_in_backward_sync_checkpoint_equals_uninterrupted_run(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
 ) -> None:
+    # In-backward state saved synchronously, loaded into the plain optimizer; the
+    # other way, from a checkpoint written in the background, is the next test.
     resumed = _resume(
         in_bwd, 1, runs_dir / "plain_from_in_bwd", tiny_assets, optimizer_in_bwd=False
     )
-    _assert_same_training(resumed, in_bwd, RESUMED_ACROSS_MODES, _steps_after(1))
+    assert_same_training(
+        resumed,
+        in_bwd,
+        RESUMED_ACROSS_MODES,
+        _steps_after(1),
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
+    )
 
 
 def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run(
@@ -352,28 +334,13 @@ def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run
     step = plain_async.output_dir / f"step_{STEPS}"
     assert (step / "model_optimizer" / ".metadata").is_file()
     assert not list(plain_async.output_dir.glob("dist_epoch_*"))
-    _assert_same_training(
-        in_bwd_async_from_plain, plain_async, ACROSS_MODES, _steps_after(0)
-    )
-
-
-def test_in_backward_resume_from_async_checkpoint_equals_uninterrupted_run(
-    in_bwd_async_from_plain: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
-) -> None:
-    resumed = _resume(
+    assert_same_training(
         in_bwd_async_from_plain,
-        1,
-        runs_dir / "in_bwd_async_from_in_bwd",
-        tiny_assets,
-        optimizer_in_bwd=True,
-        enable_async_checkpointing=True,
-    )
-    _assert_same_training(
-        resumed,
-        in_bwd_async_from_plain,
-        SAME,
-        _steps_after(1),
-        reference_steps=_steps_after(0),
+        plain_async,
+        ACROSS_MODES,
+        _steps_after(0),
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
     )
 
 
@@ -450,7 +417,14 @@ def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
         **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
-    _assert_same_training(resumed, in_bwd, SAME, _steps_after(1))
+    assert_same_training(
+        resumed,
+        in_bwd,
+        SAME,
+        _steps_after(1),
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
+    )
 
 
 def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
@@ -470,8 +444,13 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
         **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
-    _assert_same_training(
-        resumed, in_bwd, RESUMED_ACROSS_MODES_AND_LAYOUTS, _steps_after(1)
+    assert_same_training(
+        resumed,
+        in_bwd,
+        RESUMED_ACROSS_MODES_AND_LAYOUTS,
+        _steps_after(1),
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
     )
 
 
@@ -551,7 +530,14 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
     )
     assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
     # The same process layout and mode: the same kernels on the same values.
-    _assert_same_training(resumed, frozen_in_bwd, SAME, _steps_after(1))
+    assert_same_training(
+        resumed,
+        frozen_in_bwd,
+        SAME,
+        _steps_after(1),
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -611,9 +597,8 @@ def _torchao_8bit_in_both_modes(out_dir: Path) -> None:
     torchao.optim.AdamW8bit) plain, then in-backward, then the in-backward run resumed
     from its epoch-0 step checkpoint. Reports ``"ok"`` or the traceback for each run,
     and the kinds of state tensor the optimizer held."""
-    recipe_cls = _load_recipe_class()
+    recipe_cls = load_recipe_class(RECIPE, "FullFinetuneRecipeDistributed")
     rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
-    os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     report = {}
     for i, name in enumerate(("plain", "in_bwd", "resumed")):
         # Each run starts its own process group (its cleanup destroys it).
@@ -660,7 +645,7 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
 ) -> None:
     # Two epochs of two steps: torchao's quantized state trains under FSDP2, and saves
     # and resumes in the sharded step checkpoint of epoch 0. The ranks are forked
-    # from this process, so no interpreter start or import is paid.
+    # from the preloaded server, so no interpreter start or import is paid.
     out = runs_dir / "torchao_8bit"
     out.mkdir()
     cfg = OmegaConf.load(CONFIG)
@@ -678,15 +663,19 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
     )
     OmegaConf.save(cfg, out / "config.yaml")
     run = run_distributed(
-        __name__, "_torchao_8bit_in_both_modes", out, timeout_s=TIMEOUT_S
+        __name__,
+        "_torchao_8bit_in_both_modes",
+        out,
+        timeout_s=TIMEOUT_S,
+        start="preloaded",
     )
     for name in ("plain", "in_bwd", "resumed"):
         assert run.outcome(name) == "ok", run.outcome(name)
         # The embedding and the projections (>= 4096 weights) hold 8-bit moments.
         assert "OptimState8bit" in run.reports[0][f"{name} state"].split(",")
-    in_bwd, plain = (_forked_run(out / name) for name in ("in_bwd", "plain"))
+    in_bwd, plain = (read_run(out / name) for name in ("in_bwd", "plain"))
     # Resumed from the quantized state it saved: the same steps 3 and 4, bitwise.
-    resumed = _forked_run(out / "resumed")
+    resumed = read_run(out / "resumed")
     for name in ("loss", "grad_norm", "lr"):
         assert_series_close(
             resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **EXACT
@@ -708,66 +697,6 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
     )
 
 
-def _forked_run(output_dir: Path) -> TuneRun:
-    """What a run of the recipe in forked ranks logged (the tiny config's
-    ``DiskLogger`` file) and wrote."""
-    log_file = output_dir / "logs" / "metrics.txt"
-    metrics = read_disk_log(log_file)
-    return TuneRun(
-        losses=[metrics[s]["loss"] for s in sorted(metrics)],
-        metrics=dict(sorted(metrics.items())),
-        output_dir=output_dir,
-        log_file=log_file,
-        command=[],
-        output="",
-        wall_s=0.0,
-    )
-
-
-def _run_planned_recipes(out_dir: Path) -> None:
-    """Each forked rank of the bf16 test: every run of ``out_dir/runs.json`` (name
-    -> config overrides) of the recipe on ``out_dir/config.yaml``, one after the
-    other, each in ``out_dir/NAME``. Reports ``"ok"`` or the traceback for each."""
-    import json
-
-    recipe_cls = _load_recipe_class()
-    rank, first_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
-    os.environ |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    report = {}
-    runs = json.loads((out_dir / "runs.json").read_text())
-    for i, (name, overrides) in enumerate(runs.items()):
-        # Each run starts its own process group (its cleanup destroys it).
-        os.environ["MASTER_PORT"] = str(first_port + i)
-        cfg = OmegaConf.load(out_dir / "config.yaml")
-        cfg.merge_with(overrides)
-        cfg.output_dir = str(out_dir / name)
-        try:
-            recipe = recipe_cls(cfg)
-            recipe.setup(cfg)
-            recipe.train()
-            recipe.cleanup()
-            report[name] = "ok"
-        except Exception:
-            report[name] = traceback.format_exc()
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    write_report(out_dir, rank, report)
-
-
-def _fork_runs(out_dir: Path, runs: dict[str, dict[str, Any]]) -> dict[str, TuneRun]:
-    """Run ``runs`` (name -> overrides of ``out_dir/config.yaml``) on 2 forked ranks."""
-    import json
-
-    (out_dir / "runs.json").write_text(json.dumps(runs))
-    run = run_distributed(
-        __name__, "_run_planned_recipes", out_dir, timeout_s=TIMEOUT_S
-    )
-    for name in runs:
-        assert run.outcome(name) == "ok", run.outcome(name)
-    return {name: _forked_run(out_dir / name) for name in runs}
-
-
 BF16_STEPS = 2  # per epoch, 2 epochs
 BF16_ALL_STEPS = range(1, 2 * BF16_STEPS + 1)
 
@@ -775,35 +704,41 @@ BF16_ALL_STEPS = range(1, 2 * BF16_STEPS + 1)
 @pytest.fixture(scope="module")
 def bf16_runs(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, TuneRun]:
     """2 processes in bf16, two epochs of two steps, in each mode; then the
-    in-backward run resumed in-backward from the step checkpoint of epoch 0's end. The ranks are
-    forked from this process, so no interpreter start or import is paid."""
+    in-backward run resumed in-backward from the step checkpoint of epoch 0's end."""
     out = runs_dir / "bf16"
-    out.mkdir()
-    cfg = OmegaConf.load(CONFIG)
-    cfg.merge_with(
-        {
-            "assets_dir": str(tiny_assets.root),
-            "dtype": "bf16",
-            "epochs": 2,
-            "max_steps_per_epoch": BF16_STEPS,
-            "clip_grad_norm": CLIP,
-            # Keep epoch 0's step checkpoint, to resume from.
-            "checkpointer": {"keep_last_n_checkpoints": 2},
-        }
-    )
-    OmegaConf.save(cfg, out / "config.yaml")
-    runs = _fork_runs(
-        out,
-        {"plain": {"optimizer_in_bwd": False}, "in_bwd": {"optimizer_in_bwd": True}},
-    )
+    settings = {
+        "assets_dir": tiny_assets.root,
+        "dtype": "bf16",
+        "epochs": 2,
+        "max_steps_per_epoch": BF16_STEPS,
+        "clip_grad_norm": CLIP,
+        # Keep epoch 0's step checkpoint, to resume from.
+        "checkpointer.keep_last_n_checkpoints": 2,
+    }
+
+    def train(name: str, **overrides: Any) -> TuneRun:
+        return run_tune_forked(
+            RECIPE,
+            CONFIG,
+            settings | overrides,
+            output_dir=out / name,
+            timeout=TIMEOUT_S,
+        )
+
+    runs = {
+        "plain": train("plain", optimizer_in_bwd=False),
+        "in_bwd": train("in_bwd", optimizer_in_bwd=True),
+    }
     # What epoch 0 left: its export, the step checkpoint of its end and the run id.
     for part in ("epoch_0", f"step_{BF16_STEPS}"):
         shutil.copytree(out / "in_bwd" / part, out / "resumed" / part)
     shutil.copy(
         out / "in_bwd" / "torchtune_run.json", out / "resumed" / "torchtune_run.json"
     )
-    resume = {"optimizer_in_bwd": True, "resume_from_checkpoint": True}
-    return runs | _fork_runs(out, {"resumed": resume})
+    runs["resumed"] = train(
+        "resumed", optimizer_in_bwd=True, resume_from_checkpoint=True
+    )
+    return runs
 
 
 def test_bf16_in_backward_matches_plain_on_two_processes_bitwise(
@@ -853,14 +788,3 @@ def test_final_checkpoint_is_a_hf_checkpoint_of_the_trained_weights(
     for key, tensor in final.items():
         assert tensor.shape == base[key].shape and tensor.dtype == base[key].dtype, key
     assert any(not torch.equal(final[k], base[k]) for k in final)
-
-
-def _load_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    import torchtune
-
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
-    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FullFinetuneRecipeDistributed

@@ -11,9 +11,14 @@ from omegaconf import OmegaConf
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
     TuneRunError,
+    assert_series_close,
+    assert_steps,
+    assert_weights_close,
     format_override,
+    load_weights,
     read_disk_log,
     run_tune,
+    run_tune_forked,
     tiny_config,
     tiny_overrides,
 )
@@ -112,6 +117,50 @@ def test_run_tune_raises_with_the_output_tail_when_the_recipe_fails(
         run_tune(
             "full_finetune_single_device",
             tiny_config("tiny_full_single_device"),
+            {"assets_dir": tiny_assets.root, "dtype": "fp16"},
+            output_dir=tmp_path,
+            timeout=180,
+        )
+    assert "fp16" in str(error.value)
+
+
+@pytest.mark.integration_test
+def test_forked_ranks_train_as_torchrun_ranks_bitwise(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    """The recipe tests run most multi-process runs with ``run_tune_forked``: the same
+    run through ``tune run --nproc_per_node 2`` (torchrun) trains the same, bitwise.
+    A rank that trained alone (a 1-rank group of batch 4 instead of 2 x 4) would log
+    other losses."""
+    recipe, config = "full_finetune_distributed", tiny_config("tiny_full_distributed")
+    overrides = {"assets_dir": tiny_assets.root, "epochs": 1, "max_steps_per_epoch": 2}
+    torchrun = run_tune(
+        recipe, config, overrides, nproc=2, output_dir=tmp_path / "torchrun"
+    )
+    forked = run_tune_forked(
+        recipe, config, overrides, nproc=2, output_dir=tmp_path / "forked"
+    )
+    steps = assert_steps(torchrun, [1, 2])
+    assert_steps(forked, steps)
+    for name in ("loss", "grad_norm", "lr"):
+        assert_series_close(forked, torchrun, name, steps, rtol=0.0, atol=0.0)
+    shard = "epoch_0/model-00001-of-00001.safetensors"
+    assert_weights_close(
+        load_weights(forked.output_dir / shard),
+        load_weights(torchrun.output_dir / shard),
+        rtol=0.0,
+        atol=0.0,
+    )
+
+
+@pytest.mark.integration_test
+def test_run_tune_forked_raises_with_the_output_when_the_recipe_fails(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    with pytest.raises(TuneRunError, match=r"exited with statuses \[1, 1\]") as error:
+        run_tune_forked(
+            "full_finetune_distributed",
+            tiny_config("tiny_full_distributed"),
             {"assets_dir": tiny_assets.root, "dtype": "fp16"},
             output_dir=tmp_path,
             timeout=180,

@@ -13,10 +13,11 @@ and data (``tests/recipes/configs/tiny_lora_distributed.yaml``, 2 epochs of
 - with 1 process, where the gathered "full" weights are the live shards, saving a
   checkpoint leaves the model as it was (0.6.1 merged the adapter into it).
 
-The 2-process runs are ``tune run --nproc_per_node 2`` subprocesses; the 1-process
-run builds the recipe in this process (a 1-rank gloo group), which saves a
-subprocess and lets the test look at the model after a save. Runs are
-module-scoped and shared between tests.
+The 2-process runs are ``tune run`` on processes forked from a preloaded server
+(``run_tune_forked``: real processes, with what torchrun gives each rank, without an
+interpreter start and imports per run); the 1-process run builds the recipe in this
+process (a 1-rank gloo group), which lets the test look at the model after a save.
+Runs are module-scoped and shared between tests.
 
 Each comparison names the exact steps it compares and checks that each run logged
 exactly those; besides loss, grad norm and lr at every one of them it compares the
@@ -49,9 +50,7 @@ factor (AdamW hides it in the losses, not in the norm).
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +64,24 @@ from tests.recipes.utils import (
     DISK_LOGGER,
     TuneRun,
     assert_same_steps,
+    assert_same_training,
     assert_series_close,
     assert_steps,
-    assert_weights_close,
     format_override,
+    load_recipe_class,
     load_weights,
-    read_disk_log,
-    run_tune,
+    read_run,
+    run_tune_forked,
     series,
     tiny_config,
+    tolerances,
 )
+from tests.torchtune.distributed_launcher import free_port
 
 pytestmark = pytest.mark.integration_test
 
 RECIPE = "lora_finetune_distributed"
+RECIPE_CLASS = "LoRAFinetuneRecipeDistributed"
 CONFIG = tiny_config("tiny_lora_distributed")
 EPOCHS, STEPS = 2, 3
 ALL_STEPS = range(1, EPOCHS * STEPS + 1)
@@ -88,24 +91,13 @@ TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 EXACT = {"rtol": 0.0, "atol": 0.0}
 # The grad norm every run clips at: the tiny adapters' norms cross it.
 CLIP = 1.0
-# Tolerances for the loss, the grad norm and the final adapter (module docstring).
-Tolerances = dict[str, dict[str, float]]
-
-
-def _tolerances(loss: float, grad_norm: float, adapter: float) -> Tolerances:
-    """rtol for the loss and the grad norm, atol for the adapter (0: bitwise)."""
-    return {
-        "loss": {"rtol": loss, "atol": 0.0},
-        "grad_norm": {"rtol": grad_norm, "atol": 0.0},
-        "adapter": {"rtol": 0.0, "atol": adapter},
-    }
-
-
+# Tolerances for the loss, the grad norm and the final adapter (module docstring):
+# rtol for the loss and the grad norm, atol for the adapter (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; adapter absolute] difference.
-EXACT_TRAINING = _tolerances(0.0, 0.0, 0.0)
+EXACT_TRAINING = tolerances(0.0, 0.0, 0.0)
 ACROSS_MODES = EXACT_TRAINING
 # 1 process (plain, 2 x 4 accumulated) against 2 processes, plain and in-backward.
-ACROSS_LAYOUTS = _tolerances(1e-6, 1.2e-6, 7e-7)  # [1.0e-7, 1.2e-7; 7.1e-8]
+ACROSS_LAYOUTS = tolerances(1e-6, 1.2e-6, 7e-7)  # [1.0e-7, 1.2e-7; 7.1e-8]
 ACROSS_MODES_AND_LAYOUTS = ACROSS_LAYOUTS
 # The three steps after a resume from epoch 0 in the other mode.
 RESUMED_ACROSS_MODES = EXACT_TRAINING
@@ -123,7 +115,7 @@ def _overrides(assets: TinyAssets, optimizer_in_bwd: bool, **extra: Any) -> dict
 
 
 def _train(out: Path, assets: TinyAssets, optimizer_in_bwd: bool, **extra) -> TuneRun:
-    return run_tune(
+    return run_tune_forked(
         RECIPE,
         CONFIG,
         _overrides(assets, optimizer_in_bwd, **extra),
@@ -158,35 +150,6 @@ def _resume(source: TuneRun, out: Path, assets: TinyAssets, optimizer_in_bwd: bo
 def _final_adapter(run: TuneRun) -> dict[str, torch.Tensor]:
     """The adapter of ``run``'s last checkpoint, written when it finished."""
     return load_weights(run.output_dir / f"epoch_{EPOCHS - 1}" / "adapter_model.pt")
-
-
-def _assert_same_training(
-    run: TuneRun, reference: TuneRun, tol: Tolerances, steps: range = ALL_STEPS
-) -> None:
-    """``run`` logged exactly ``steps``, the uninterrupted ``reference`` every step;
-    at each of ``steps`` they have the same loss and grad norm (within ``tol``) and
-    the same lr, and both end with the same adapter (within ``tol``), which also
-    holds the last step's update."""
-    assert_steps(reference, ALL_STEPS)
-    assert_steps(run, steps)
-    for name in ("loss", "grad_norm"):
-        assert_series_close(run, reference, name, steps, **tol[name])
-    # The schedule depends on nothing but the step count.
-    assert_series_close(run, reference, "lr", steps, **EXACT)
-    assert_weights_close(
-        _final_adapter(run), _final_adapter(reference), **tol["adapter"]
-    )
-
-
-def _load_recipe_class() -> type:
-    """The installed recipe file (recipes are files, never an importable package)."""
-    import torchtune
-
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{RECIPE}.py"
-    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.LoRAFinetuneRecipeDistributed
 
 
 def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -243,10 +206,7 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
         OmegaConf.load(CONFIG),
         OmegaConf.from_dotlist([format_override(k, v) for k, v in overrides.items()]),
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     # One thread, as torchrun gives each of its processes: on a busy machine, two
     # threads spinning on two cores run this tiny model several times slower.
@@ -256,7 +216,7 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
         for key, value in env.items():
             mp.setenv(key, value)
         try:
-            recipe = _load_recipe_class()(cfg)
+            recipe = load_recipe_class(RECIPE, RECIPE_CLASS)(cfg)
             recipe.setup(cfg)
             recipe.train()
             before = _local_params(recipe._model)
@@ -267,20 +227,7 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             torch.set_num_threads(threads)
-    metrics = read_disk_log(out / "logs" / "metrics.txt")
-    return {
-        "run": TuneRun(
-            losses=[metrics[s]["loss"] for s in sorted(metrics)],
-            metrics=dict(sorted(metrics.items())),
-            output_dir=out,
-            log_file=out / "logs" / "metrics.txt",
-            command=[],
-            output="",
-            wall_s=0.0,
-        ),
-        "before": before,
-        "after": after,
-    }
+    return {"run": read_run(out), "before": before, "after": after}
 
 
 def test_in_backward_matches_plain_on_two_processes(
@@ -293,7 +240,13 @@ def test_in_backward_matches_plain_on_two_processes(
     assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    _assert_same_training(in_bwd, plain, ACROSS_MODES)
+    assert_same_training(
+        in_bwd,
+        plain,
+        ACROSS_MODES,
+        ALL_STEPS,
+        final_weights=_final_adapter,
+    )
     for run in (in_bwd, plain):
         for values in run.metrics.values():
             assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
@@ -308,8 +261,20 @@ def test_one_process_matches_two_at_the_same_global_batch(
     one_process: dict[str, Any], plain: TuneRun, in_bwd: TuneRun
 ) -> None:
     # Epoch 1 also follows an epoch-0 save, which 0.6.1 corrupted on 1 process only.
-    _assert_same_training(one_process["run"], plain, ACROSS_LAYOUTS)
-    _assert_same_training(one_process["run"], in_bwd, ACROSS_MODES_AND_LAYOUTS)
+    assert_same_training(
+        one_process["run"],
+        plain,
+        ACROSS_LAYOUTS,
+        ALL_STEPS,
+        final_weights=_final_adapter,
+    )
+    assert_same_training(
+        one_process["run"],
+        in_bwd,
+        ACROSS_MODES_AND_LAYOUTS,
+        ALL_STEPS,
+        final_weights=_final_adapter,
+    )
 
 
 def test_saving_a_checkpoint_on_one_process_leaves_the_model_unchanged(
@@ -345,7 +310,14 @@ def test_resume_switching_mode_equals_uninterrupted_run(
     )
     # The first step's forward runs on the weights the uninterrupted run had.
     assert_series_close(resumed, source, "loss", EPOCH_1[:1], **EXACT)
-    _assert_same_training(resumed, source, RESUMED_ACROSS_MODES, EPOCH_1)
+    assert_same_training(
+        resumed,
+        source,
+        RESUMED_ACROSS_MODES,
+        EPOCH_1,
+        reference_steps=ALL_STEPS,
+        final_weights=_final_adapter,
+    )
 
 
 def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
@@ -367,8 +339,13 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
     assert (run.output_dir / "epoch_0" / "adapter_model.pt").is_file()
     assert list((run.output_dir / "epoch_1").glob("model-*.safetensors"))
     # Saving in the background leaves training as it was.
-    exact = _tolerances(0.0, 0.0, 0.0)
-    _assert_same_training(run, in_bwd, exact)
+    assert_same_training(
+        run,
+        in_bwd,
+        EXACT_TRAINING,
+        ALL_STEPS,
+        final_weights=_final_adapter,
+    )
 
     out = runs_dir / "async_resumed"
     _copy_epoch_0(run, out)
@@ -379,7 +356,14 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
         enable_async_checkpointing=True,
         resume_from_checkpoint=True,
     )
-    _assert_same_training(resumed, run, exact, EPOCH_1)
+    assert_same_training(
+        resumed,
+        run,
+        EXACT_TRAINING,
+        EPOCH_1,
+        reference_steps=ALL_STEPS,
+        final_weights=_final_adapter,
+    )
 
 
 def _bitsandbytes_refusal(component: str) -> str:
@@ -441,7 +425,7 @@ def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
     cfg.merge_with(overrides)
 
     with pytest.raises(ValueError) as error:
-        _load_recipe_class()(cfg)
+        load_recipe_class(RECIPE, RECIPE_CLASS)(cfg)
     assert str(error.value) == message
     # Refused before the process group, the model or any file.
     assert not torch.distributed.is_initialized()

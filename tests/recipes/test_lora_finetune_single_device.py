@@ -43,7 +43,6 @@ Tolerances:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -56,13 +55,13 @@ from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
-    REPO_ROOT,
     TuneRun,
     assert_same_steps,
     assert_series_close,
     assert_steps,
     assert_weights_close,
     format_override,
+    load_recipe_class,
     load_weights,
     run_tune,
     run_tune_in_process,
@@ -73,7 +72,6 @@ from tests.recipes.utils import (
 pytestmark = pytest.mark.integration_test
 
 RECIPE = "lora_finetune_single_device"
-RECIPE_FILE = REPO_ROOT / "recipes" / f"{RECIPE}.py"
 CONFIG = tiny_config("tiny_lora_single_device")
 STEPS_PER_EPOCH = 3
 ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
@@ -458,14 +456,6 @@ def test_adapter_only_checkpoint_loads_back(
     assert all(v.abs().max() > 0 for v in lora_b)
 
 
-def _load_recipe_class() -> type:
-    """The recipe class, from the recipe file (``recipes`` is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_{RECIPE}", RECIPE_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.LoRAFinetuneRecipeSingleDevice
-
-
 # A 1-layer Llama2 wide enough for NF4, whose blocks need >= 16384 weights per
 # matrix (the tiny asset model's hold 4096).
 QLORA_MODEL_KWARGS = {
@@ -560,7 +550,7 @@ def test_saving_a_checkpoint_leaves_the_model_unchanged(
         OmegaConf.load(CONFIG),
         OmegaConf.from_dotlist([format_override(k, v) for k, v in overrides.items()]),
     )
-    recipe = _load_recipe_class()(cfg)
+    recipe = load_recipe_class(RECIPE, "LoRAFinetuneRecipeSingleDevice")(cfg)
     recipe.setup(cfg)
     model = recipe._model
     # A trained adapter: 0.6.1's in-place merge of a fresh one (lora_b = 0) adds 0.

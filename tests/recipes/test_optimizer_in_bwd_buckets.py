@@ -97,5 +97,5 @@ def test_a_bad_bucket_cap_is_refused_before_anything_is_written(
             ],
             out,
         )
-    assert "0 updates each parameter on its own" in str(info.value)
+    assert "(0: each parameter on its own)" in str(info.value)
     assert not out.exists()

@@ -20,8 +20,10 @@ frozen, although the quantizer's prepare replaces it.
 
 Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml``,
 fake quantization from step 3), shared through module-scoped fixtures: six runs in
-all, and the partly frozen one on 1 process in this process. Refusals run in this
-process. The shipped configs are checked to resolve (components and keys), not run:
+all, each ``tune run`` on processes forked from a preloaded server
+(``run_tune_forked``: real processes, with what torchrun gives each rank, without an
+interpreter start and imports per run), and the partly frozen one on 1 process in
+this process. Refusals run in this process. The shipped configs are checked to resolve (components and keys), not run:
 neither sets ``optimizer_in_bwd: True``.
 
 The data: the tiny instruct set, whose answers have different lengths, so every
@@ -50,7 +52,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +59,21 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
+    assert_same_training,
     full_optimizer_state,
-    run_tune,
+    run_tune_forked,
     run_tune_in_process,
+    series,
     snapshot_files,
     tiny_config,
+    tolerances,
 )
+from tests.torchtune.distributed_launcher import free_port
 
 pytestmark = pytest.mark.integration_test
 
@@ -82,10 +86,11 @@ FAKE_QUANT_AFTER = 2  # the tiny config's fake_quant_after_n_steps
 SHARD = "model-00001-of-00001.safetensors"
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
+# rtol for the loss and the grad norm (module docstring).
+EXACT = tolerances(0.0, 0.0)
 # The grad norm the in-backward and plain runs clip at: their norms cross it.
 CLIP = 4.0
-ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 0.0}
+ACROSS_LAYOUTS = tolerances(1e-5, 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +112,7 @@ def _train(
         "dataset.data_files": data,
         "clip_grad_norm": CLIP,
     }
-    return run_tune(
+    return run_tune_forked(
         RECIPE, CONFIG, base | overrides, nproc=nproc, output_dir=out, timeout=TIMEOUT_S
     )
 
@@ -145,28 +150,6 @@ def _resume_0_6_1(out: Path, assets: TinyAssets, data: Path, **overrides: Any):
     return run
 
 
-def _metric(run: TuneRun, name: str, steps: range) -> torch.Tensor:
-    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
-
-
-def _assert_same_training(
-    run: TuneRun,
-    reference: TuneRun,
-    steps: range,
-    *,
-    loss: dict[str, float],
-    grad_norm: dict[str, float],
-) -> None:
-    assert_close(_metric(run, "loss", steps), _metric(reference, "loss", steps), **loss)
-    assert_close(
-        _metric(run, "grad_norm", steps),
-        _metric(reference, "grad_norm", steps),
-        **grad_norm,
-    )
-    # The schedule depends on nothing but the step count.
-    assert_close(_metric(run, "lr", steps), _metric(reference, "lr", steps), **EXACT)
-
-
 # A step checkpoint after every step: step_1 and step_3 land mid-epoch. Saving them
 # changes no loss, grad_norm or lr of the run (checked bitwise against a run without).
 STEP_CHECKPOINTS = {"save_every_n_steps": 1}
@@ -198,9 +181,9 @@ def test_in_backward_matches_plain_bitwise_with_fake_quantization(
 ) -> None:
     assert list(in_bwd.metrics) == list(ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    norms = _metric(plain, "grad_norm", ALL_STEPS)
+    norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    _assert_same_training(in_bwd, plain, ALL_STEPS, loss=EXACT, grad_norm=EXACT)
+    assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +208,13 @@ def test_two_processes_match_one_process_at_the_same_global_batch(
     # Both runs train unquantized until the 2-process run turns fake quantization
     # on: step 2's loss already reflects the first update, both grad_norms the
     # normalization over ranks.
-    _assert_same_training(
+    assert_same_training(
         one_process_without_fake_quant,
         in_bwd,
+        ACROSS_LAYOUTS,
         EPOCH_0,
-        loss=ACROSS_LAYOUTS,
-        grad_norm=ACROSS_LAYOUTS,
+        run_steps=ALL_STEPS,
+        reference_steps=ALL_STEPS,
     )
 
 
@@ -245,7 +229,8 @@ def test_fake_quantization_is_off_for_fake_quant_after_n_steps_then_on(
     step = FAKE_QUANT_AFTER + 1
     with_fq = in_bwd.metrics[step]["loss"]
     without_fq = one_process_without_fake_quant.metrics[step]["loss"]
-    assert abs(with_fq - without_fq) > 100 * ACROSS_LAYOUTS["rtol"] * abs(without_fq)
+    rtol = ACROSS_LAYOUTS["loss"]["rtol"]
+    assert abs(with_fq - without_fq) > 100 * rtol * abs(without_fq)
 
 
 def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
@@ -255,7 +240,7 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     # It starts past fake_quant_after_n_steps, so it keeps the fake quantization
     # that prepare() turned on (and the losses below show it is on).
     assert "fake quantization disabled" not in resumed.output
-    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=EXACT)
+    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
 
 
 def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupted_run(
@@ -284,8 +269,9 @@ def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupte
     assert "Step 1: fake quantization disabled." in resumed.output
     assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in resumed.output
     resumed_steps = range(2, EPOCHS * STEPS + 1)
-    assert list(resumed.metrics) == list(resumed_steps), resumed.metrics
-    _assert_same_training(resumed, in_bwd, resumed_steps, loss=EXACT, grad_norm=EXACT)
+    assert_same_training(
+        resumed, in_bwd, EXACT, resumed_steps, reference_steps=ALL_STEPS
+    )
 
 
 def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
@@ -352,7 +338,7 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
         enable_activation_checkpointing=True,
         custom_sharded_layers=["tok_embeddings", "output"],
     )
-    _assert_same_training(resumed, in_bwd, EPOCH_1, loss=EXACT, grad_norm=EXACT)
+    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
 
 
 def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_keys(
@@ -381,11 +367,8 @@ def _train_here(out: Path, assets: TinyAssets, data: Path, **overrides: Any) -> 
     """``_train`` on 1 process, in this process: no interpreter to start, so a few
     seconds a run. The environment gives the recipe what torchrun gives a rank; one
     thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     base = {"assets_dir": assets.root, "dataset.data_files": data}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

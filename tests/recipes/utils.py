@@ -18,14 +18,16 @@ logged, even when a second run (a resume) writes into the same ``output_dir``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -623,6 +625,147 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def run_tune_forked(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+    *,
+    nproc: int = 2,
+    output_dir: Path | str,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> TuneRun:
+    """``tune run RECIPE --config CONFIG overrides`` on ``nproc`` processes that form
+    a gloo group, as ``tune run --nproc_per_node NPROC`` does, without paying for
+    interpreters and imports.
+
+    Each rank is a process forked from a server that imported torch and torchtune
+    once, in a fresh interpreter, and nothing since
+    (``tests.torchtune.distributed_launcher``, ``start="preloaded"``); it gets the
+    environment ``run_tune`` gives its subprocess plus what torchrun gives a rank
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), one intra-op thread (as torchrun
+    gives each of several processes), and runs ``tune``'s entry point on the command
+    line of :func:`run_tune` without ``--nproc_per_node``: the same parsing, the same
+    recipe file, the same ``recipe_main``, each rank a real process of its own. The
+    run's metrics and output are read back as :func:`run_tune` reads them;
+    ``output`` is every rank's, rank 0's first. The Hugging Face datasets cache is
+    the server's (one per test process), not one per ``output_dir``.
+
+    Args and Returns: as :func:`run_tune` (``nproc`` defaults to 2).
+
+    Raises:
+        ValueError: if ``nproc < 1`` or an override sets a reserved key.
+        TuneRunError: if a rank exits non-zero, the run times out (every rank is
+            killed, with what it started), or it logs no metrics.
+    """
+    from tests.torchtune.distributed_launcher import (
+        free_port,
+        kill_child,
+        preloaded_context,
+        start_child,
+    )
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    output_dir = Path(output_dir).resolve()
+    log_dir = output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = log_dir / _next_log_name(log_dir)
+    log_file.touch()
+    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
+    argv += [
+        f"output_dir={output_dir}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_dir}",
+        f"metric_logger.filename={log_file.name}",
+    ]
+    context = preloaded_context()
+    base_env = _subprocess_env(output_dir, env)
+    port = str(free_port())
+    rank_logs = [log_dir / f"{log_file.stem}_rank{rank}.out" for rank in range(nproc)]
+    start = time.perf_counter()
+    ranks = []
+    try:
+        for rank in range(nproc):
+            rank_env = base_env | {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": "1",
+            }
+            ranks.append(
+                start_child(
+                    context,
+                    _tune_rank,
+                    (argv, str(REPO_ROOT)),
+                    rank_env,
+                    rank_logs[rank],
+                    replace_env=True,
+                )
+            )
+        deadline = start + timeout
+        for process in ranks:
+            process.join(max(0.0, deadline - time.perf_counter()))
+    finally:
+        timed_out = [p for p in ranks if p.is_alive()]
+        for process in timed_out:  # only the ranks started above
+            kill_child(process)
+    wall_s = time.perf_counter() - start
+    output = "".join(
+        path.read_text(errors="replace") if path.is_file() else "" for path in rank_logs
+    )
+    command = [*argv[:2], f"(forked, {nproc} processes)", *argv[2:]]
+    if timed_out:
+        raise TuneRunError(
+            f"tune run {recipe} on {nproc} forked processes ran past its "
+            f"{timeout:.0f} s timeout and was killed",
+            command,
+            None,
+            output,
+        )
+    codes = [p.exitcode for p in ranks]
+    if any(codes):
+        raise TuneRunError(
+            f"tune run {recipe} on {nproc} forked processes exited with statuses "
+            f"{codes}",
+            command,
+            next(c for c in codes if c),
+            output,
+        )
+    metrics = read_disk_log(log_file)
+    if not metrics:
+        raise TuneRunError(
+            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
+            command,
+            0,
+            output,
+        )
+    losses = [
+        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
+    ]
+    return TuneRun(
+        losses=losses,
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=command,
+        output=output,
+        wall_s=wall_s,
+    )
+
+
+def _tune_rank(argv: list[str], cwd: str) -> None:
+    """One rank of :func:`run_tune_forked`: ``tune``'s entry point on ``argv``."""
+    from torchtune._cli.tune import main as tune_main
+
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    tune_main()
+
+
 def run_tune_in_process(
     recipe: str,
     config: Path | str,
@@ -682,6 +825,43 @@ def run_tune_in_process(
         output="",
         wall_s=wall_s,
     )
+
+
+def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> TuneRun:
+    """What a run made without :func:`run_tune` (a recipe built and trained in a
+    forked rank) logged and wrote: its ``DiskLogger`` file (by default the tiny
+    configs' ``output_dir/logs/metrics.txt``) and its ``output_dir``.
+
+    Raises:
+        AssertionError: if the file logs no metrics, so that two runs that logged
+            nothing can never compare equal.
+    """
+    output_dir = Path(output_dir)
+    log_file = Path(log_file) if log_file else output_dir / "logs" / "metrics.txt"
+    metrics = read_disk_log(log_file)
+    assert metrics, f"{log_file} logs no metrics"
+    return TuneRun(
+        losses=[v["loss"] for _, v in sorted(metrics.items()) if "loss" in v],
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=[],
+        output="",
+        wall_s=0.0,
+    )
+
+
+def load_recipe_class(recipe: str, class_name: str) -> type:
+    """The class ``class_name`` of the installed recipe file ``recipes/RECIPE.py``
+    (``recipe`` as ``tune run`` names it, e.g. ``"dev/early_exit_finetune_distributed"``;
+    recipes are files, never an importable package), from a fresh module."""
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location("_" + recipe.replace("/", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, class_name)
 
 
 def full_optimizer_state(
@@ -827,6 +1007,64 @@ def assert_series_close(
         f"max abs diff {abs_diff:.3g}, max rel diff {rel_diff:.3g}"
     )
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+Tolerances = Mapping[str, Mapping[str, float]]
+"""Per compared quantity (``"loss"``, ``"grad_norm"``, ``"weights"``), the ``rtol``
+and ``atol`` of ``torch.testing.assert_close``."""
+
+
+def tolerances(
+    loss: float, grad_norm: float, weights: float | None = None
+) -> dict[str, dict[str, float]]:
+    """:data:`Tolerances`: ``rtol`` for the loss and the grad norm, ``atol`` for the
+    final weights (0: bitwise), nothing else."""
+    tol = {
+        "loss": {"rtol": loss, "atol": 0.0},
+        "grad_norm": {"rtol": grad_norm, "atol": 0.0},
+    }
+    if weights is not None:
+        tol["weights"] = {"rtol": 0.0, "atol": weights}
+    return tol
+
+
+def assert_same_training(
+    run: TuneRun,
+    reference: TuneRun,
+    tol: Tolerances,
+    steps: Iterable[int],
+    *,
+    run_steps: Iterable[int] | None = None,
+    reference_steps: Iterable[int] | None = None,
+    final_weights: Callable[[TuneRun], Mapping[str, torch.Tensor]] | None = None,
+    weights_match: Callable[..., None] | None = None,
+) -> None:
+    """Two runs trained alike over ``steps``.
+
+    ``run`` logged exactly ``run_steps`` and ``reference`` exactly
+    ``reference_steps`` (each defaults to ``steps``; :func:`assert_steps`). At each of
+    ``steps`` they have the same loss and grad norm, within ``tol["loss"]`` and
+    ``tol["grad_norm"]``, and the same lr exactly (the schedule depends on nothing
+    but the step count). With ``final_weights`` (what a run ended with), both end
+    with the same weights: those also hold the update of the last step, which no
+    logged loss shows. ``weights_match(actual, expected)`` compares them (for
+    example :func:`assert_same_update`); by default :func:`assert_weights_close`
+    within ``tol["weights"]``. Prints each largest difference.
+
+    Raises:
+        ValueError: if ``steps`` is empty.
+        AssertionError: if a run logged other steps, or the runs differ.
+    """
+    steps = list(steps)
+    assert_steps(reference, steps if reference_steps is None else reference_steps)
+    assert_steps(run, steps if run_steps is None else run_steps)
+    for name in ("loss", "grad_norm"):
+        assert_series_close(run, reference, name, steps, **tol[name])
+    assert_series_close(run, reference, "lr", steps, rtol=0.0, atol=0.0)
+    if final_weights is not None:
+        if weights_match is None:
+            weights_match = partial(assert_weights_close, **tol["weights"])
+        weights_match(final_weights(run), final_weights(reference))
 
 
 def load_weights(*paths: Path | str) -> dict[str, torch.Tensor]:

@@ -2,30 +2,55 @@
 collect what each rank reports. A hung run is killed at a deadline instead of hanging
 the test session.
 
-Processes are forked from the test process where the platform allows it: they start
-with torch and torchtune already imported, which on a busy 2-core machine saves about
-40 s per launch compared with starting fresh interpreters. Each child uses one
-intra-op thread, which keeps OpenMP safe after ``fork``. Elsewhere they are started as
-``python -m MODULE OUT_DIR`` (see :func:`main_from_argv`).
+How the processes start (``start=``):
+
+- ``"preloaded"``: forked from a server process that imported torch and torchtune
+  once, in a fresh interpreter, and nothing since (``multiprocessing``'s
+  forkserver). Every launch starts with the imports done, which on a busy 2-core
+  machine saves 15 to 40 s per launch, and with none of the test process's state
+  (its threads, a torch.compile worker pool, monkeypatched modules): a rank forked
+  from a pytest process that had compiled can hang in its own compile.
+- ``"fork"``: forked from the test process itself (where the platform allows it),
+  so it inherits whatever that process holds.
+- ``"fresh"``: ``python -m MODULE OUT_DIR`` (see :func:`main_from_argv`).
+
+Each forked child uses one intra-op thread, which keeps OpenMP safe after ``fork``,
+and leads a process group of its own, so that a deadline kills what it started too.
 
 The function receives ``OUT_DIR`` and reports by calling :func:`write_report`.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import multiprocessing
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# What the preloaded server imports: torch, and torchtune with what it imports
+# (torchao, Hugging Face datasets and hub), ``tune``'s command line and torchrun's
+# entry point; most of a rank's start-up time.
+_PRELOAD = ["torch", "torchtune", "torchtune.training", "torchtune._cli.tune"]
+# Read by Hugging Face libraries when first imported, so the server (which imports
+# them) gets them when it starts; its children inherit what it read.
+_SERVER_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+_server_lock = threading.Lock()
+_server_started = False
 
 
 def free_port() -> int:
@@ -84,19 +109,94 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _forked_entry(
-    env: dict[str, str], log_path: str, module: str, function: str, out_dir: str
+def preloaded_context() -> Any:
+    """The ``multiprocessing`` context whose processes fork from the preloaded server
+    (module docstring), which it starts on first use: a fresh interpreter with the
+    test process's environment, ``_SERVER_ENV`` and a datasets cache of its own
+    (set in this process's environment while it starts: call this first from the
+    thread that changes the environment, before others start). The server ends when
+    the test process does."""
+    global _server_started
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    with _server_lock:
+        if not _server_started:
+            context.set_forkserver_preload(_PRELOAD)
+            cache = tempfile.mkdtemp(prefix="hf_datasets_")
+            atexit.register(shutil.rmtree, cache, ignore_errors=True)
+            env = {**_SERVER_ENV, "HF_DATASETS_CACHE": cache, "OMP_NUM_THREADS": "1"}
+            saved = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            try:
+                forkserver.ensure_running()
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            _server_started = True
+    return context
+
+
+def start_child(
+    context: Any,
+    target: Callable[..., None],
+    args: tuple,
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    replace_env: bool = False,
+) -> Any:
+    """Start ``target(*args)`` in a process of ``context`` (``fork`` or the preloaded
+    server), its stdout and stderr in ``log_path``, ``env`` added to its environment
+    (or, with ``replace_env``, made its whole environment), one intra-op thread, in a
+    process group of its own."""
+    process = context.Process(
+        target=_child_entry,
+        args=(dict(env), replace_env, str(log_path), target, args),
+    )
+    process.start()
+    return process
+
+
+def _child_entry(
+    env: dict[str, str],
+    replace_env: bool,
+    log_path: str,
+    target: Callable[..., None],
+    args: tuple,
 ) -> None:
+    # A group of its own: a deadline kills what this process started, too.
+    os.setpgid(0, 0)
     # Send this process's output to its log (file descriptors, so C++ output too).
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    os.close(log_fd)
+    if replace_env:
+        os.environ.clear()
     os.environ.update(env)
     import torch
 
     torch.set_num_threads(1)
+    target(*args)
+
+
+def kill_child(process: Any) -> None:
+    """Kill a process of :func:`start_child` and its process group, and reap it."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.join()
+
+
+def _call(module: str, function: str, out_dir: str) -> None:
     getattr(importlib.import_module(module), function)(Path(out_dir))
 
 
@@ -112,7 +212,7 @@ def run_distributed(
     *,
     world_size: int = 2,
     timeout_s: float = 300.0,
-    fork: bool = True,
+    start: str = "fork",
 ) -> DistributedRun:
     """Run ``module.function(out_dir)`` on ``world_size`` local processes, with the
     ``torchrun`` environment variables set (the function initializes the group).
@@ -125,10 +225,9 @@ def run_distributed(
         world_size (int): number of processes. Default: ``2``
         timeout_s (float): deadline for the whole run; processes still running then
             are killed. Default: ``300.0``
-        fork (bool): fork this process (no interpreter start or import to pay) where
-            the platform can; ``False`` starts fresh interpreters, which inherit
-            nothing of what this process ran before (a compile worker pool, say).
-            Default: ``True``
+        start (str): how the processes start (module docstring): ``"preloaded"``,
+            ``"fork"`` (this process, where the platform can fork; else ``"fresh"``)
+            or ``"fresh"``. Default: ``"fork"``
 
     Returns:
         DistributedRun: the reports, return codes and output.
@@ -137,16 +236,26 @@ def run_distributed(
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_paths = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    can_fork = fork and "fork" in multiprocessing.get_all_start_methods()
+    if start not in ("preloaded", "fork", "fresh"):
+        raise ValueError(f"start must be preloaded, fork or fresh, got {start!r}")
+    can_fork = start != "fresh" and "fork" in multiprocessing.get_all_start_methods()
+    if can_fork:
+        context = (
+            preloaded_context()
+            if start == "preloaded"
+            else multiprocessing.get_context("fork")
+        )
     procs: list = []
     for rank in range(world_size):
         env = _rank_env(rank, world_size, port)
         if can_fork:
-            proc = multiprocessing.get_context("fork").Process(
-                target=_forked_entry,
-                args=(env, str(log_paths[rank]), module, function, str(out_dir)),
+            proc = start_child(
+                context,
+                _call,
+                (module, function, str(out_dir)),
+                env,
+                log_paths[rank],
             )
-            proc.start()
         else:
             env["PYTHONPATH"] = os.pathsep.join(
                 [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -176,8 +285,7 @@ def run_distributed(
     timed_out = any(code is None for code in returncodes)
     for proc in procs:  # only the processes started above
         if can_fork and proc.is_alive():
-            proc.kill()
-            proc.join()
+            kill_child(proc)
         elif not can_fork and proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -45,7 +45,10 @@ def test_code_written_for_later_upstream_api_runs_unchanged() -> None:
     saved = copy.deepcopy(optimizer.state_dict())
     torch.testing.assert_close(saved, plain.state_dict(), **BITWISE)
 
-    # A fresh optimizer loading the saved state continues exactly like the plain one.
+    # A fresh optimizer over a fresh model (a resumed run), loading the saved state,
+    # continues exactly like the plain one.
+    model = _model()
+    model.load_state_dict(reference.state_dict())
     resumed = OptimizerInBackward(
         params=model.parameters(), optimizer_cls=torch.optim.AdamW, lr=0.01
     )
