@@ -27,6 +27,7 @@ import socket
 import subprocess
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -67,6 +69,8 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointError,
     CheckpointManager,
     TrainingProgress,
+    _dataset_identity,
+    _on_rank_zero,
     file_checksum,
     read_run_file,
     step_of,
@@ -212,10 +216,12 @@ def train(
     stop_after: int | None = None,
     dataset: Dataset | None = None,
     build: Callable[[dict[str, Any]], nn.Module] = base_model,
+    lr_lambda: Callable[[int], float] | None = None,
 ) -> Run:
     """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
-    of an epoch's last step)."""
+    of an epoch's last step). ``lr_lambda``: a ``LambdaLR`` schedule, built after
+    ``load`` as the recipes build theirs."""
     manager = CheckpointManager.from_config(cfg)
     model = build(manager.load_base_checkpoint())
     optimizer = make_optimizer(model, cfg, in_backward)
@@ -226,6 +232,11 @@ def train(
     progress = TrainingProgress(total_epochs=cfg.epochs)
     manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
     run = Run(manager, model, optimizer, progress, progress.global_step)
+    scheduler = None
+    if lr_lambda is not None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda, last_epoch=progress.global_step - 1
+        )
     for epoch in range(progress.epochs_run, progress.total_epochs):
         loader.sampler.set_epoch(epoch)
         for _, batch in training.epoch_batches(
@@ -236,6 +247,8 @@ def train(
             model(batch).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
             progress.global_step += 1
             manager.save()
             if progress.global_step == stop_after:
@@ -491,6 +504,23 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_one_process_distributed_resume_restores_the_lr_schedules_initial_lr(
+    tmp_path: Path, gloo_world_of_one: None
+) -> None:
+    """DCP loads only the entries that a new optimizer has, and ``initial_lr`` (an LR
+    scheduler's) is not one of them; a scheduler built on resume needs it."""
+    cfg = make_config(tmp_path)
+    schedule = {"build": sharded_model, "lr_lambda": lambda step: 1 / (1 + step)}
+    train(cfg, stop_after=7, **schedule).manager.close()
+    run = resume(cfg, **schedule)
+    run.manager.close()
+    assert run.resumed_at == 6
+    assert run.optimizer.param_groups[0]["initial_lr"] == 0.05
+    expected = full_state(uninterrupted(tmp_path, **schedule))
+    torch.testing.assert_close(full_state(run.model), expected, **BITWISE)
+
+
 # -- what a save writes, and when ------------------------------------------------------
 
 
@@ -570,7 +600,8 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     manifest = json.loads((out / "step_3" / MANIFEST).read_text())
     assert sorted(manifest) == ["files", "run_id", "version"]
     assert manifest["version"] == 2
-    assert read_run_file(out) is not None
+    # The run id: the UTC time the run started and 8 random hex digits.
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", read_run_file(out))
     assert manifest["run_id"] == read_run_file(out)
     assert sorted(manifest["files"]) == [
         MODEL_OPTIMIZER_FILE,
@@ -608,6 +639,16 @@ def test_file_checksum_is_the_crc32_of_a_large_and_of_an_empty_file(
 
 
 # -- crashes and damage ----------------------------------------------------------------
+
+
+def test_on_rank_zero_returns_the_result_or_raises_what_the_function_raised() -> None:
+    assert _on_rank_zero(lambda: "rank 0's") == "rank 0's"
+
+    def refuse() -> None:
+        raise CheckpointError("refused on rank 0")
+
+    with pytest.raises(CheckpointError, match="^refused on rank 0$"):
+        _on_rank_zero(refuse)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
@@ -687,8 +728,40 @@ def test_a_folder_without_manifest_is_not_a_checkpoint(
     assert run.resumed_at == 4
 
 
+@pytest.mark.parametrize("damage", ["torn", "read error"])
+def test_a_manifest_that_cannot_be_read_is_damaged_and_the_resume_falls_back(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    manifest = tmp_path / "out" / "step_4" / MANIFEST
+    if damage == "torn":
+        manifest.write_text(manifest.read_text()[:40])  # not JSON
+    else:  # the disk fails to read it
+        read_text = Path.read_text
+
+        def failing_read(path: Path, *args: Any, **kwargs: Any) -> str:
+            if path == manifest:
+                raise OSError(5, "Input/output error")
+            return read_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", failing_read)
+    with pytest.raises(
+        CheckpointError, match=f"^{re.escape(str(manifest))} is damaged"
+    ):
+        verify(manifest.parent)
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert f"{manifest} is damaged" in warnings_text(caplog)
+    assert run.resumed_at == 3
+
+
 @pytest.mark.parametrize(
-    "entries", ["sizes_as_version_1_wrote_them", "checksums_but_version_1"]
+    "entries",
+    ["sizes_as_version_1_wrote_them", "checksums_but_version_1", "unversioned"],
 )
 def test_a_version_1_manifest_is_refused_naming_the_version(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, entries: str
@@ -707,6 +780,8 @@ def test_a_version_1_manifest_is_refused_naming_the_version(
         if entries == "sizes_as_version_1_wrote_them"
         else files,
     }
+    if entries == "unversioned":  # a manifest that names no version is version 1
+        del legacy["version"]
     (out / "step_4" / MANIFEST).write_text(json.dumps(legacy))
     named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
     with pytest.raises(CheckpointError, match="of manifest version 1"):
@@ -897,6 +972,33 @@ def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
 # -- refusals --------------------------------------------------------------------------
 
 
+def test_a_step_checkpoint_of_another_model_is_refused_naming_five_entries_each(
+    tmp_path: Path,
+) -> None:
+    def model() -> nn.Module:  # 6 entries
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3)
+        )
+
+    def build(state: dict[str, Any]) -> nn.Module:
+        built = model()
+        built.load_state_dict(state[training.MODEL_KEY])
+        return built
+
+    cfg = make_config(tmp_path, base=model().state_dict())
+    train(cfg, stop_after=5, build=build)
+    renamed = lambda state: nn.Sequential(OrderedDict(inner=build(state)))  # noqa: E731
+    with pytest.raises(CheckpointError) as refused:
+        resume(cfg, build=renamed)
+    assert str(refused.value) == (
+        f"{tmp_path / 'out' / 'step_4'} does not match this model: missing trainable "
+        "entries ['inner.0.bias', 'inner.0.weight', 'inner.2.bias', 'inner.2.weight', "
+        "'inner.3.bias'], unexpected entries ['0.bias', '0.weight', '2.bias', "
+        "'2.weight', '3.bias']. Resume with the model that saved it."
+    )
+
+
 def test_another_optimizer_class_is_refused_when_the_manager_is_built(
     tmp_path: Path,
 ) -> None:
@@ -990,6 +1092,56 @@ def test_resume_allow_changes_continues_with_another_trajectory_and_warns(
         r"\(dataset_fingerprint: '[0-9a-f]{16}' then, '[0-9a-f]{16}' now\)",
         warnings_text(caplog),
     )
+
+
+def test_the_dataset_fingerprint_reads_the_first_middle_and_last_sample() -> None:
+    """Cheap by design: a change to another sample goes unseen."""
+    samples = [torch.tensor([float(i)]) for i in range(9)]
+    identity = _dataset_identity(samples)
+    assert identity["dataset_length"] == 9
+    for i, seen in ((0, True), (4, True), (8, True), (1, False), (3, False)):
+        changed = [torch.tensor([-1.0]) if j == i else s for j, s in enumerate(samples)]
+        differs = _dataset_identity(changed) != identity
+        assert differs == seen, f"sample {i}"
+
+
+@pytest.mark.parametrize(
+    "recorded", [{"world_size": 1}, {}], ids=["world_size_alone", "nothing"]
+)
+def test_a_step_checkpoint_without_a_trajectory_resumes_in_one_process(
+    tmp_path: Path, recorded: dict[str, int]
+) -> None:
+    """An earlier build recorded the world size alone, or nothing: a one-process
+    run's."""
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7)
+    step_6 = tmp_path / "out" / "step_6"
+    recipe_state = torch.load(step_6 / RECIPE_STATE, weights_only=False)
+    del recipe_state["trajectory"]
+    rewrite(step_6, RECIPE_STATE, {**recipe_state, **recorded})
+    run = resume(cfg)
+    assert run.resumed_at == 6
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    rewrite(step_6, RECIPE_STATE, {**recipe_state, "world_size": 2})
+    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_6"}})
+    with pytest.raises(CheckpointError, match=r"\(world_size: 2 then, 1 now\)"):
+        resume(named)
+
+
+def test_a_manifest_that_names_no_run_resumes_as_the_folders_run(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    out = tmp_path / "out"
+    run_id = read_run_file(out)
+    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
+    del manifest["run_id"]  # as an earlier build wrote it
+    (out / "step_4" / MANIFEST).write_text(json.dumps(manifest))
+    run = resume(cfg)
+    assert run.resumed_at == 4
+    assert json.loads((out / "step_6" / MANIFEST).read_text())["run_id"] == run_id
+    assert_same_weights(run.model, uninterrupted(tmp_path))
 
 
 def test_a_trajectory_setting_added_on_resume_is_refused(tmp_path: Path) -> None:
@@ -1246,8 +1398,7 @@ def lora_config(tmp_path: Path, dora: bool, adapter_only: bool) -> DictConfig:
         model={
             "lora_rank": 2,
             "lora_alpha": 4.0,
-            "lora_attn_modules": ["q_proj"],
-            "apply_lora_to_mlp": False,
+            "lora_attn_modules": ["q_proj"],  # the mlp and output: not adapted
         },
     )
 
@@ -1348,31 +1499,59 @@ def test_a_lora_resume_of_a_0_6_1_epoch_checkpoint_without_adapter_is_refused(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("layout", ["epoch", "dcp"])
+def as_0_6_1_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """torchtune 0.6.1's in-backward optimizer state: parameter name -> the state
+    dict of that parameter's own optimizer (keyed by 0)."""
+    saved = optimizer.state_dict()
+    (group,) = saved["param_groups"]
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    return {
+        name: {
+            "state": {0: saved["state"][i]},
+            "param_groups": [{**hyper, "params": [0]}],
+        }
+        for i, (name, _) in enumerate(model.named_parameters())
+    }
+
+
+@pytest.mark.parametrize(
+    "layout", ["epoch", "epoch_named", "epoch_by_name", "epoch_in_bwd", "dcp"]
+)
 def test_a_0_6_1_epoch_checkpoint_resumes_at_its_epochs_end(
     tmp_path: Path, layout: str
 ) -> None:
     """0.6.1 saved the weights in ``epoch_{N}/`` and the progress and optimizer state
-    in ``recipe_state/recipe_state.pt`` or, asynchronously, all of it in DCP's
-    ``dist_epoch_{N}/``; no data position or RNG state, which an epoch's end of a
-    model without dropout does not need."""
+    in ``recipe_state/recipe_state.pt`` (which ``checkpointer.recipe_checkpoint`` may
+    name) or, asynchronously, all of it in DCP's ``dist_epoch_{N}/``; no data
+    position or RNG state, which an epoch's end of a model without dropout does not
+    need. The optimizer state: keyed by index, by parameter name (its distributed
+    recipes'), or in its in-backward format."""
     after_epoch_0 = train(make_config(tmp_path / "first"), stop_after=4)
     model, optimizer = after_epoch_0.model, after_epoch_0.optimizer
+    optimizer_state = {
+        "epoch_by_name": lambda: dsd.get_optimizer_state_dict(
+            model, optimizer, options=dsd.StateDictOptions(full_state_dict=True)
+        ),
+        "epoch_in_bwd": lambda: as_0_6_1_in_backward(model, optimizer),
+    }.get(layout, optimizer.state_dict)()
     out = tmp_path / "out"
     recipe_state = {
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: 1,
         training.TOTAL_EPOCHS_KEY: 2,
         training.MAX_STEPS_KEY: None,
-        training.OPT_KEY: optimizer.state_dict(),
+        training.OPT_KEY: optimizer_state,
     }
     options: dict[str, Any] = {"resume_from_checkpoint": True}
-    if layout == "epoch":
+    if layout.startswith("epoch"):
         (out / "epoch_0").mkdir(parents=True)
         (out / "recipe_state").mkdir()
         torch.save(model.state_dict(), out / "epoch_0" / EXPORT_FILE)
         torch.save(recipe_state, out / "recipe_state" / "recipe_state.pt")
         options["checkpointer"] = {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]}
+        if layout == "epoch_named":
+            named = "recipe_state/recipe_state.pt"
+            options["checkpointer"]["recipe_checkpoint"] = named
     else:
         recipe_state[training.MODEL_KEY] = model.state_dict()
         DistributedCheckpointer(
@@ -1383,7 +1562,8 @@ def test_a_0_6_1_epoch_checkpoint_resumes_at_its_epochs_end(
     run = train(cfg, in_backward=layout == "dcp")
     assert run.resumed_at == STEPS_PER_EPOCH
     assert_same_weights(run.model, uninterrupted(tmp_path))
-    assert read_run_file(out).startswith("0.6.1-")
+    # A run resumed from 0.6.1 is named so, with 8 random hex digits.
+    assert re.fullmatch(r"0\.6\.1-[0-9a-f]{8}", read_run_file(out))
 
 
 # -- two processes ---------------------------------------------------------------------
