@@ -50,7 +50,7 @@ from tests.recipes.utils import (
     assert_weights_close,
     load_weights,
     read_disk_log,
-    run_tune,
+    run_tune_forked,
     run_tune_in_process,
     snapshot_files,
     tiny_config,
@@ -230,6 +230,8 @@ def test_invalid_save_every_n_steps_is_refused_before_anything_is_written(
 
 
 # -- two processes (FSDP2 over gloo): sharded step checkpoints --------------------------
+# The ranks are forked from a preloaded server (test_harness_smoke.py checks that
+# they train as torchrun's do, bitwise).
 
 DISTRIBUTED = "full_finetune_distributed"
 DISTRIBUTED_CONFIG = tiny_config("tiny_full_distributed")
@@ -240,7 +242,7 @@ def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory, mode: str
 ) -> None:
     settings = overrides(tiny_assets, mode == "bwd", clip_grad_norm=None)
-    uninterrupted = run_tune(
+    uninterrupted = run_tune_forked(
         DISTRIBUTED,
         DISTRIBUTED_CONFIG,
         settings,
@@ -254,7 +256,7 @@ def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
 
     out = tmp_path_factory.mktemp(f"fsdp_{mode}_resumed")
     shutil.copytree(step_4, out / "step_4")
-    resumed = run_tune(
+    resumed = run_tune_forked(
         DISTRIBUTED,
         DISTRIBUTED_CONFIG,
         settings | {"resume_from_checkpoint": True},
@@ -271,12 +273,12 @@ def test_two_process_lora_resumes_mid_epoch_to_the_uninterrupted_losses_bitwise(
     settings = overrides(tiny_assets, True, clip_grad_norm=None)
     config = tiny_config("tiny_lora_distributed")
     recipe = "lora_finetune_distributed"
-    uninterrupted = run_tune(
+    uninterrupted = run_tune_forked(
         recipe, config, settings, nproc=2, output_dir=tmp_path_factory.mktemp("lora2")
     )
     out = tmp_path_factory.mktemp("lora2_resumed")
     shutil.copytree(uninterrupted.output_dir / "step_4", out / "step_4")
-    resumed = run_tune(
+    resumed = run_tune_forked(
         recipe,
         config,
         settings | {"resume_from_checkpoint": True},

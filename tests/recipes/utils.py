@@ -13,6 +13,9 @@ A typical recipe test::
 ``run_tune`` always sends the metrics to a ``DiskLogger`` file of its own under
 ``output_dir/logs`` and parses that file, so a test sees exactly the steps its run
 logged, even when a second run (a resume) writes into the same ``output_dir``.
+``run_tune_in_process`` runs the same command line in the test process, and
+``run_tune_forked`` on several processes forked from a preloaded server (no
+interpreter start or imports per run); both read the metrics back the same way.
 """
 
 from __future__ import annotations
