@@ -27,7 +27,7 @@ Subcommands:
 ``report SESSION [TEST_FILE...]``
     Counts (total, killed, survived, timeouts), which test file killed each mutant
     first, and the diff of every survivor; survivors listed in ``EQUIVALENT`` or
-    ``MULTI_PROCESS`` are marked so, with the reason, and left out of the score.
+    ``ELSEWHERE`` are marked so, with the reason, and left out of the score.
     With TEST_FILEs, a mutant killed first in one of them is also counted as "killed
     only by" them, which with ``pytest -x`` and those files run last means no other
     test file killed it.
@@ -163,6 +163,21 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ),
     (
         _MANAGER,
+        "_write_step",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def _write_step(self, /, mid_epoch: bool, wait: bool = False) -> None:",
+    ): "both callers pass mid_epoch and wait by keyword, which both signatures accept",
+    **{
+        (_MANAGER, "_write_manifest", "core/NumberReplacer", line): (
+            "the manifest's indentation, which JSON readers ignore"
+        )
+        for line in (
+            "text = json.dumps(manifest, indent= 2)",
+            "text = json.dumps(manifest, indent= 0)",
+        )
+    },
+    (
+        _MANAGER,
         "_restore",
         "core/ReplaceFalseWithTrue",
         "for configured, saved in zip(before, _hyperparameters(optimizer), "
@@ -193,16 +208,34 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     },
 }
 
-# Surviving mutants that only a run of several processes can tell apart: the unit
-# tests run in one process (the 2-process scenarios, which kill them, take minutes
-# each and are left out of a mutation run). Reported apart, out of the score.
-MULTI_PROCESS: dict[tuple[str, str, str, str], str] = {
-    (_MANAGER, "_on_rank_zero", "core/NumberReplacer", line): "rank 0 broadcasts"
-    for line in ("dist.broadcast_object_list(outcome, src= 1)",)
-} | {
-    (_MANAGER, "_export", "core/ReplaceContinueWithBreak", "break"): (
-        "the ranks but 0 gather their shards and save nothing"
+# Surviving mutants that only a run these unit tests cannot make tells apart: one of
+# several processes (the 2-process scenarios, minutes each, are left out of a
+# mutation run), or one with CUDA. Reported apart ("ELSEWHERE"), out of the score.
+ELSEWHERE: dict[tuple[str, str, str, str], str] = {
+    (
+        _MANAGER,
+        "_on_rank_zero",
+        "core/NumberReplacer",
+        "dist.broadcast_object_list(outcome, src= 1)",
+    ): "2 processes: rank 0's result is the one broadcast",
+    (_MANAGER, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
+        "2 processes: the other ranks get rank 0's result"
     ),
+    (_MANAGER, "_export", "core/ReplaceContinueWithBreak", "break"): (
+        "2 processes: the ranks but 0 gather their shards and save nothing"
+    ),
+    (
+        _MANAGER,
+        "_restore",
+        "core/ReplaceAndWithOr",
+        'if "cuda" in rank_state["rng"] or torch.cuda.is_available():',
+    ): "CUDA: a checkpoint saved without CUDA, resumed with it",
+    (
+        _MANAGER,
+        "_restore",
+        "core/AddNot",
+        'if not "cuda" in rank_state["rng"] and torch.cuda.is_available():',
+    ): "CUDA: a checkpoint saved with CUDA's RNG state, resumed with CUDA",
 }
 
 
@@ -481,13 +514,13 @@ def _changed_lines(diff: str) -> list[str]:
 
 def _equivalent_reason(mutation, diff: str) -> tuple[str, str] | None:
     """``(label, reason)`` of a survivor listed in ``EQUIVALENT`` or
-    ``MULTI_PROCESS``, else ``None``."""
+    ``ELSEWHERE``, else ``None``."""
     module = Path(mutation.module_path).as_posix()
     for line in _changed_lines(diff):
         key = (module, mutation.definition_name, mutation.operator_name, line)
         for label, known in (
             ("EQUIVALENT", EQUIVALENT),
-            ("MULTI-PROCESS", MULTI_PROCESS),
+            ("ELSEWHERE", ELSEWHERE),
         ):
             if key in known:
                 return label, known[key]
@@ -530,7 +563,7 @@ def report(session: str, late_files: list[str] = ()) -> None:
             else:
                 counts["other"] += 1
     ran = counts["killed"] + counts["timeout"] + counts["survived"]
-    known = {"EQUIVALENT": 0, "MULTI-PROCESS": 0}
+    known = {"EQUIVALENT": 0, "ELSEWHERE": 0}
     for item, result in sorted(survivors, key=lambda s: s[0].mutations[0].start_pos):
         (mutation,) = item.mutations
         diff = result.diff or ""
@@ -543,8 +576,8 @@ def report(session: str, late_files: list[str] = ()) -> None:
         )
         print("\n".join(line for line in diff.split("\n") if re.match(r"[-+@]", line)))
     counts["equivalent"] = equivalent = known["EQUIVALENT"]
-    counts["multi_process_only"] = known["MULTI-PROCESS"]
-    equivalent += known["MULTI-PROCESS"]
+    counts["elsewhere"] = known["ELSEWHERE"]
+    equivalent += known["ELSEWHERE"]
     for first, n in sorted(killed_by.items()):
         print(f"killed first by {first}: {n}")
     only_late = sum(n for f, n in killed_by.items() if f in late_files)
@@ -553,7 +586,7 @@ def report(session: str, late_files: list[str] = ()) -> None:
     if scored:
         killed = ran - counts["survived"]
         print(
-            "score (killed / neither equivalent nor multi-process only, timeouts "
+            "score (killed / neither equivalent nor only elsewhere, timeouts "
             f"count as killed): "
             f"{killed}/{scored} = {killed / scored:.1%}"
         )

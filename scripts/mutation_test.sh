@@ -150,7 +150,7 @@ EOF
   .venv/bin/cosmic-ray exec "$cfg" "$session"
   echo "$name: $((SECONDS - start)) s"
   "$PY" scripts/mutation_test.py report "$session" "$contract" |
-    tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT\|^MULTI-PROCESS'
+    tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT\|^ELSEWHERE'
 }
 
 for what in "${@:-optimizer_in_backward deprecated legacy_state_dict checkpoint_manager}"; do

@@ -377,7 +377,7 @@ def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def _differs(a: Any, b: Any) -> bool:
     try:
         return bool(a != b)
-    except (RuntimeError, TypeError, ValueError):  # tensors of several elements
+    except (RuntimeError, ValueError):  # tensors (or arrays) of several elements
         return str(a) != str(b)
 
 
@@ -568,7 +568,7 @@ class CheckpointManager:
         saved, same, configured = None, False, self.options.optimizer_component
         try:
             path = where / RECIPE_STATE if where.is_dir() else where
-            state = torch.load(path, weights_only=False, mmap=True)
+            state = torch.load(path, weights_only=True, mmap=True)
             saved = state.get("optimizer_component")
             same = _component(saved) is _component(configured)
         except Exception:  # damaged (load() names it), or a class no longer imported
@@ -734,7 +734,7 @@ class CheckpointManager:
                 "whole (see the warnings). Set resume_from_checkpoint=False to start anew."
             )
         self._check_optimizer(folder)  # from_config checked the newest
-        recipe_state = torch.load(folder / RECIPE_STATE, weights_only=False)
+        recipe_state = torch.load(folder / RECIPE_STATE, weights_only=True)
         # A checkpoint of an earlier build recorded its world size alone.
         old, new = recipe_state.get("trajectory"), self._trajectory
         keys = sorted({*old, *new}) if old else ["world_size"]
@@ -773,7 +773,7 @@ class CheckpointManager:
             for group, values in zip(optimizer.param_groups, saved, strict=True):
                 group.update(values)
         else:
-            state = torch.load(folder / MODEL_OPTIMIZER_FILE, weights_only=False)
+            state = torch.load(folder / MODEL_OPTIMIZER_FILE, weights_only=True)
             for name, model in self._models.items():
                 saved = state["model"][name] if self._named else state["model"]
                 missing, unexpected = model.load_state_dict(saved, strict=False)
@@ -803,7 +803,7 @@ class CheckpointManager:
             return
         self._run_id = _read_json(folder / MANIFEST).get("run_id")
         self._run_id = self._run_id or read_run_file(self._out)
-        rank_state = torch.load(folder / f"rank_{_rank()}.pt", weights_only=False)
+        rank_state = torch.load(folder / f"rank_{_rank()}.pt", weights_only=True)
         if rank_state[training.DATALOADER_KEY]:
             self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
         torch.set_rng_state(rank_state["rng"]["torch"])
@@ -902,7 +902,7 @@ class CheckpointManager:
         partial = self._out / f".step_{step}.partial"
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+            partial.mkdir()
         _barrier()
         future = None
         if _sharded():
@@ -980,8 +980,6 @@ class CheckpointManager:
         adapter, its PEFT config and, unless ``adapter_only``, the merged weights),
         then its manifest."""
         folders = [root / f"epoch_{epoch}" for root in self._export_roots]
-        for folder in folders if _rank() == 0 else []:  # not whole until rewritten
-            (folder / EXPORT_MANIFEST).unlink(missing_ok=True)
         adapter = self.options.adapter_config
         adapter_only = self.options.adapter_only and adapter is not None
         for name, model in self._models.items():

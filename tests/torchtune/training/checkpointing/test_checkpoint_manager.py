@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -457,6 +458,12 @@ def sharded_model(state: dict[str, Any]) -> nn.Module:
     return model
 
 
+def sharded_frozen_model(state: dict[str, Any]) -> nn.Module:
+    model = sharded_model(state)
+    model[0].requires_grad_(False)
+    return model
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         k: v.full_tensor() if isinstance(v, DTensor) else v
@@ -518,6 +525,21 @@ def test_a_one_process_distributed_resume_restores_the_lr_schedules_initial_lr(
     assert run.resumed_at == 6
     assert run.optimizer.param_groups[0]["initial_lr"] == 0.05
     expected = full_state(uninterrupted(tmp_path, **schedule))
+    torch.testing.assert_close(full_state(run.model), expected, **BITWISE)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_one_process_distributed_run_of_a_partly_frozen_model_resumes(
+    tmp_path: Path, gloo_world_of_one: None
+) -> None:
+    """Its sharded checkpoint holds the trainable part: the frozen weights are the
+    base checkpoint's."""
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7, build=sharded_frozen_model).manager.close()
+    run = resume(cfg, build=sharded_frozen_model)
+    run.manager.close()
+    assert run.resumed_at == 6
+    expected = full_state(uninterrupted(tmp_path, build=sharded_frozen_model))
     torch.testing.assert_close(full_state(run.model), expected, **BITWISE)
 
 
@@ -820,21 +842,33 @@ def test_a_damaged_epoch_export_is_rewritten_on_resume(
 # -- runs and their folders ------------------------------------------------------------
 
 
-def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_new_run_makes_its_output_dir_and_the_folders_above_it(
+    tmp_path: Path,
 ) -> None:
+    out = tmp_path / "runs" / "tiny" / "out"  # the exports go to tmp_path / "out"
+    train(make_config(tmp_path, output_dir=str(out)), stop_after=3)
+    assert (out / "step_3").is_dir()
+
+
+@pytest.mark.parametrize("base", ["its folder", "its files"])
+def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, base: str
+) -> None:
+    """The new run starts from the earlier run's last export, named by its folder
+    (``checkpoint_dir``), or by its files in ``output_dir`` (the new run exporting
+    elsewhere)."""
     out = tmp_path / "out"
     train(make_config(tmp_path))
     earlier = read_run_file(out)
     before = snapshot(out)
-    # The new run starts from the earlier run's last export.
-    cfg = make_config(
-        tmp_path,
-        checkpointer={
-            "checkpoint_dir": str(out / "epoch_1"),
-            "checkpoint_files": [EXPORT_FILE],
-        },
-    )
+    named = {"checkpoint_dir": str(out / "epoch_1"), "checkpoint_files": [EXPORT_FILE]}
+    if base == "its files":
+        named = {
+            "checkpoint_dir": str(out),
+            "checkpoint_files": [f"epoch_1/{EXPORT_FILE}"],
+            "output_dir": str(tmp_path / "exports"),
+        }
+    cfg = make_config(tmp_path, checkpointer=named)
     with caplog.at_level(logging.WARNING):
         run = train(cfg, stop_after=2)
     aside = out / PREVIOUS_RUNS / f"run_{earlier}"
@@ -961,12 +995,84 @@ def test_a_named_step_checkpoint_that_does_not_exist_lists_those_there(
 
 
 def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(
-        CheckpointError, match="^resume_from_checkpoint=True, but there is nothing"
-    ):
-        CheckpointManager.from_config(
-            make_config(tmp_path, resume_from_checkpoint=True)
-        )
+    """Naming where an earlier run's checkpoints went, if one's did."""
+    cfg = make_config(tmp_path, resume_from_checkpoint=True)
+    out = tmp_path / "out"
+    refusal = (
+        "resume_from_checkpoint=True, but there is nothing to resume from: no whole "
+        f"step checkpoint (step_N/) of this run in output_dir={out}, nor a 0.6.1 "
+        "epoch checkpoint.{} Set resume_from_checkpoint=False to start."
+    )
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager.from_config(cfg)
+    assert str(refused.value) == refusal.format("")
+    # 0.6.1's asynchronous checkpoint is resumed with enable_async_checkpointing only.
+    (out / "dist_epoch_0").mkdir(parents=True)
+    (out / "dist_epoch_0" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager.from_config(cfg)
+    assert str(refused.value) == refusal.format("")
+    (out / PREVIOUS_RUNS).mkdir(parents=True)
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager.from_config(cfg)
+    hint = f" Earlier runs' checkpoints are in {out / PREVIOUS_RUNS}: move one back to resume it."
+    assert str(refused.value) == refusal.format(hint)
+
+
+def test_a_named_0_6_1_recipe_state_that_does_not_exist_is_refused(
+    tmp_path: Path,
+) -> None:
+    named = "recipe_state/recipe_state.pt"
+    cfg = make_config(
+        tmp_path, resume_from_checkpoint=True, checkpointer={"recipe_checkpoint": named}
+    )
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager.from_config(cfg)
+    assert str(refused.value) == (
+        f"checkpointer.recipe_checkpoint={named}: {tmp_path / 'out' / named} does "
+        "not exist. Name the run's recipe_state.pt, or leave it unset."
+    )
+
+
+def test_a_file_named_like_a_step_checkpoint_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    stray = tmp_path / "out" / "step_9"
+    stray.write_text("a user's notes")
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert run.resumed_at == 4
+    assert "step_9" not in warnings_text(caplog)
+    assert stray.read_text() == "a user's notes"
+
+
+class RunsCode:
+    """Unpickled, it makes a file: a stand-in for the code a pickle can run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.parametrize("name", [MODEL_OPTIMIZER_FILE, RECIPE_STATE, "rank_0.pt"])
+def test_a_step_checkpoint_file_holding_pickled_code_is_refused_not_run(
+    tmp_path: Path, name: str
+) -> None:
+    """Every file of a step checkpoint is read with ``weights_only=True``: tensors and
+    plain values only."""
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    step_4, ran = tmp_path / "out" / "step_4", tmp_path / "code ran"
+    state = torch.load(step_4 / name, weights_only=True)
+    rewrite(step_4, name, {**state, "extra": RunsCode(ran)})
+    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        resume(named)
+    assert not ran.exists()
 
 
 # -- refusals --------------------------------------------------------------------------
@@ -1096,13 +1202,19 @@ def test_resume_allow_changes_continues_with_another_trajectory_and_warns(
 
 def test_the_dataset_fingerprint_reads_the_first_middle_and_last_sample() -> None:
     """Cheap by design: a change to another sample goes unseen."""
-    samples = [torch.tensor([float(i)]) for i in range(9)]
+    samples = [{"tokens": [i, 1], "labels": [i, 2]} for i in range(9)]
     identity = _dataset_identity(samples)
     assert identity["dataset_length"] == 9
     for i, seen in ((0, True), (4, True), (8, True), (1, False), (3, False)):
-        changed = [torch.tensor([-1.0]) if j == i else s for j, s in enumerate(samples)]
+        changed = [
+            {"tokens": [-1], "labels": []} if j == i else s
+            for j, s in enumerate(samples)
+        ]
         differs = _dataset_identity(changed) != identity
         assert differs == seen, f"sample {i}"
+    # Contents, not the order of a sample's keys.
+    reordered = [{"labels": s["labels"], "tokens": s["tokens"]} for s in samples]
+    assert _dataset_identity(reordered) == identity
 
 
 @pytest.mark.parametrize(
@@ -1178,6 +1290,15 @@ def test_a_changed_optimizer_setting_is_named_in_a_warning(
     )
     # It trained on with the checkpoint's lr.
     assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_an_epoch_of_one_optimizer_step_trains_and_resumes(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, batch_size=8)  # 8 samples: one step an epoch
+    train(cfg, stop_after=2)  # before the save at the end of epoch 1
+    run = resume(cfg)
+    assert run.resumed_at == 1 and run.progress.global_step == 2
+    expected = train(make_config(tmp_path / "uninterrupted", batch_size=8)).model
+    assert_same_weights(run.model, expected)
 
 
 def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_written(
@@ -1564,6 +1685,51 @@ def test_a_0_6_1_epoch_checkpoint_resumes_at_its_epochs_end(
     assert_same_weights(run.model, uninterrupted(tmp_path))
     # A run resumed from 0.6.1 is named so, with 8 random hex digits.
     assert re.fullmatch(r"0\.6\.1-[0-9a-f]{8}", read_run_file(out))
+
+
+def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_state(
+    tmp_path: Path,
+) -> None:
+    """0.6.1's PPO recipe saved the in-backward optimizer state of its last model
+    (the value model) alone; the other's parameters start without state."""
+    value_run = train(make_config(tmp_path / "value"), in_backward=True, stop_after=4)
+    out = tmp_path / "out"
+    (out / "epoch_0").mkdir(parents=True)
+    (out / "recipe_state").mkdir()
+    torch.save(make_model(seed=5).state_dict(), out / "epoch_0" / EXPORT_FILE)
+    torch.save(
+        {
+            training.SEED_KEY: 0,
+            training.EPOCHS_KEY: 1,
+            training.TOTAL_EPOCHS_KEY: 2,
+            training.MAX_STEPS_KEY: None,
+            training.OPT_KEY: as_0_6_1_in_backward(
+                value_run.model, value_run.optimizer
+            ),
+        },
+        out / "recipe_state" / "recipe_state.pt",
+    )
+    cfg = make_config(
+        tmp_path,
+        resume_from_checkpoint=True,
+        checkpointer={"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]},
+    )
+    manager = CheckpointManager.from_config(cfg)
+    policy, value = base_model(manager.load_base_checkpoint()), make_model(seed=6)
+    optimizer = make_optimizer(nn.ModuleList([policy, value]), cfg, in_backward=True)
+    progress = TrainingProgress(total_epochs=2)
+    models = {"policy": policy, "value": value}
+    manager.load(
+        models, optimizer, make_loader(Samples(), 2), progress, steps_per_epoch=4
+    )
+    manager.close()
+    assert progress.global_step == STEPS_PER_EPOCH
+    saved = value_run.optimizer.state_dict()["state"]
+    first = len(list(policy.parameters()))  # the value model's first index
+    restored = optimizer.state_dict()["state"]
+    assert sorted(restored) == [first + i for i in sorted(saved)]
+    for i, state in saved.items():
+        torch.testing.assert_close(restored[first + i], state, **BITWISE)
 
 
 # -- two processes ---------------------------------------------------------------------
