@@ -1,7 +1,8 @@
 """Run ``tune run ...`` and kill the process with SIGKILL at a chosen moment.
 
 Used by the fault-injection tests as ``python -m tests.recipes.crash_run KILL_POINT
-run <recipe> --config ...``. The kill is triggered by an event of the run itself, never
+run <recipe> --config ...``, or through :func:`run` in a process forked from the
+preloaded server of ``tests/torchtune/distributed_launcher.py``. The kill is triggered by an event of the run itself, never
 by a timer, so it lands at the same place every time:
 
 - ``after_step:N``: right after the metrics of step N are logged and flushed.
@@ -122,13 +123,18 @@ def install(kill_point: str) -> None:
         raise ValueError(f"unknown kill point {kill_point!r}")
 
 
-def main() -> None:
-    kill_point, *tune_args = sys.argv[1:]
+def run(kill_point: str, tune_args: list[str]) -> None:
+    """``tune *tune_args`` in this process, which dies at ``kill_point``."""
     install(kill_point)
     from torchtune._cli.tune import main as tune_main
 
     sys.argv = ["tune", *tune_args]
     tune_main()
+
+
+def main() -> None:
+    kill_point, *tune_args = sys.argv[1:]
+    run(kill_point, tune_args)
 
 
 if __name__ == "__main__":

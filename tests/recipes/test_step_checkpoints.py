@@ -24,6 +24,7 @@ difference; measured on this project's x86 CPU):
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import signal
@@ -38,6 +39,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
+from tests.recipes import crash_run
 from tests.recipes.utils import (
     DISK_LOGGER,
     REPO_ROOT,
@@ -54,6 +56,11 @@ from tests.recipes.utils import (
     run_tune_in_process,
     snapshot_files,
     tiny_config,
+)
+from tests.torchtune.distributed_launcher import (
+    kill_child,
+    preloaded_context,
+    start_child,
 )
 from torchtune.training.checkpointing._checkpoint_manager import (
     EXPORT_MANIFEST,
@@ -331,15 +338,12 @@ def killed_run(
     log_name: str = "killed.txt",
     **more: Any,
 ) -> dict[int, dict[str, float]]:
-    """Run the in-backward recipe in a subprocess that SIGKILLs itself at
-    ``kill_point`` (see ``tests/recipes/crash_run.py``); return what it logged."""
+    """Run the in-backward recipe in a process that SIGKILLs itself at
+    ``kill_point`` (see ``tests/recipes/crash_run.py``), forked from the preloaded
+    server (the imports done, a real process all the same); return what it logged."""
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "tests.recipes.crash_run",
-        kill_point,
+    tune_args = [
         "run",
         SINGLE,
         "--config",
@@ -350,20 +354,29 @@ def killed_run(
         f"metric_logger.log_dir={log_dir}",
         f"metric_logger.filename={log_name}",
     ]
-    proc = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env=_subprocess_env(out, None),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    output = log_dir / f"{Path(log_name).stem}.out"
+    env = _subprocess_env(out, None)
+    process = start_child(
+        preloaded_context(),
+        _crash_run,
+        (kill_point, tune_args, str(REPO_ROOT)),
+        env,
+        output,
+        replace_env=True,
     )
-    assert proc.returncode == -signal.SIGKILL, (
-        f"expected a SIGKILL at {kill_point}, got exit status {proc.returncode}\n"
-        + proc.stdout[-3000:]
-        + proc.stderr[-3000:]
+    process.join(timeout)
+    if process.is_alive():
+        kill_child(process)
+    assert process.exitcode == -signal.SIGKILL, (
+        f"expected a SIGKILL at {kill_point}, got exit status {process.exitcode}\n"
+        + output.read_text(errors="replace")[-6000:]
     )
     return read_disk_log(log_dir / log_name)
+
+
+def _crash_run(kill_point: str, tune_args: list[str], cwd: str) -> None:
+    os.chdir(cwd)
+    crash_run.run(kill_point, tune_args)
 
 
 def newest_whole_step(out: Path) -> int:
