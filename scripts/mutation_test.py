@@ -190,7 +190,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         _MANAGER,
         "_restore_legacy",
         "core/NumberReplacer",
-        "dsd.set_optimizer_state_dict(models[ -1], optimizer, optim, options=full)",
+        "dsd.set_optimizer_state_dict(models[ -1], optimizer, optim)",
     ): (
         "an optimizer state keyed by name is one of 0.6.1's distributed recipes, "
         "which train one model"
@@ -236,6 +236,12 @@ ELSEWHERE: dict[tuple[str, str, str, str], str] = {
         "core/AddNot",
         'if not "cuda" in rank_state["rng"] and torch.cuda.is_available():',
     ): "CUDA: a checkpoint saved with CUDA's RNG state, resumed with CUDA",
+    (
+        _MANAGER,
+        "_write_step",
+        "core/ReplaceAndWithOr",
+        "if torch.cuda.is_available() or torch.cuda.is_initialized():",
+    ): "CUDA: a run that never initialised CUDA on a machine that has it",
 }
 
 

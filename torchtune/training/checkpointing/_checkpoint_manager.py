@@ -36,7 +36,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -377,7 +377,7 @@ def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def _differs(a: Any, b: Any) -> bool:
     try:
         return bool(a != b)
-    except (RuntimeError, ValueError):  # tensors (or arrays) of several elements
+    except RuntimeError:  # tensors of several elements
         return str(a) != str(b)
 
 
@@ -401,19 +401,19 @@ class CheckpointOptions:
 
     output_dir: Path
     checkpointer: Any
-    device: torch.device = torch.device("cpu")
-    resume: bool = False
-    recipe_checkpoint: str | None = None
-    every_n_steps: int | None = None
-    keep_last_n: int | None = None
-    async_save: bool = False
-    allow_changes: bool = False
-    optimizer_component: str | None = None
-    trajectory: Mapping[str, Any] = field(default_factory=dict)
-    length: tuple[str, Any] = ("epochs", None)
-    adapter_config: dict[str, Any] | None = None
-    adapter_only: bool = False
-    keep: tuple[Path, ...] = ()
+    device: torch.device
+    resume: bool
+    recipe_checkpoint: str | None
+    every_n_steps: int | None
+    keep_last_n: int | None
+    async_save: bool
+    allow_changes: bool
+    optimizer_component: str | None
+    trajectory: Mapping[str, Any]
+    length: tuple[str, Any]
+    adapter_config: dict[str, Any] | None
+    adapter_only: bool
+    keep: tuple[Path, ...]
 
 
 class CheckpointManager:
@@ -857,8 +857,7 @@ class CheckpointManager:
                     models[0], optimizer, optim, self.options.device
                 )
             elif any(isinstance(k, str) for k in optim["state"]):  # keyed by name
-                full = dsd.StateDictOptions(full_state_dict=True)
-                dsd.set_optimizer_state_dict(models[0], optimizer, optim, options=full)
+                dsd.set_optimizer_state_dict(models[0], optimizer, optim)
             else:
                 optimizer.load_state_dict(optim)
         steps = state[training.EPOCHS_KEY] * self._steps_per_epoch

@@ -1125,6 +1125,21 @@ def test_another_optimizer_class_is_refused_when_the_manager_is_built(
         CheckpointManager.from_config(resuming)
 
 
+def test_a_checkpoint_of_an_optimizer_class_that_no_longer_imports_is_refused(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    step_4 = tmp_path / "out" / "step_4"
+    recipe_state = torch.load(step_4 / RECIPE_STATE, weights_only=True)
+    gone = "torch.optim.RemovedOptimizer"
+    rewrite(step_4, RECIPE_STATE, {**recipe_state, "optimizer_component": gone})
+    with pytest.raises(ValueError, match=f"its optimizer state was saved by {gone}"):
+        CheckpointManager.from_config(
+            OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
+        )
+
+
 def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_back_to(
     tmp_path: Path,
 ) -> None:
@@ -1431,6 +1446,24 @@ def test_a_live_processs_lock_refuses_the_run_and_a_dead_ones_is_taken_over(
     assert str(sleeper.pid) in warnings_text(caplog)
     assert_held_by_this_process(lock)
     assert run.progress.global_step == 1
+
+
+def test_a_lock_of_another_users_live_process_refuses_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Signalling another user's process is not permitted, which means it lives."""
+    lock = write_lock(tmp_path / "out", 4_000_000, socket.gethostname())
+    kill = os.kill
+
+    def not_permitted(pid: int, signal: int) -> None:
+        if pid == 4_000_000:
+            raise PermissionError(1, "Operation not permitted")
+        kill(pid, signal)
+
+    monkeypatch.setattr(os, "kill", not_permitted)
+    with pytest.raises(CheckpointError, match="is in use by another run"):
+        CheckpointManager.from_config(make_config(tmp_path))
+    assert sorted(p.name for p in lock.parent.iterdir()) == [LOCK_FILE]
 
 
 def test_another_hosts_lock_is_refused_until_its_heartbeat_is_stale(
