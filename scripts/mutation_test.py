@@ -242,6 +242,12 @@ ELSEWHERE: dict[tuple[str, str, str, str], str] = {
         "core/ReplaceAndWithOr",
         "if torch.cuda.is_available() or torch.cuda.is_initialized():",
     ): "CUDA: a run that never initialised CUDA on a machine that has it",
+    (
+        _MANAGER,
+        "_write_step",
+        "core/AddNot",
+        "if not torch.cuda.is_available() and torch.cuda.is_initialized():",
+    ): "CUDA: initialised only where it is available",
 }
 
 

@@ -1385,9 +1385,28 @@ def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
         f"{tmp_path}/a_file is a file",
     ):
         CheckpointManager.from_config(cfg)
+    # As a user sees a folder that may be written but not entered (no x bit; root
+    # may enter any folder, so permissions cannot show it here).
+    real_access = os.access
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            os,
+            "access",
+            lambda path, mode: (
+                not (Path(path) == closed and mode & os.X_OK)
+                and real_access(path, mode)
+            ),
+        )
+        cfg.checkpointer.output_dir = str(closed / "out")
+        with pytest.raises(
+            PermissionError,
+            match=f"^checkpointer.output_dir={closed}/out cannot be written: ",
+        ):
+            CheckpointManager.from_config(cfg)
     # As a user without write permission in tmp_path sees it (root may write
     # anywhere, so permissions cannot show it here).
-    real_access = os.access
     monkeypatch.setattr(
         os,
         "access",
