@@ -157,6 +157,10 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             '"params"][ -1]), hyper)',
         )
     },
+    (_MANAGER, "_export", "core/ReplaceContinueWithBreak", "break"): (
+        "a distributed run exports one model (several are one process's, PPO's), "
+        "and for the last one break and continue both end the loop"
+    ),
     (_MANAGER, "load", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
         "every caller passes the first four by position and the rest by keyword, "
         "which both signatures accept"
@@ -220,9 +224,6 @@ ELSEWHERE: dict[tuple[str, str, str, str], str] = {
     ): "2 processes: rank 0's result is the one broadcast",
     (_MANAGER, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
         "2 processes: the other ranks get rank 0's result"
-    ),
-    (_MANAGER, "_export", "core/ReplaceContinueWithBreak", "break"): (
-        "2 processes: the ranks but 0 gather their shards and save nothing"
     ),
     (
         _MANAGER,
