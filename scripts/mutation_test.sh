@@ -95,7 +95,7 @@ LEGACY_TARGETS=(
 CLIENT_TESTS=("$TT/checkpointing/test_checkpoint_manager.py")
 CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_manager.py"
 CLIENT_TARGETS=(
-  TrainingProgress _on_rank_zero _read_json file_checksum verify step_of _step_dirs
+  TrainingProgress _on_rank_zero _load _read_json file_checksum verify step_of _step_dirs
   _set_aside check_writable _check_lock _take_lock _differs _dataset_identity
   CheckpointOptions CheckpointManager
 )

@@ -28,6 +28,7 @@ import json
 import logging
 import mmap
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -161,6 +162,21 @@ def _save_file(obj: Any, path: Path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _load(path: Path) -> Any:
+    """A step checkpoint file, which holds tensors and plain values only: anything
+    else is refused rather than unpickled, which could run code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise CheckpointError(
+            f"{path} holds a pickled {found[1] if found else 'object'}, which loading "
+            "could run: refused (a step checkpoint holds tensors and plain values "
+            "only). Resume another one (checkpointer.recipe_checkpoint=step_N), or "
+            "resume_from_checkpoint=False."
+        ) from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -734,7 +750,7 @@ class CheckpointManager:
                 "whole (see the warnings). Set resume_from_checkpoint=False to start anew."
             )
         self._check_optimizer(folder)  # from_config checked the newest
-        recipe_state = torch.load(folder / RECIPE_STATE, weights_only=True)
+        recipe_state = _load(folder / RECIPE_STATE)
         # A checkpoint of an earlier build recorded its world size alone.
         old, new = recipe_state.get("trajectory"), self._trajectory
         keys = sorted({*old, *new}) if old else ["world_size"]
@@ -773,7 +789,7 @@ class CheckpointManager:
             for group, values in zip(optimizer.param_groups, saved, strict=True):
                 group.update(values)
         else:
-            state = torch.load(folder / MODEL_OPTIMIZER_FILE, weights_only=True)
+            state = _load(folder / MODEL_OPTIMIZER_FILE)
             for name, model in self._models.items():
                 saved = state["model"][name] if self._named else state["model"]
                 missing, unexpected = model.load_state_dict(saved, strict=False)
@@ -803,7 +819,7 @@ class CheckpointManager:
             return
         self._run_id = _read_json(folder / MANIFEST).get("run_id")
         self._run_id = self._run_id or read_run_file(self._out)
-        rank_state = torch.load(folder / f"rank_{_rank()}.pt", weights_only=True)
+        rank_state = _load(folder / f"rank_{_rank()}.pt")
         if rank_state[training.DATALOADER_KEY]:
             self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
         torch.set_rng_state(rank_state["rng"]["torch"])

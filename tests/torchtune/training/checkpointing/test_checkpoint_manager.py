@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import re
 import socket
 import subprocess
@@ -1070,9 +1069,14 @@ def test_a_step_checkpoint_file_holding_pickled_code_is_refused_not_run(
     state = torch.load(step_4 / name, weights_only=True)
     rewrite(step_4, name, {**state, "extra": RunsCode(ran)})
     named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(CheckpointError) as refused:
         resume(named)
     assert not ran.exists()
+    assert str(refused.value) == (
+        f"{step_4 / name} holds a pickled getattr, which loading could run: refused "
+        "(a step checkpoint holds tensors and plain values only). Resume another one "
+        "(checkpointer.recipe_checkpoint=step_N), or resume_from_checkpoint=False."
+    )
 
 
 # -- refusals --------------------------------------------------------------------------
