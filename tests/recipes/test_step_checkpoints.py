@@ -41,7 +41,6 @@ from torch.testing import assert_close
 from tests.assets.make_assets import TinyAssets
 from tests.recipes import crash_run
 from tests.recipes.utils import (
-    DISK_LOGGER,
     REPO_ROOT,
     TuneRun,
     TuneRunError,
@@ -52,6 +51,7 @@ from tests.recipes.utils import (
     assert_weights_close,
     load_weights,
     read_disk_log,
+    run_outputs,
     run_tune_forked,
     run_tune_in_process,
     snapshot_files,
@@ -349,10 +349,7 @@ def killed_run(
         "--config",
         str(SINGLE_CONFIG),
         *_override_list(overrides(assets, True, **more)),
-        f"output_dir={out}",
-        f"metric_logger._component_={DISK_LOGGER}",
-        f"metric_logger.log_dir={log_dir}",
-        f"metric_logger.filename={log_name}",
+        *run_outputs(out, log_dir / log_name),
     ]
     output = log_dir / f"{Path(log_name).stem}.out"
     env = _subprocess_env(out, None)
@@ -760,10 +757,7 @@ def test_a_second_run_is_refused_while_one_trains_in_the_folder(
             "--config",
             str(SINGLE_CONFIG),
             *_override_list(overrides(tiny_assets, True)),
-            f"output_dir={tmp_path}",
-            f"metric_logger._component_={DISK_LOGGER}",
-            f"metric_logger.log_dir={log_dir}",
-            "metric_logger.filename=first.txt",
+            *run_outputs(tmp_path, log_dir / "first.txt"),
         ],
         cwd=REPO_ROOT,
         env=_subprocess_env(tmp_path, None),

@@ -485,6 +485,36 @@ def _subprocess_env(
     return env
 
 
+def run_outputs(output_dir: Path, log_file: Path) -> list[str]:
+    """The overrides every runner adds (the reserved keys): the run's ``output_dir``
+    and a ``DiskLogger`` writing to ``log_file``."""
+    return [
+        f"output_dir={output_dir}",
+        f"metric_logger._component_={DISK_LOGGER}",
+        f"metric_logger.log_dir={log_file.parent}",
+        f"metric_logger.filename={log_file.name}",
+    ]
+
+
+def _logged_run(
+    output_dir: Path, log_file: Path, command: list[str], output: str, wall_s: float
+) -> TuneRun | None:
+    """The run as its ``DiskLogger`` file ``log_file`` tells it; ``None`` if it
+    logged no metrics (or no file)."""
+    metrics = read_disk_log(log_file) if log_file.is_file() else {}
+    if not metrics:
+        return None
+    return TuneRun(
+        losses=[v["loss"] for _, v in sorted(metrics.items()) if "loss" in v],
+        metrics=dict(sorted(metrics.items())),
+        output_dir=output_dir,
+        log_file=log_file,
+        command=command,
+        output=output,
+        wall_s=wall_s,
+    )
+
+
 def run_tune(
     recipe: str,
     config: Path | str,
@@ -545,12 +575,7 @@ def run_tune(
         raise ValueError(f"nproc={nproc} needs distributed=True (torchrun)")
     command += [recipe, "--config", str(config)]
     command += _override_list(overrides)
-    command += [
-        f"output_dir={output_dir}",
-        f"metric_logger._component_={DISK_LOGGER}",
-        f"metric_logger.log_dir={log_dir}",
-        f"metric_logger.filename={log_file.name}",
-    ]
+    command += run_outputs(output_dir, log_file)
 
     start = time.perf_counter()
     # A new session lets a timeout kill torchrun and all its workers together.
@@ -589,26 +614,15 @@ def run_tune(
             output,
         )
 
-    metrics = read_disk_log(log_file)
-    if not metrics:
+    run = _logged_run(output_dir, log_file, command, output, wall_s)
+    if run is None:
         raise TuneRunError(
             f"tune run {recipe} succeeded but logged no metrics to {log_file}",
             command,
             proc.returncode,
             output,
         )
-    losses = [
-        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
-    ]
-    return TuneRun(
-        losses=losses,
-        metrics=dict(sorted(metrics.items())),
-        output_dir=output_dir,
-        log_file=log_file,
-        command=command,
-        output=output,
-        wall_s=wall_s,
-    )
+    return run
 
 
 def _descendants(pid: int) -> list[int]:
@@ -676,12 +690,7 @@ def run_tune_forked(
     log_file = log_dir / _next_log_name(log_dir)
     log_file.touch()
     argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += [
-        f"output_dir={output_dir}",
-        f"metric_logger._component_={DISK_LOGGER}",
-        f"metric_logger.log_dir={log_dir}",
-        f"metric_logger.filename={log_file.name}",
-    ]
+    argv += run_outputs(output_dir, log_file)
     context = preloaded_context()
     base_env = _subprocess_env(output_dir, env)
     port = str(free_port())
@@ -738,26 +747,15 @@ def run_tune_forked(
             next(c for c in codes if c),
             output,
         )
-    metrics = read_disk_log(log_file)
-    if not metrics:
+    run = _logged_run(output_dir, log_file, command, output, wall_s)
+    if run is None:
         raise TuneRunError(
             f"tune run {recipe} succeeded but logged no metrics to {log_file}",
             command,
             0,
             output,
         )
-    losses = [
-        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
-    ]
-    return TuneRun(
-        losses=losses,
-        metrics=dict(sorted(metrics.items())),
-        output_dir=output_dir,
-        log_file=log_file,
-        command=command,
-        output=output,
-        wall_s=wall_s,
-    )
+    return run
 
 
 def _tune_rank(argv: list[str], cwd: str) -> None:
@@ -792,12 +790,7 @@ def run_tune_in_process(
     log_dir = Path(output_dir) / "logs"
     log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
     argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += [
-        f"output_dir={output_dir}",
-        f"metric_logger._component_={DISK_LOGGER}",
-        f"metric_logger.log_dir={log_dir}",
-        f"metric_logger.filename={log_file.name}",
-    ]
+    argv += run_outputs(output_dir, log_file)
     saved_argv, sys.argv = sys.argv, argv
     start = time.perf_counter()
     try:
@@ -808,26 +801,15 @@ def run_tune_in_process(
     finally:
         sys.argv = saved_argv
     wall_s = time.perf_counter() - start
-    metrics = read_disk_log(log_file) if log_file.is_file() else {}
-    if not metrics:
+    run = _logged_run(Path(output_dir), log_file, argv, "", wall_s)
+    if run is None:
         raise TuneRunError(
             f"tune run {recipe} returned but logged no metrics to {log_file}",
             argv,
             0,
             "",
         )
-    losses = [
-        values["loss"] for _, values in sorted(metrics.items()) if "loss" in values
-    ]
-    return TuneRun(
-        losses=losses,
-        metrics=dict(sorted(metrics.items())),
-        output_dir=Path(output_dir),
-        log_file=log_file,
-        command=argv,
-        output="",
-        wall_s=wall_s,
-    )
+    return run
 
 
 def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> TuneRun:
@@ -841,17 +823,9 @@ def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> Tune
     """
     output_dir = Path(output_dir)
     log_file = Path(log_file) if log_file else output_dir / "logs" / "metrics.txt"
-    metrics = read_disk_log(log_file)
-    assert metrics, f"{log_file} logs no metrics"
-    return TuneRun(
-        losses=[v["loss"] for _, v in sorted(metrics.items()) if "loss" in v],
-        metrics=dict(sorted(metrics.items())),
-        output_dir=output_dir,
-        log_file=log_file,
-        command=[],
-        output="",
-        wall_s=0.0,
-    )
+    run = _logged_run(output_dir, log_file, [], "", 0.0)
+    assert run, f"{log_file} logs no metrics"
+    return run
 
 
 def load_recipe_class(recipe: str, class_name: str) -> type:
