@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib.util
 import logging
@@ -150,19 +149,41 @@ def _known_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """The number of single-character insertions, deletions and substitutions that
+    turn ``a`` into ``b`` (Levenshtein)."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            substitution = previous[j - 1] + (char_a != char_b)
+            current.append(min(previous[j] + 1, current[j - 1] + 1, substitution))
+        previous = current
+    return previous[-1]
+
+
+# A key this many edits from a known one is taken for a typo of it; further off, it is
+# taken for a key of the user's own (a recipe copied with ``tune cp`` may read any key).
+TYPO_EDITS = 2
+
+
 def warn_unknown_keys(cfg: DictConfig) -> None:
-    """Warn about each top-level key that no shipped config has and no recipe option
-    reads, most likely a typo, naming the closest known key. A key that the config
-    uses in an interpolation (``${key}``) counts as read. Keys inside a section with
-    a ``_component_`` are checked when it is instantiated."""
+    """Ask about each top-level key that is a near miss of a known key (one of a
+    shipped config, of :data:`LIBRARY_KEYS` or of :class:`RecipeOptions`): most
+    likely a typo, which would otherwise be ignored without a word. Any other unknown
+    key may be read by the user's own recipe, so it is not named. A key that the
+    config uses in an interpolation (``${key}``) counts as read."""
     text = OmegaConf.to_yaml(cfg, resolve=False)
-    for key in cfg:
-        if key in _known_keys() or "${" + str(key) in text:
+    for key in map(str, cfg):
+        if key in _known_keys() or "${" + key in text:
             continue
-        close = difflib.get_close_matches(str(key), _known_keys(), n=1)
-        hint = f": did you mean {close[0]}?" if close else "."
-        message = f"{key}={cfg[key]!r} is a key no recipe reads, so it has no effect"
-        utils.log_rank_zero(log, message + hint, level=logging.WARNING)
+        distance, closest = min((_edit_distance(key, k), k) for k in _known_keys())
+        if distance <= TYPO_EDITS:
+            message = (
+                f"{key}={cfg[key]!r}: did you mean {closest}? No shipped recipe or "
+                f"config reads {key} (if your own recipe does, ignore this)."
+            )
+            utils.log_rank_zero(log, message, level=logging.WARNING)
 
 
 def _clip_grad_norm_value(value: object) -> object:
