@@ -63,8 +63,8 @@ from tests.torchtune.distributed_launcher import (
     start_child,
 )
 from torchtune.training.checkpointing._checkpoint_manager import (
-    EXPORT_MANIFEST,
     CheckpointError,
+    export_manifest,
     read_run_file,
     step_of,
     verify,
@@ -409,7 +409,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
     assert newest_whole_step(tmp_path) == resumes_after
     if kill_point.startswith("in_epoch_save"):
         # Torn, and known to be: its manifest is written once it is whole.
-        assert not (tmp_path / "epoch_0" / EXPORT_MANIFEST).exists()
+        assert not export_manifest(tmp_path / "epoch_0").exists()
 
     # Only the killed run needs a process of its own; this one runs here.
     resumed = run_tune_in_process(
@@ -440,7 +440,9 @@ def test_a_run_killed_at_any_moment_resumes_to_the_uninterrupted_losses(
             load_weights(single_runs["bwd"].output_dir / f"epoch_{epoch}" / SHARD),
             **EXACT,
         )
-        verify(tmp_path / f"epoch_{epoch}", EXPORT_MANIFEST)
+        verify(
+            tmp_path / f"epoch_{epoch}", export_manifest(tmp_path / f"epoch_{epoch}")
+        )
 
 
 # -- runs sharing an output_dir, damaged checkpoints ------------------------------------
@@ -606,7 +608,7 @@ def test_a_torn_final_export_is_rewritten_from_the_final_checkpoint_on_resume(
         load_weights(single_runs["bwd"].output_dir / "epoch_1" / SHARD),
         **EXACT,
     )
-    verify(tmp_path / "epoch_1", EXPORT_MANIFEST)
+    verify(tmp_path / "epoch_1", export_manifest(tmp_path / "epoch_1"))
 
 
 def write_rows(assets: TinyAssets, path: Path, rows: int) -> Path:

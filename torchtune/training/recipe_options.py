@@ -44,7 +44,7 @@ COUNT_KEYS = (
 # options of :class:`RecipeOptions`.
 LIBRARY_KEYS = (
     "fake_quant_after_n_steps optimizer_in_bwd_bucket_cap_mb save_every_n_steps "
-    "resume_allow_changes cudnn_deterministic_mode collate_fn"
+    "resume_allow_changes cudnn_deterministic_mode collate_fn keep_previous_runs"
 ).split()
 
 

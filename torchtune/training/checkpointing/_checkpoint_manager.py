@@ -16,9 +16,12 @@ users take away, written by the configured checkpointer) get a manifest of their
 ``.torchtune_manifest.json``, so a torn or damaged export is found and rewritten.
 
 ``torchtune_run.json`` names the run ``output_dir`` holds, and ``torchtune_run.lock``
-the process training it. Nothing is deleted but the step checkpoints that
-``keep_last_n_checkpoints`` prunes: an earlier run's files, and the later checkpoints
-of a timeline a resume branches from, are moved into ``previous_runs/``.
+the process training it. A finished run leaves what torchtune 0.6.1 left (its exports
+and logs) and small metadata: its step checkpoints are deleted once the final export
+is whole, unless ``checkpointer.keep_last_n_checkpoints`` asks to keep them. A new run,
+or a resume that branches, deletes the resumable state it must not continue (saying
+so, with its size, before it does), unless ``keep_previous_runs`` asks to move it into
+``previous_runs/``; exports stay until the run replaces them, as in 0.6.1.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from torchtune.training.optimizer_in_backward import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
-MANIFEST, EXPORT_MANIFEST = "manifest.json", ".torchtune_manifest.json"
+MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 RECIPE_STATE, RUN_FILE = "recipe_state.pt", "torchtune_run.json"
 LOCK_FILE, PREVIOUS_RUNS = "torchtune_run.lock", "previous_runs"
@@ -66,10 +69,13 @@ TRAJECTORY_KEYS = ("seed", "batch_size", "gradient_accumulation_steps")
 TRAJECTORY_KEYS += ("max_steps_per_epoch", "ppo_batch_size", "ppo_epochs")
 # A lock held from another host is stale once its heartbeat (mtime) is this old.
 LOCK_STALE_AFTER_S, _HEARTBEAT_S = 300.0, 30.0
-# What a run leaves that a later run could mistake for its own.
+# What a run leaves that a later run could mistake for its own, and of that, what a
+# resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
 _RUN_OUTPUTS = re.compile(
-    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|recipe_state|torchtune_run\.json"
+    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|\.epoch_\d+\.manifest\.json"
+    r"|recipe_state|torchtune_run\.json"
 )
+_RESUMABLE = re.compile(r"step_\d+|\.step_\d+\.partial|dist_epoch_\d+|recipe_state")
 # The trainable parameters and the buffers: frozen weights are the base checkpoint's.
 _TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
 
@@ -179,6 +185,21 @@ def _load(path: Path) -> Any:
         ) from e
 
 
+def _size(paths: Sequence[Path]) -> str:
+    """The bytes of the files in ``paths`` (files or folders), for a message."""
+    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
+
+
+def _delete(paths: Sequence[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; ``{}`` if it is missing or unreadable."""
     try:
@@ -199,10 +220,18 @@ def file_checksum(path: str | Path) -> str:
     return f"{crc:08x}"
 
 
-def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
-    """Check that every file the manifest ``name`` of ``folder`` lists is there with
-    the size and CRC-32 it had when written; call it on every rank of a distributed
-    run, which share the reading.
+def export_manifest(folder: str | Path) -> Path:
+    """Where the manifest of the epoch export ``folder`` is: beside it, not in it, so
+    that uploading the folder (e.g. ``huggingface_hub.upload_folder``) or copying it
+    for inference takes the weights only."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.manifest.json"
+
+
+def verify(folder: str | Path, manifest: str | Path | None = None) -> dict[str, Any]:
+    """Check that every file of ``folder`` that its manifest lists (``manifest``,
+    default: ``folder/manifest.json``) is there with the size and CRC-32 it had when
+    written; call it on every rank of a distributed run, which share the reading.
 
     Returns:
         dict[str, Any]: the manifest.
@@ -211,9 +240,11 @@ def verify(folder: str | Path, name: str = MANIFEST) -> dict[str, Any]:
         CheckpointError: if the manifest is missing (the save did not finish),
             damaged or of another version, or a file is missing or damaged.
     """
-    path = Path(folder) / name
+    path = Path(manifest) if manifest else Path(folder) / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{folder} is not whole: it has no {name}, written last")
+        raise CheckpointError(
+            f"{folder} is not whole: it has no {path.name}, written last"
+        )
     try:
         manifest = json.loads(path.read_text())
         version, files = manifest.get("version", 1), manifest["files"]
@@ -259,8 +290,9 @@ def read_run_file(folder: Path) -> str | None:
     return _read_json(folder / RUN_FILE).get("run_id")
 
 
-def _write_run_file(folder: Path, run_id: str) -> str:
-    (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id}))
+def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
+    """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
+    (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
     return run_id
 
@@ -309,6 +341,55 @@ def check_writable(key: str, path: str | Path) -> None:
             f"in {existing}, so no checkpoint could be saved. Set {key} to a folder "
             f"this run can write, or give it write permission (chmod u+w {existing})."
         )
+
+
+def _named_epoch(checkpointer: Mapping[str, Any]) -> int | None:
+    """The epoch that torchtune 0.6.1's resume instructions name: ``N`` of
+    ``adapter_checkpoint: epoch_{N}/adapter_model.pt`` (LoRA), else of
+    ``checkpoint_files`` under ``epoch_{N}/`` (full fine-tuning), which 0.6.1 reads
+    from the output folder when resuming; ``None`` if they name no epoch.
+
+    Raises:
+        ValueError: if the files name several epochs, or some files no epoch.
+    """
+    files = checkpointer.get("checkpoint_files") or []
+    if isinstance(files, Mapping):  # {filename_format: ..., max_filename: ...}
+        files = [files.get("filename_format", "")]
+    elif isinstance(files, str):
+        files = [files]
+    adapter = checkpointer.get("adapter_checkpoint")
+    key, names = (
+        ("adapter_checkpoint", [adapter]) if adapter else ("checkpoint_files", files)
+    )
+    epochs = {step_of(Path(Path(str(n)).parts[0]), "epoch") for n in names if n}
+    if len(epochs) > 1:
+        raise ValueError(
+            f"checkpointer.{key}={list(names)} name several epochs' folders, or some "
+            "files in one and some not: to resume from an epoch, name that epoch's "
+            "files only (epoch_{N}/...), as torchtune 0.6.1 does."
+        )
+    return epochs.pop() if epochs else None
+
+
+def _epoch_ended(folder: Path) -> int | None:
+    """The epoch at whose end the step checkpoint ``folder`` was saved; ``None`` if
+    it was saved mid-epoch, or its recipe state does not read."""
+    try:
+        state = torch.load(folder / RECIPE_STATE, weights_only=True, mmap=True)
+        return state[training.EPOCHS_KEY] - 1 if state.get("epoch_end") else None
+    except Exception:  # damaged: load() names it, if it comes to it
+        return None
+
+
+def _described(steps: Sequence[Path]) -> str:
+    """``steps`` named with where each falls, for a message."""
+    named = []
+    for step in steps:
+        epoch = _epoch_ended(step)
+        named.append(
+            f"{step.name} ({'mid-epoch' if epoch is None else f'end of epoch {epoch}'})"
+        )
+    return ", ".join(named) or "none"
 
 
 # -- the one-run lock ----------------------------------------------------------------
@@ -407,6 +488,25 @@ def _dataset_identity(dataset: Any) -> dict[str, Any]:
     return {"dataset_length": n, "dataset_fingerprint": digest.hexdigest()[:16]}
 
 
+class _FinalEpochNotes(logging.Filter):
+    """Drops the notes torchtune's checkpointers log when they save without recipe
+    state, which 0.6.1's recipes do at the final epoch only ("Saving final epoch
+    checkpoint." and what follows it), unless this export is the final one."""
+
+    NOTES = (
+        "Saving final epoch checkpoint",
+        "The full model checkpoint, including all weights",
+        "Please note that you have set adapter_only=True",
+    )
+
+    def __init__(self, final: bool) -> None:
+        super().__init__()
+        self.final = final
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.final or not str(record.msg).startswith(self.NOTES)
+
+
 # -- the manager ---------------------------------------------------------------------
 
 
@@ -422,6 +522,8 @@ class CheckpointOptions:
     recipe_checkpoint: str | None
     every_n_steps: int | None
     keep_last_n: int | None
+    keep_previous_runs: bool
+    named_epoch: int | None
     async_save: bool
     allow_changes: bool
     optimizer_component: str | None
@@ -469,6 +571,12 @@ class CheckpointManager:
                 raise ValueError(
                     f"{key}={value!r} must be a positive integer or null (null: {null})"
                 )
+        if not isinstance(options.keep_previous_runs, bool):
+            raise ValueError(
+                f"keep_previous_runs={options.keep_previous_runs!r} is not a bool: set "
+                "keep_previous_runs=True (move an earlier run's files to previous_runs/) "
+                "or keep_previous_runs=False (delete its resumable state)."
+            )
         component = options.checkpointer._component_
         if issubclass(_component(component), DistributedCheckpointer):
             raise ValueError(
@@ -495,8 +603,9 @@ class CheckpointManager:
         ``resume_allow_changes``, ``save_every_n_steps``,
         ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
         :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``), for a LoRA model
-        its adapter and ``save_adapter_weights_only``, and what every checkpointer
-        section reads (a new run never moves it, even an earlier run's export)."""
+        its adapter and ``save_adapter_weights_only``, ``keep_previous_runs``, and
+        what every checkpointer section reads (kept in place when earlier runs' files
+        are moved aside, even an earlier run's export)."""
         checkpointer = cfg.checkpointer.copy()
         keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
         model, adapter = cfg.get("model", None) or {}, None
@@ -517,14 +626,17 @@ class CheckpointManager:
                 names += [section.get("adapter_checkpoint")]
                 read += [root, *(root / str(n) for n in names if n)]
         length = "epochs" if "epochs" in cfg else "num_steps"
+        resume = cfg.get("resume_from_checkpoint", False)
         options = CheckpointOptions(
             output_dir=Path(cfg.get("output_dir") or checkpointer.output_dir),
             checkpointer=checkpointer,
             device=utils.get_device(device=cfg.device),
-            resume=cfg.get("resume_from_checkpoint", False),
+            resume=resume,
             recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last_n=keep_last_n,
+            keep_previous_runs=cfg.get("keep_previous_runs", False),
+            named_epoch=_named_epoch(checkpointer) if resume else None,
             async_save=cfg.get("enable_async_checkpointing", False),
             allow_changes=cfg.get("resume_allow_changes", False),
             optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
@@ -540,9 +652,10 @@ class CheckpointManager:
 
     def _resume_points(self) -> tuple[list[Path], str | None]:
         """The step checkpoints a resume may continue from, newest first (of the run
-        ``output_dir`` holds, or the one ``recipe_checkpoint`` names), or else a
-        0.6.1 epoch checkpoint. Read now, before anything is built, are only names and
-        the newest one's optimizer class; :meth:`load` verifies every byte."""
+        ``output_dir`` holds, or the one ``recipe_checkpoint`` names, or the end of
+        the epoch whose export the checkpointer's files name), or else a 0.6.1 epoch
+        checkpoint. Read now, before anything is built, are only names, recipe
+        states and the newest one's optimizer class; :meth:`load` verifies every byte."""
         named, out, export = self.options.recipe_checkpoint, self._out, self._export_dir
         if not self.options.resume:
             return [], None
@@ -564,6 +677,8 @@ class CheckpointManager:
             )
         steps = [folder] if named else _step_dirs(out, read_run_file(out))
         epoch_state = export / "recipe_state" / RECIPE_STATE
+        if not named and self.options.named_epoch is not None:
+            steps = self._epoch_end(steps, legacy=epoch_state.is_file())
         if steps or (epoch_state.is_file() and not self.options.async_save):
             self._check_optimizer(steps[0] if steps else epoch_state)
             return steps, None if steps else "epoch"
@@ -572,10 +687,42 @@ class CheckpointManager:
         moved = out / PREVIOUS_RUNS
         hint = f" Earlier runs' checkpoints are in {moved}: move one back to resume it."
         hint = hint if moved.is_dir() else ""
+        if final := _read_json(out / RUN_FILE).get("final_export"):
+            hint = (
+                f" The run there finished (final weights in {final}) and its step "
+                "checkpoints were deleted, as checkpointer.keep_last_n_checkpoints was "
+                "not set. To train further from its final weights, start a new run "
+                f"with checkpointer.checkpoint_dir={final}."
+            )
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
             f"whole step checkpoint (step_N/) of this run in output_dir={out}, nor a "
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
+        )
+
+    def _epoch_end(self, steps: list[Path], legacy: bool) -> list[Path]:
+        """The step checkpoint saved at the end of the epoch whose export the
+        checkpointer's files name (torchtune 0.6.1's way to resume), or none where
+        the folder is one 0.6.1 wrote (``legacy``: its recipe state goes with them).
+
+        Raises:
+            CheckpointError: if that checkpoint is gone, naming those that remain.
+        """
+        epoch = self.options.named_epoch
+        ended = [step for step in steps if _epoch_ended(step) == epoch]
+        if ended or (legacy and not steps):
+            return ended
+        if self.options.checkpointer.get("adapter_checkpoint"):
+            key, newest = "adapter_checkpoint", "unset it"
+        else:
+            key, newest = "checkpoint_files", "set it back to the base model's files"
+        raise CheckpointError(
+            f"checkpointer.{key} names epoch_{epoch}/, but the step checkpoint saved at "
+            f"the end of epoch {epoch}, which a resume from that epoch continues, is not "
+            f"in {self._out} (pruned, or never saved). This run's step checkpoints are: "
+            f"{_described(steps)}. Name one of them with "
+            f"checkpointer.recipe_checkpoint=step_N, or {newest} to resume from the "
+            "newest."
         )
 
     def _check_optimizer(self, where: Path) -> None:
@@ -609,6 +756,17 @@ class CheckpointManager:
             checkpointer reads an adapter).
         """
         epoch, cfg = self._legacy == "epoch", self.options.checkpointer
+        if self._steps and self.options.named_epoch is not None:
+            # The files named under epoch_{N}/ are read from the output folder, as
+            # in 0.6.1, which then also reads a recipe state: the step checkpoint's,
+            # whose weights load() puts in place.
+            recipe_state = str((self._steps[0] / RECIPE_STATE).absolute())
+            self._checkpointer = config.instantiate(
+                cfg, should_load_recipe_state=True, recipe_checkpoint=recipe_state
+            )
+            state = self._checkpointer.load_checkpoint()
+            weights = (training.MODEL_KEY, training.ADAPTER_KEY)
+            return {key: state[key] for key in weights if key in state}
         self._checkpointer = config.instantiate(cfg, should_load_recipe_state=epoch)
         state = self._checkpointer.load_checkpoint()
         if not epoch:
@@ -690,35 +848,48 @@ class CheckpointManager:
             return
         self._restore(folder, recipe_state)
         epoch, problems = progress.epochs_run - 1, []
+        done = progress.epochs_run >= progress.total_epochs
         for root in self._export_roots if recipe_state.get("epoch_end") else []:
+            export = root / f"epoch_{epoch}"
             try:
-                verify(root / f"epoch_{epoch}", EXPORT_MANIFEST)
+                manifest = verify(export, export_manifest(export))
             except CheckpointError as e:
                 problems.append(str(e))
+                continue
+            # An export of another run, or of a timeline this run branched from.
+            written_at = (manifest.get("run_id"), manifest.get("step"))
+            if written_at != (self._run_id, progress.global_step):
+                problems.append(f"{export} holds the weights of run {written_at[0]}")
         if problems:
             _warn(
-                f"The export of epoch {epoch} is not whole ({'; '.join(problems)}): "
-                f"rewriting it from {folder}."
+                f"The export of epoch {epoch} is not this checkpoint's "
+                f"({'; '.join(problems)}): rewriting it from {folder}."
             )
-            self._export(epoch)
-        if progress.epochs_run >= progress.total_epochs:
+            self._export(epoch, final=done)
+        if done:
             key, value = self.options.length
             _warn(
                 f"resume_from_checkpoint=True: {folder or self._export_dir} is at the "
                 f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
                 f"nothing left to do. To train further, set {key} to more than {value}."
             )
+            if folder is not None:
+                _on_rank_zero(lambda: self._finish_run(epoch))
             self._lock()
 
     def _start_run(self) -> str:
-        """Move what an earlier run left aside (a copy of what this run reads stays
-        in place: its exports may overwrite it) and name the new run."""
+        """Name the new run, and clear what an earlier run left: its resumable state,
+        which this run must not continue, is deleted, and its exports stay until this
+        run's epochs replace them, as in 0.6.1; with ``keep_previous_runs``, all of it
+        is moved to ``previous_runs/`` (a copy of what this run reads stays)."""
         found = []
         for root in {self._out, self._export_dir, *self._export_roots}:
             found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
-        keep = [k.absolute() for k in self.options.keep]
-        read = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
-        if any(e.name != RUN_FILE for e in found):
+        if any(e.name != RUN_FILE for e in found) and self.options.keep_previous_runs:
+            keep = [k.absolute() for k in self.options.keep]
+            read = [
+                e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)
+            ]
             newest = time.gmtime(max(e.stat().st_mtime for e in found))
             earlier = read_run_file(self._out)
             earlier = earlier or time.strftime("before-%Y%m%d-%H%M%S", newest)
@@ -726,6 +897,27 @@ class CheckpointManager:
             reason += "must neither overwrite nor resume (to resume: move them back)"
             moved = [e for e in found if e not in read]
             _set_aside(moved, f"run_{earlier}", reason, copies=read)
+        elif any(e.name != RUN_FILE for e in found):
+            resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
+            exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
+            message = [f"{self._out} holds an earlier run's files."]
+            if resumable:
+                names = ", ".join(sorted(e.name for e in resumable))
+                message.append(
+                    f"Deleting its resumable state ({names}: {_size(resumable)}), "
+                    "which this new run must not continue."
+                )
+            if exports:
+                message.append(
+                    f"Its exports ({', '.join(exports)}) stay until this run's epochs "
+                    "replace them."
+                )
+            message.append(
+                "To keep an earlier run's files, set keep_previous_runs=True (moved "
+                f"to {self._out / PREVIOUS_RUNS}), or use another output_dir."
+            )
+            _warn(" ".join(message))
+            _delete(resumable)
         run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
         return _write_run_file(self._out, run_id)
 
@@ -830,17 +1022,26 @@ class CheckpointManager:
 
     def _branch(self, folder: Path) -> None:
         """Resuming before the newest checkpoints branches: the old timeline's later
-        checkpoints and exports are moved aside, so that pruning and later resumes
-        see this branch only."""
+        step checkpoints are deleted (with ``keep_previous_runs``, moved aside with
+        the later exports), so that pruning and later resumes see this branch only."""
         later = [p for p in _step_dirs(self._out) if step_of(p) > step_of(folder)]
-        done = self._progress.epochs_run
-        for root in self._export_roots:
-            epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
-            later += [p for p, e in epochs if e is not None and e >= done]
-        if later:
+        if later and self.options.keep_previous_runs:
+            done = self._progress.epochs_run
+            for root in self._export_roots:
+                epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
+                later += [p for p, e in epochs if e is not None and e >= done]
             reason = f"Resuming from {folder.name}: the later checkpoints of this run "
             reason += "(damaged, or of the timeline this resume branches from) go aside"
             _set_aside(later, f"run_{self._run_id}-after-{folder.name}", reason)
+        elif later:
+            _warn(
+                f"Resuming from {folder.name}: deleting this run's later step checkpoints "
+                f"({', '.join(p.name for p in later)}: {_size(later)}), damaged or of the "
+                "timeline this resume branches from, so that later resumes continue "
+                "this branch. To keep them, set keep_previous_runs=True (moved to "
+                f"{self._out / PREVIOUS_RUNS})."
+            )
+            _delete(later)
 
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
@@ -897,17 +1098,34 @@ class CheckpointManager:
             return
         done = self._progress.epochs_run >= self._progress.total_epochs
         self._write_step(mid_epoch=False, wait=done)
-        self._export(epoch := self._progress.epochs_run - 1)
+        self._export(epoch := self._progress.epochs_run - 1, final=done)
         if done:
-            key, value = self.options.length
-            utils.log_rank_zero(
-                log,
-                f"Training done (epochs done: {self._progress.epochs_run}). Final weights"
-                f" in {self._export_dir}/epoch_{epoch} (every file checksummed); resumable"
-                f" state in {self._out}/step_{step} (run {self._run_id}). To train further:"
-                f" resume_from_checkpoint=True, {key} > {value}.",
-            )
+            _on_rank_zero(lambda: self._finish_run(epoch))
             self._lock()
+
+    def _finish_run(self, epoch: int) -> None:
+        """Once the final export is whole, delete the run's step checkpoints, as
+        torchtune 0.6.1 leaves no resumable state after the final epoch, unless
+        ``keep_last_n_checkpoints`` asks to keep them (to train further later)."""
+        final, n = self._export_dir / f"epoch_{epoch}", self.options.keep_last_n
+        steps, (key, value) = _step_dirs(self._out, self._run_id), self.options.length
+        if n is not None:
+            kept = (
+                f"Its resumable state is kept (checkpointer.keep_last_n_checkpoints={n}:"
+                f" {', '.join(p.name for p in steps)}, {_size(steps)}); to train "
+                f"further: resume_from_checkpoint=True, {key} > {value}."
+            )
+        else:
+            kept = (
+                f"Its step checkpoints ({_size(steps)}) are deleted: to keep them, for "
+                "training further later, set checkpointer.keep_last_n_checkpoints."
+            )
+            _delete(steps)
+        _write_run_file(self._out, self._run_id, final_export=str(final))
+        log.info(
+            f"Training done (run {self._run_id}, {self._progress.epochs_run} epochs). "
+            f"Final weights in {final} (every file checksummed). {kept}"
+        )
 
     def _write_step(self, *, mid_epoch: bool, wait: bool = False) -> None:
         """Write ``.step_{N}.partial/``; :meth:`_finish_pending` publishes it, now or
@@ -951,18 +1169,20 @@ class CheckpointManager:
         if future is None:
             self._finish_pending()
 
-    def _write_manifest(self, root: Path, name: str) -> None:
-        """Write the manifest ``name`` of ``root``: the size and CRC-32 of each of
-        its files (the ranks of a distributed run share the reading)."""
+    def _write_manifest(self, root: Path, path: Path, step: int) -> None:
+        """Write the manifest ``path`` of ``root``, saved at ``step``: the size and
+        CRC-32 of each of its files (the ranks of a distributed run share the
+        reading)."""
         files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
-        files = [p for p in files if p.name != name][_rank() :: _world_size()]
+        files = [p for p in files if p != path][_rank() :: _world_size()]
         mine = [
             (p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files
         ]
         files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
-        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id, "files": files}
+        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id, "step": step}
+        manifest["files"] = files
         text = json.dumps(manifest, indent=1)
-        _on_rank_zero(lambda: (root / name).write_text(text))
+        _on_rank_zero(lambda: path.write_text(text))
 
     def _finish_pending(self) -> None:
         """Complete the last step checkpoint: checksums, manifest, rename, prune."""
@@ -972,7 +1192,7 @@ class CheckpointManager:
         if future is not None:
             future.result()
         _barrier()
-        self._write_manifest(partial, MANIFEST)
+        self._write_manifest(partial, partial / MANIFEST, step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
@@ -983,19 +1203,22 @@ class CheckpointManager:
                 _set_aside([final], label, "Saving a step again")
             os.replace(partial, final)
             _fsync_dir(self._out)
-            for old in _step_dirs(self._out, self._run_id)[keep:] if keep else []:
-                shutil.rmtree(old)
-                log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
+            replaced = _step_dirs(self._out, self._run_id)[keep:] if keep else []
+            _delete(replaced)
+            if self.options.keep_last_n is not None:
+                for old in replaced:
+                    log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
             log.info(f"Step checkpoint saved to {final}")
 
         _on_rank_zero(publish)
 
-    def _export(self, epoch: int) -> None:
+    def _export(self, epoch: int, *, final: bool) -> None:
         """Write ``epoch_{epoch}`` through each model's checkpointer (LoRA: the
         adapter, its PEFT config and, unless ``adapter_only``, the merged weights),
-        then its manifest."""
+        then its manifest. The checkpointers' "final epoch" notes are shown for the
+        ``final`` epoch only."""
         folders = [root / f"epoch_{epoch}" for root in self._export_roots]
-        adapter = self.options.adapter_config
+        step, adapter = self._progress.global_step, self.options.adapter_config
         adapter_only = self.options.adapter_only and adapter is not None
         for name, model in self._models.items():
             if _sharded():
@@ -1018,11 +1241,15 @@ class CheckpointManager:
                 rank, alpha = adapter["r"], adapter["lora_alpha"]
                 merged = peft.get_merged_lora_ckpt(state, rank, alpha)
                 export[training.MODEL_KEY] = merged
-            exporter = self._exporters[name]
-            exporter.save_checkpoint(export, epoch=epoch, adapter_only=adapter_only)
+            exporter, only_final = self._exporters[name], _FinalEpochNotes(final)
+            log.addFilter(only_final)  # the logger every torchtune module shares
+            try:
+                exporter.save_checkpoint(export, epoch=epoch, adapter_only=adapter_only)
+            finally:
+                log.removeFilter(only_final)
         _barrier()
         for folder in folders:
-            self._write_manifest(folder, EXPORT_MANIFEST)
+            self._write_manifest(folder, export_manifest(folder), step)
 
     def close(self) -> None:
         """Complete a step checkpoint still being written in the background and

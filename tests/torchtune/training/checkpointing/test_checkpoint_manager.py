@@ -57,7 +57,6 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune.modules import peft
 from torchtune.training import OptimizerInBackward
 from torchtune.training.checkpointing._checkpoint_manager import (
-    EXPORT_MANIFEST,
     LOCK_FILE,
     LOCK_STALE_AFTER_S,
     MANIFEST,
@@ -70,7 +69,9 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointManager,
     TrainingProgress,
     _dataset_identity,
+    _named_epoch,
     _on_rank_zero,
+    export_manifest,
     file_checksum,
     read_run_file,
     step_of,
@@ -133,8 +134,9 @@ def make_config(
     **options: Any,
 ) -> DictConfig:
     """A recipe config: the base checkpoint in ``tmp_path/base``, step checkpoints and
-    exports in ``tmp_path/out``, a step checkpoint every 3 steps; ``options`` and
-    ``checkpointer`` override."""
+    exports in ``tmp_path/out``, a step checkpoint every 3 steps, all of them kept,
+    also once the run is done (``keep_last_n_checkpoints: 10``: many tests resume or
+    inspect a finished run's); ``options`` and ``checkpointer`` override."""
     folder = tmp_path / "base"
     if not folder.exists():
         folder.mkdir(parents=True)
@@ -160,6 +162,7 @@ def make_config(
                 "checkpoint_files": ["model.pt"],
                 "output_dir": str(tmp_path / "out"),
                 "model_type": "LLAMA2",
+                "keep_last_n_checkpoints": 10,
             },
         }
     )
@@ -418,8 +421,9 @@ def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
     with caplog.at_level(logging.INFO):
         train(cfg)
     assert (
-        f"Training done (epochs done: 2). Final weights in {out}/epoch_1 (every "
-        f"file checksummed); resumable state in {out}/step_8" in caplog.text
+        f"2 epochs). Final weights in {out}/epoch_1 (every file checksummed). Its "
+        "resumable state is kept (checkpointer.keep_last_n_checkpoints=10: step_8, "
+        "step_6, step_4, step_3," in caplog.text
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -572,13 +576,15 @@ def test_save_writes_every_n_steps_and_an_epochs_last_step_only_at_its_end(
 def test_without_save_every_n_steps_only_the_newest_epoch_end_checkpoint_is_kept(
     tmp_path: Path,
 ) -> None:
-    cfg = make_config(tmp_path, save_every_n_steps=None)
+    unset = {"keep_last_n_checkpoints": None}
+    cfg = make_config(tmp_path, save_every_n_steps=None, checkpointer=unset)
     out = tmp_path / "out"
     train(cfg, stop_after=5)
     assert step_names(out) == ["step_4"]
-    train(make_config(tmp_path / "full", save_every_n_steps=None))
+    # Once the final export is whole, the run leaves what torchtune 0.6.1 leaves.
+    train(make_config(tmp_path / "full", save_every_n_steps=None, checkpointer=unset))
     out = tmp_path / "full" / "out"
-    assert step_names(out) == ["step_8"]
+    assert step_names(out) == []
     assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
@@ -619,7 +625,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     run = train(make_config(tmp_path), stop_after=5)
     out = tmp_path / "out"
     manifest = json.loads((out / "step_3" / MANIFEST).read_text())
-    assert sorted(manifest) == ["files", "run_id", "version"]
+    assert sorted(manifest) == ["files", "run_id", "step", "version"]
     assert manifest["version"] == 2
     # The run id: the UTC time the run started and 8 random hex digits.
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", read_run_file(out))
@@ -634,13 +640,13 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
     assert verify(out / "step_3") == manifest
     # The epoch export: the weights alone (no optimizer state), with a manifest.
-    export = json.loads((out / "epoch_0" / EXPORT_MANIFEST).read_text())
+    export = json.loads(export_manifest(out / "epoch_0").read_text())
     data = (out / "epoch_0" / EXPORT_FILE).read_bytes()
     assert export["run_id"] == manifest["run_id"]
     assert export["files"] == {
         EXPORT_FILE: {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     }
-    verify(out / "epoch_0", EXPORT_MANIFEST)
+    verify(out / "epoch_0", export_manifest(out / "epoch_0"))
     assert not (out / "recipe_state").exists()  # 0.6.1's epoch recipe state
     # epoch_0 holds the model after step 4; the run trained on to step 5 since.
     after_4 = torch.load(out / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False)
@@ -715,7 +721,6 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
         where = {"first byte": 0, "middle byte": size // 2, "last byte": size - 1}
         flip_byte(damaged, where[damage])
         assert damaged.stat().st_size == size  # a size check alone misses it
-    damaged_bytes = damaged.read_bytes()
 
     # Named, it is an error that names the file, raised before anything is loaded.
     named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
@@ -728,9 +733,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
     )
     assert run.resumed_at == 3
     assert_same_weights(run.model, uninterrupted(tmp_path))
-    # The damaged one is set aside, not deleted.
-    (aside,) = (out / PREVIOUS_RUNS).rglob(MODEL_OPTIMIZER_FILE)
-    assert aside.read_bytes() == damaged_bytes
+    # The damaged one is deleted, saying so, as the resume branches before it.
+    assert not (out / PREVIOUS_RUNS).exists()
+    assert "Resuming from step_3: deleting this run's later step checkpoints (" in (
+        warnings_text(caplog)
+    )
 
 
 def test_a_folder_without_manifest_is_not_a_checkpoint(
@@ -826,12 +833,12 @@ def test_a_damaged_epoch_export_is_rewritten_on_resume(
     if damage == "truncated":  # a crash or a full disk while it was written
         export.write_bytes(original_bytes[: len(original_bytes) // 2])
     else:
-        (out / "epoch_0" / EXPORT_MANIFEST).unlink()
+        export_manifest(out / "epoch_0").unlink()
     with caplog.at_level(logging.WARNING):
         run = resume(cfg, stop_after=5)
     assert run.resumed_at == 4  # the epoch-end checkpoint of epoch 0
-    assert "The export of epoch 0 is not whole" in warnings_text(caplog)
-    verify(out / "epoch_0", EXPORT_MANIFEST)
+    assert "The export of epoch 0 is not this checkpoint's" in warnings_text(caplog)
+    verify(out / "epoch_0", export_manifest(out / "epoch_0"))
     torch.testing.assert_close(
         torch.load(export, weights_only=True), original, **BITWISE
     )
@@ -850,12 +857,12 @@ def test_a_new_run_makes_its_output_dir_and_the_folders_above_it(
 
 
 @pytest.mark.parametrize("base", ["its folder", "its files"])
-def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
+def test_keep_previous_runs_moves_an_earlier_runs_files_aside_but_not_its_base(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, base: str
 ) -> None:
-    """The new run starts from the earlier run's last export, named by its folder
-    (``checkpoint_dir``), or by its files in ``output_dir`` (the new run exporting
-    elsewhere)."""
+    """With ``keep_previous_runs``, a new run that starts from the earlier run's last
+    export, named by its folder (``checkpoint_dir``), or by its files in
+    ``output_dir`` (the new run exporting elsewhere), moves the rest aside."""
     out = tmp_path / "out"
     train(make_config(tmp_path))
     earlier = read_run_file(out)
@@ -867,7 +874,7 @@ def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
             "checkpoint_files": [f"epoch_1/{EXPORT_FILE}"],
             "output_dir": str(tmp_path / "exports"),
         }
-    cfg = make_config(tmp_path, checkpointer=named)
+    cfg = make_config(tmp_path, checkpointer=named, keep_previous_runs=True)
     with caplog.at_level(logging.WARNING):
         run = train(cfg, stop_after=2)
     aside = out / PREVIOUS_RUNS / f"run_{earlier}"
@@ -891,8 +898,9 @@ def test_a_new_run_moves_an_earlier_runs_files_aside_but_not_its_own_base(
     assert run.resumed_at == 0
 
 
-def test_a_new_run_never_overwrites_an_earlier_runs_export_it_started_from(
-    tmp_path: Path,
+@pytest.mark.parametrize("keep_previous_runs", [False, True])
+def test_a_new_run_replacing_the_export_it_started_from_says_so_or_keeps_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep_previous_runs: bool
 ) -> None:
     out = tmp_path / "out"
     train(make_config(tmp_path))
@@ -903,10 +911,19 @@ def test_a_new_run_never_overwrites_an_earlier_runs_export_it_started_from(
             "checkpoint_dir": str(out / "epoch_1"),
             "checkpoint_files": [EXPORT_FILE],
         },
+        keep_previous_runs=keep_previous_runs,
     )
-    train(cfg)
+    with caplog.at_level(logging.WARNING):
+        train(cfg)
     kept = [p for p in out.rglob(EXPORT_FILE) if p.read_bytes() == earlier_export]
-    assert kept, "the earlier run's epoch_1 weights are gone"
+    if keep_previous_runs:
+        assert kept, "the earlier run's epoch_1 weights are gone"
+    else:  # replaced, as in torchtune 0.6.1, but said at start
+        assert not kept
+        assert (
+            "Its exports (epoch_0, epoch_1) stay until this run's epochs replace "
+            "them. To keep an earlier run's files, set keep_previous_runs=True"
+        ) in warnings_text(caplog)
 
 
 def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
@@ -915,12 +932,15 @@ def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
     out = tmp_path / "out"
     train(make_config(tmp_path, save_every_n_steps=1))  # run A: step_1 ... step_8
     run_a = read_run_file(out)
-    train(make_config(tmp_path), stop_after=5)  # run B: step_3, step_4; A set aside
+    # Run B: step_3, step_4; A set aside.
+    train(make_config(tmp_path, keep_previous_runs=True), stop_after=5)
     # Someone moves two of run A's checkpoints back.
     for name in ("step_1", "step_7"):
         os.replace(out / PREVIOUS_RUNS / f"run_{run_a}" / name, out / name)
     a_files = snapshot(out / "step_1")
-    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1})
+    cfg = make_config(
+        tmp_path, checkpointer={"keep_last_n_checkpoints": 1}, keep_previous_runs=True
+    )
     run = resume(cfg)
     assert run.resumed_at == 4  # run B's newest, not run A's step_7
     assert_same_weights(run.model, uninterrupted(tmp_path))
@@ -944,6 +964,7 @@ def test_resuming_an_earlier_step_branches_and_prunes_within_the_branch(
     cfg = make_config(
         tmp_path,
         checkpointer={"recipe_checkpoint": "step_3", "keep_last_n_checkpoints": 2},
+        keep_previous_runs=True,
     )
     with caplog.at_level(logging.WARNING):
         run = resume(cfg, stop_after=5)
@@ -1802,3 +1823,169 @@ def test_two_gloo_processes_fsdp2(
     optimizer_in_backward_scenarios.py."""
     outcome = optimizer_in_backward_distributed_run.outcome(scenario)
     assert outcome == "ok", outcome
+
+
+# -- torchtune 0.6.1's resume instructions, and what a folder costs ----------------------
+
+
+def folder_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_checkpoint_files_naming_an_epoch_resume_from_that_epochs_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 0.6.1's instructions: resume_from_checkpoint=True and checkpoint_files pointed
+    # at epoch_{N}/ of output_dir. Killed mid-epoch 1 (step_3, step_4 = end of epoch
+    # 0, step_6), naming epoch_0 continues from step_4, as 0.6.1 would (it resumes
+    # from epoch ends only), and the later step_6 is deleted, saying so.
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=6)
+    out = tmp_path / "out"
+    docs = {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]}
+    with caplog.at_level(logging.WARNING):
+        run = resume(make_config(tmp_path, checkpointer=docs))
+    assert run.resumed_at == STEPS_PER_EPOCH
+    assert (
+        "Resuming from step_4: deleting this run's later step checkpoints (step_6"
+        in (warnings_text(caplog))
+    )
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    assert step_names(out) == ["step_3", "step_4", "step_6", "step_8"]
+
+
+def test_checkpoint_files_naming_an_epoch_whose_state_is_gone_are_refused_first(
+    tmp_path: Path,
+) -> None:
+    # Pruned to the newest (step_6, mid-epoch 1): epoch 0's end is gone. The refusal
+    # comes from from_config, before anything is built or written, naming what can
+    # be resumed.
+    train(
+        make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1}), stop_after=7
+    )
+    out = tmp_path / "out"
+    before = snapshot(out)
+    docs = {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]}
+    cfg = make_config(tmp_path, checkpointer=docs, resume_from_checkpoint=True)
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            "checkpointer.checkpoint_files names epoch_0/, but the step checkpoint saved "
+            "at the end of epoch 0, which a resume from that epoch continues, is not in "
+            f"{out} (pruned, or never saved). This run's step checkpoints are: step_6 "
+            "(mid-epoch). Name one of them with checkpointer.recipe_checkpoint=step_N, "
+            "or set it back to the base model's files to resume from the newest."
+        ),
+    ):
+        CheckpointManager.from_config(cfg)
+    assert snapshot(out) == before
+
+
+def test_files_naming_several_epochs_are_refused() -> None:
+    cfg = OmegaConf.create(
+        {"checkpoint_files": ["epoch_0/a.safetensors", "epoch_1/b.safetensors"]}
+    )
+    with pytest.raises(ValueError, match="name several epochs' folders"):
+        _named_epoch(cfg)
+    # The adapter decides for LoRA (0.6.1 reads its base from checkpoint_dir), and a
+    # filename format is read like a file name.
+    lora = {"checkpoint_files": ["model.pt"], "adapter_checkpoint": "epoch_3/a.pt"}
+    assert _named_epoch(OmegaConf.create(lora)) == 3
+    formatted = {"filename_format": "epoch_2/model-{}-of-{}.safetensors"}
+    assert _named_epoch(OmegaConf.create({"checkpoint_files": formatted})) == 2
+    assert _named_epoch(OmegaConf.create({"checkpoint_files": ["model.pt"]})) is None
+
+
+def test_a_finished_run_leaves_its_exports_only_unless_asked_and_says_the_size(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None})
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        train(cfg)
+    assert step_names(out) == []
+    assert re.search(
+        r"Its step checkpoints \([0-9.]+ MB\) are deleted: to keep them, for training "
+        r"further later, set checkpointer.keep_last_n_checkpoints.",
+        caplog.text,
+    )
+    # Nothing but the exports, their manifests and the run's name is left.
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".epoch_0.manifest.json",
+        ".epoch_1.manifest.json",
+        "epoch_0",
+        "epoch_1",
+        RUN_FILE,
+    ]
+    # A resume of it says what happened and where its weights are.
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
+            f"The run there finished (final weights in {out / 'epoch_1'}) and its "
+            "step checkpoints were deleted"
+        ),
+    ):
+        resume(cfg)
+
+
+def test_rerunning_a_command_in_its_folder_does_not_grow_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None})
+    out = tmp_path / "out"
+    train(cfg)
+    sizes = [folder_bytes(out)]
+    train(cfg, stop_after=5)  # a rerun killed mid-epoch: its step_3, step_4
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            train(cfg)
+            sizes.append(folder_bytes(out))
+    # The killed rerun's resumable state was deleted, saying what and how much.
+    assert re.search(
+        r"holds an earlier run's files. Deleting its resumable state \(step_3, "
+        r"step_4: [0-9.]+ MB\), which this new run must not continue. Its exports "
+        r"\(epoch_0, epoch_1\) stay until this run's epochs replace them.",
+        warnings_text(caplog),
+    )
+    # The same files each time; the bytes may differ by a digit of a run id.
+    assert max(sizes) - min(sizes) < 100, sizes
+    assert not (out / PREVIOUS_RUNS).exists()
+
+
+def test_upstreams_final_epoch_notes_are_logged_at_the_final_epoch_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path, epochs=3)
+    with caplog.at_level(logging.INFO):
+        train(cfg)
+    assert caplog.text.count("Saving final epoch checkpoint.") == 1
+    # Pruning is named only when keep_last_n_checkpoints asks for it.
+    assert "Deleted " not in caplog.text
+    caplog.clear()
+    pruned = make_config(
+        tmp_path / "pruned", checkpointer={"keep_last_n_checkpoints": 1}
+    )
+    with caplog.at_level(logging.INFO):
+        train(pruned)
+    assert "(keep_last_n_checkpoints=1)" in caplog.text
+
+
+def test_an_epoch_end_resume_rewrites_an_export_another_run_wrote(
+    tmp_path: Path,
+) -> None:
+    # Run A (another learning rate) finished here; run B, a rerun, saved step_4 at
+    # epoch 0's end and died before its export: epoch_0 still holds A's weights,
+    # whole by their manifest. B's resume must replace them with its own.
+    out = tmp_path / "out"
+    train(make_config(tmp_path, optimizer={"lr": 0.01}))
+    a_export = (out / "epoch_0" / EXPORT_FILE).read_bytes()
+    a_manifest = export_manifest(out / "epoch_0").read_bytes()
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    (out / "epoch_0" / EXPORT_FILE).write_bytes(a_export)
+    export_manifest(out / "epoch_0").write_bytes(a_manifest)
+    assert step_names(out) == ["step_3", "step_4"]
+    resume(cfg, stop_after=5)
+    expected = tmp_path / "uninterrupted" / "out" / "epoch_0" / EXPORT_FILE
+    uninterrupted(tmp_path)
+    assert (out / "epoch_0" / EXPORT_FILE).read_bytes() == expected.read_bytes()
