@@ -174,6 +174,8 @@ class Runs:
             "in_bwd",
             optimizer_in_bwd=True,
             save_every_n_steps=SAVE_EVERY,
+            # Kept once the run is done: the resumes below start from them.
+            **{"checkpointer.keep_last_n_checkpoints": 10},
         )
         self._submit(
             "plain_async",

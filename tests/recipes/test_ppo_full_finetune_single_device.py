@@ -180,7 +180,11 @@ def runs(
         # Both epoch-end step checkpoints, for the resume tests.
         "plain": {"checkpointer.keep_last_n_checkpoints": 2, **_mode("plain")},
         # Step checkpoints for the step-checkpoint resume test.
-        "bwd": {"save_every_n_steps": 1, **_mode("bwd")},
+        "bwd": {
+            "save_every_n_steps": 1,
+            "checkpointer.keep_last_n_checkpoints": 10,
+            **_mode("bwd"),
+        },
         "plain_accumulated": {"gradient_accumulation_steps": 2, **_mode("plain")},
         # Clipping off (null): the single-pass in-backward path.
         "plain_no_clip": {"clip_grad_norm": "null", **_mode("plain")},
@@ -508,7 +512,7 @@ def test_save_every_n_steps_counts_ppo_steps(
     steps (there are 4 per PPO step), and at the epochs' ends (PPO steps 2 and 4).
     Folders are named by the PPO step. Without ``save_every_n_steps`` only the
     epoch-end ones are saved and, unless ``keep_last_n_checkpoints`` says more, only
-    the newest is kept."""
+    the newest is kept, and none once the run is done."""
     assert {p.name for p in runs["bwd"].output_dir.glob("step_*")} == {
         f"step_{n}" for n in (1, 2, 3, 4)
     }
@@ -517,11 +521,16 @@ def test_save_every_n_steps_counts_ppo_steps(
         "step_4",
     }
     for name in ("plain_accumulated", "plain_no_clip", "bwd_no_clip"):
-        assert {p.name for p in runs[name].output_dir.glob("step_*")} == {"step_4"}
+        assert not list(runs[name].output_dir.glob("step_*"))
     run = run_tune_in_process(
         RECIPE,
         CONFIG,
-        _overrides(ppo_assets, save_every_n_steps=3, **_mode("plain")),
+        _overrides(
+            ppo_assets,
+            save_every_n_steps=3,
+            **{"checkpointer.keep_last_n_checkpoints": 10},
+            **_mode("plain"),
+        ),
         tmp_path,
     )
     assert {p.name for p in run.output_dir.glob("step_*")} == {

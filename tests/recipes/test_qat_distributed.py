@@ -152,7 +152,11 @@ def _resume_0_6_1(out: Path, assets: TinyAssets, data: Path, **overrides: Any):
 
 # A step checkpoint after every step: step_1 and step_3 land mid-epoch. Saving them
 # changes no loss, grad_norm or lr of the run (checked bitwise against a run without).
-STEP_CHECKPOINTS = {"save_every_n_steps": 1}
+# All of them kept once the run is done: the resumes start from them.
+STEP_CHECKPOINTS = {
+    "save_every_n_steps": 1,
+    "checkpointer.keep_last_n_checkpoints": 10,
+}
 
 
 @pytest.fixture(scope="module")
@@ -409,6 +413,8 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
                 "tests.recipes.partly_frozen_model.partly_frozen_llama2"
             ),
             "model.frozen": FROZEN,
+            # The step checkpoint of the last epoch's end, kept to be read below.
+            "checkpointer.keep_last_n_checkpoints": 1,
         },
     )
     assert list(run.metrics) == list(ALL_STEPS)

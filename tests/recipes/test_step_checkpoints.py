@@ -79,11 +79,14 @@ SHARD = "model-00001-of-00001.safetensors"
 
 
 def overrides(assets: TinyAssets, in_bwd: bool, **more: Any) -> dict[str, Any]:
+    """Two epochs of three steps, a step checkpoint every two steps, all of them kept
+    once the run is done (tests resume from a finished run's)."""
     return {
         "assets_dir": assets.root,
         "epochs": 2,
         "max_steps_per_epoch": STEPS_PER_EPOCH,
         "save_every_n_steps": 2,
+        "checkpointer.keep_last_n_checkpoints": 10,
         "optimizer_in_bwd": in_bwd,
         **more,
     }
@@ -272,6 +275,25 @@ def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
     )
     # The same process layout and mode: the same kernels on the same values.
     assert_resumed_as_uninterrupted(resumed, uninterrupted, 4, f"epoch_1/{SHARD}")
+    if mode == "plain":
+        return
+    # torchtune 0.6.1's documented resume on every rank: a folder as a run killed in
+    # epoch 1 leaves it (epoch 0's export and end, step_3), checkpoint_files pointed
+    # at epoch_0/ of output_dir.
+    out = tmp_path_factory.mktemp("fsdp_docs_resumed")
+    source = uninterrupted.output_dir
+    for name in ("epoch_0", "step_3"):
+        shutil.copytree(source / name, out / name)
+    for name in (".epoch_0.manifest.json", "torchtune_run.json"):
+        shutil.copy2(source / name, out / name)
+    docs = {
+        "resume_from_checkpoint": True,
+        "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+    }
+    resumed = run_tune_forked(
+        DISTRIBUTED, DISTRIBUTED_CONFIG, settings | docs, nproc=2, output_dir=out
+    )
+    assert_resumed_as_uninterrupted(resumed, uninterrupted, 3, f"epoch_1/{SHARD}")
 
 
 def test_two_process_lora_resumes_mid_epoch_to_the_uninterrupted_losses_bitwise(
@@ -336,6 +358,8 @@ def killed_run(
     out: Path,
     timeout: float = 300.0,
     log_name: str = "killed.txt",
+    recipe: str = SINGLE,
+    config: Path = SINGLE_CONFIG,
     **more: Any,
 ) -> dict[int, dict[str, float]]:
     """Run the in-backward recipe in a process that SIGKILLs itself at
@@ -345,9 +369,9 @@ def killed_run(
     log_dir.mkdir(parents=True, exist_ok=True)
     tune_args = [
         "run",
-        SINGLE,
+        recipe,
         "--config",
-        str(SINGLE_CONFIG),
+        str(config),
         *_override_list(overrides(assets, True, **more)),
         *run_outputs(out, log_dir / log_name),
     ]
@@ -868,3 +892,94 @@ def test_an_epoch_only_run_resumes_with_resume_from_checkpoint_alone(
         SINGLE, SINGLE_CONFIG, settings | {"resume_from_checkpoint": True}, out
     )
     assert_resumed_as_uninterrupted(resumed, uninterrupted, 3, f"epoch_1/{SHARD}")
+
+
+# -- torchtune 0.6.1's documented workflows, as its docs write them ----------------------
+
+# 0.6.1's own defaults: no step checkpoints between epoch ends, none kept at the end.
+AS_IN_0_6_1 = {"save_every_n_steps": None, "checkpointer.keep_last_n_checkpoints": None}
+
+
+def test_the_documented_full_finetuning_resume_continues_a_killed_run_bitwise(
+    single_runs: dict[str, TuneRun], tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # deep_dives/checkpointer.rst: "resume_from_checkpoint: True" and checkpoint_files
+    # pointed at epoch_{N}/ of output_dir. Killed in epoch 1, epoch_0 saved.
+    killed_run("after_step:5", tiny_assets, tmp_path, **AS_IN_0_6_1)
+    docs = {
+        "resume_from_checkpoint": True,
+        "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+    }
+    resumed = run_tune_in_process(
+        SINGLE,
+        SINGLE_CONFIG,
+        overrides(tiny_assets, True, **AS_IN_0_6_1) | docs,
+        tmp_path,
+    )
+    assert_resumed_as_uninterrupted(
+        resumed, single_runs["bwd"], STEPS_PER_EPOCH, f"epoch_1/{SHARD}"
+    )
+    # Finished, the folder holds what 0.6.1 leaves, plus under 2 KB of metadata (the
+    # run's name and the exports' manifests): not its step checkpoints.
+    extra = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+        and p.relative_to(tmp_path).parts[0] not in ("epoch_0", "epoch_1", "logs")
+        and p.name != "torchtune_config.yaml"
+    ]
+    assert sorted(p.name for p in extra) == [
+        ".epoch_0.manifest.json",
+        ".epoch_1.manifest.json",
+        "torchtune_run.json",
+    ]
+    assert sum(p.stat().st_size for p in extra) < 2000
+
+
+def test_the_documented_lora_resume_continues_a_killed_run_bitwise(
+    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # "adapter_checkpoint: epoch_{N}/adapter_model.pt" and resume_from_checkpoint.
+    settings = overrides(tiny_assets, True, **AS_IN_0_6_1)
+    uninterrupted = run_tune_in_process(
+        LORA, LORA_CONFIG, settings, tmp_path_factory.mktemp("lora_docs_reference")
+    )
+    out = tmp_path_factory.mktemp("lora_docs")
+    killed_run(
+        "after_step:5",
+        tiny_assets,
+        out,
+        recipe=LORA,
+        config=LORA_CONFIG,
+        **AS_IN_0_6_1,
+    )
+    docs = {
+        "resume_from_checkpoint": True,
+        "checkpointer.adapter_checkpoint": "epoch_0/adapter_model.pt",
+    }
+    resumed = run_tune_in_process(LORA, LORA_CONFIG, settings | docs, out)
+    assert_resumed_as_uninterrupted(
+        resumed, uninterrupted, STEPS_PER_EPOCH, "epoch_1/adapter_model.pt"
+    )
+
+
+def test_the_documented_resume_of_an_epoch_whose_state_is_gone_changes_nothing(
+    tiny_assets: TinyAssets, tmp_path: Path
+) -> None:
+    # Killed in epoch 1 with a step checkpoint every 2 steps and only the newest
+    # kept: epoch 0's end (step_3) was pruned, so naming epoch_0 is refused before
+    # anything is written, naming what can be resumed.
+    kept = {"save_every_n_steps": 2, "checkpointer.keep_last_n_checkpoints": 1}
+    killed_run("after_step:5", tiny_assets, tmp_path, **kept)
+    before = checkpoint_files(tmp_path)
+    docs = {
+        "resume_from_checkpoint": True,
+        "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+    }
+    with pytest.raises(
+        CheckpointError, match=r"This run's step checkpoints are: step_4 \(mid-epoch\)"
+    ):
+        run_tune_in_process(
+            SINGLE, SINGLE_CONFIG, overrides(tiny_assets, True, **kept) | docs, tmp_path
+        )
+    assert checkpoint_files(tmp_path) == before

@@ -40,6 +40,13 @@ COUNT_KEYS = (
     "ppo_batch_size ppo_epochs"
 ).split()
 
+# Flags read by the checkpoint manager and the recipes rather than by RecipeOptions: a
+# quoted 'False' would read as true.
+BOOL_KEYS = (
+    "resume_from_checkpoint resume_allow_changes keep_previous_runs "
+    "save_adapter_weights_only shuffle"
+).split()
+
 # Top-level keys the library reads that shipped configs may leave out, besides the
 # options of :class:`RecipeOptions`.
 LIBRARY_KEYS = (
@@ -51,16 +58,20 @@ LIBRARY_KEYS = (
 def _parse_compile(cfg_compile: object) -> dict[str, bool]:
     """``compile``: a bool compiles the model and the loss, as in torchtune 0.6.1; a
     mapping picks each of :data:`COMPILE_TARGETS` (keys it leaves out are off)."""
+    if cfg_compile is None:  # compile: null, as off
+        cfg_compile = False
     if not isinstance(cfg_compile, DictConfig | dict):
-        enabled = bool(cfg_compile)
-        return {"model": enabled, "loss": enabled, "optimizer_step": False}
+        _check_bool("compile", cfg_compile)
+        return {"model": cfg_compile, "loss": cfg_compile, "optimizer_step": False}
     unknown = set(cfg_compile) - set(COMPILE_TARGETS)
     if unknown:
         raise ValueError(
             f"Unknown compile keys {sorted(unknown)}: compile is a bool or a "
             f"mapping with keys {list(COMPILE_TARGETS)}."
         )
-    return {key: bool(cfg_compile.get(key, False)) for key in COMPILE_TARGETS}
+    for key, value in cfg_compile.items():
+        _check_bool(f"compile.{key}", value)
+    return {key: cfg_compile.get(key, False) for key in COMPILE_TARGETS}
 
 
 def _check_optimizer(
@@ -392,6 +403,9 @@ class RecipeOptions:
         for key in COUNT_KEYS:
             if key in cfg and not (key == "max_steps_per_epoch" and cfg[key] is None):
                 _check_positive_int(key, cfg[key])
+        for key in BOOL_KEYS:
+            if key in cfg:
+                _check_bool(key, cfg[key])
         profiler = (cfg.get("profiler", None) or {}).get("_component_")
         if (profiler or _TORCH_PROFILER) != _TORCH_PROFILER:
             raise ValueError(

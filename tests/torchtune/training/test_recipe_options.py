@@ -2,14 +2,16 @@
 the recipes share, read and checked once (``compile``, what ``optimizer_in_bwd``
 refuses, the optimizers FSDP2 refuses, the profiler a recipe can build)."""
 
+import dataclasses
 import logging
+import re
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from torchtune import training
-from torchtune.training.recipe_options import warn_unknown_keys
+from torchtune.training.recipe_options import BOOL_KEYS, warn_unknown_keys
 
 CPU = torch.device("cpu")
 TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
@@ -401,3 +403,27 @@ def test_a_key_read_by_interpolation_is_known(caplog):
     with caplog.at_level(logging.WARNING):
         warn_unknown_keys(cfg)
     assert "did you mean" not in caplog.text
+
+
+BOOL_OPTIONS = sorted(
+    {f.name for f in dataclasses.fields(training.RecipeOptions) if f.type == "bool"}
+    | set(BOOL_KEYS)
+    | {"compile", "compile.model"}
+)
+
+
+@pytest.mark.parametrize("key", BOOL_OPTIONS)
+@pytest.mark.parametrize("value", ["False", "True", 0, 1])
+def test_every_flag_refuses_what_is_not_a_bool(key, value):
+    # A quoted 'False' is a non-empty string, true to Python: taking it would turn
+    # the flag on while the user asked for it off (resume_from_checkpoint='False'
+    # would resume). It is refused, naming key, value and fix.
+    cfg = _cfg()
+    OmegaConf.update(cfg, key, value, force_add=True)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{key}={value!r} is not a bool: set {key}=True or {key}=False."
+        ),
+    ):
+        training.RecipeOptions.from_config(cfg)
