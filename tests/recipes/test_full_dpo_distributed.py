@@ -414,7 +414,7 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
         if entry.name.startswith(("step_", "epoch_")) and entry.name != "epoch_0":
             shutil.rmtree(entry)
     (output_dir / "torchtune_run.json").unlink()
-    (output_dir / "epoch_0" / ".torchtune_manifest.json").unlink()
+    (output_dir / ".epoch_0.manifest.json").unlink()
     (output_dir / "recipe_state").mkdir()
     torch.save(
         {

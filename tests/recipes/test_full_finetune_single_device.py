@@ -209,8 +209,7 @@ def resumed_from_0_6_1(
     out = tmp_path_factory.mktemp(f"resume_0_6_1_to_{request.param}")
     # What 0.6.1 left after epoch 0: its weights (no manifest) and its recipe state.
     source = adamw_runs["plain"].output_dir
-    ignore = shutil.ignore_patterns(".torchtune_manifest.json")
-    shutil.copytree(source / "epoch_0", out / "epoch_0", ignore=ignore)
+    shutil.copytree(source / "epoch_0", out / "epoch_0")
     epoch_end = source / f"step_{STEPS_PER_EPOCH}" / "model_optimizer.pt"
     state = {
         training.OPT_KEY: torch.load(epoch_end, weights_only=False)["optimizer"],

@@ -72,6 +72,7 @@ from tests.recipes.utils import (
     tiny_config,
 )
 from torchtune import training
+from torchtune.training.checkpointing._checkpoint_manager import export_manifest
 
 pytestmark = pytest.mark.integration_test
 
@@ -142,9 +143,11 @@ def _resume_overrides(out: Path) -> dict[str, Any]:
 def _copy_epoch_0(source: TuneRun, out: Path, *, manifests: bool = True) -> None:
     """The policy's and the value model's epoch-0 exports (without their manifests:
     0.6.1 wrote none)."""
-    ignore = None if manifests else shutil.ignore_patterns(".torchtune_manifest.json")
     for part in ("epoch_0", "value/epoch_0"):
-        shutil.copytree(source.output_dir / part, out / part, ignore=ignore)
+        shutil.copytree(source.output_dir / part, out / part)
+        manifest = export_manifest(Path(part))
+        if manifests:
+            shutil.copy2(source.output_dir / manifest, out / manifest)
 
 
 def _write_0_6_1_recipe_state(source: TuneRun, out: Path) -> Path:

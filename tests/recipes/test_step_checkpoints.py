@@ -495,8 +495,7 @@ def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
 
     before = killed_run("after_step:3", tiny_assets, tmp_path, log_name="b.txt")
     assert list(losses(before)) == [1, 2, 3]
-    aside = tmp_path / "previous_runs" / f"run_{a_run_id}"
-    # B's own checkpoints: step_2, and none of A's.
+    # B's own checkpoints: step_2, and none of A's (deleted, as B said at start).
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
     assert read_run_file(tmp_path) not in (None, a_run_id)
 
@@ -507,9 +506,14 @@ def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
         tmp_path,
     )
     assert_resumed_as_uninterrupted(resumed, run_a, 2, f"epoch_1/{SHARD}")
-    # Every file of run A is still there, byte for byte, set aside.
-    for name, data in a_files.items():
-        assert (aside / name).read_bytes() == data, name
+    assert "holds an earlier run's files. Deleting its resumable state" in (
+        (tmp_path / "logs" / "b.out").read_text()
+    )
+    # A's exports were replaced by B's (the same bytes: the same config), and
+    # nothing of A's was kept: as in 0.6.1, unless keep_previous_runs asks.
+    for name in ("epoch_0", "epoch_1"):
+        assert (tmp_path / name / SHARD).read_bytes() == a_files[Path(name) / SHARD]
+    assert not (tmp_path / "previous_runs").exists()
 
 
 @pytest.mark.parametrize("where", ["middle", "last byte"])
@@ -624,7 +628,10 @@ def test_a_torn_final_export_is_rewritten_from_the_final_checkpoint_on_resume(
             overrides(tiny_assets, True, resume_from_checkpoint=True),
             tmp_path,
         )
-    assert f"The export of epoch 1 is not whole ({tmp_path / 'epoch_1'}" in caplog.text
+    assert (
+        f"The export of epoch 1 is not this checkpoint's ({tmp_path / 'epoch_1'}"
+        in caplog.text
+    )
     assert f"rewriting it from {tmp_path / 'step_6'}" in caplog.text
     assert "nothing left to do" in caplog.text
     assert_weights_close(
@@ -742,6 +749,7 @@ def test_resuming_an_older_step_branches_and_keep_last_n_keeps_the_branch(
     branch = {
         "checkpointer.recipe_checkpoint": "step_2/recipe_state.pt",
         "checkpointer.keep_last_n_checkpoints": 1,
+        "keep_previous_runs": True,
     }
     # Killed after step 5: of the branch only step_4 is whole (keep_last_n=1).
     before = killed_run(
@@ -879,14 +887,15 @@ def test_nothing_to_resume_points_at_the_earlier_runs_set_aside(
 def test_an_epoch_only_run_resumes_with_resume_from_checkpoint_alone(
     tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    settings = overrides(tiny_assets, True, save_every_n_steps=None)
+    settings = overrides(tiny_assets, True, **AS_IN_0_6_1)
     uninterrupted = run_tune_in_process(
         SINGLE, SINGLE_CONFIG, settings, tmp_path_factory.mktemp("epochs")
     )
-    # Only the newest epoch-end checkpoint is kept without save_every_n_steps.
-    assert sorted(p.name for p in uninterrupted.output_dir.glob("step_*")) == ["step_6"]
+    # None is kept once the run is done, as in 0.6.1.
+    assert not list(uninterrupted.output_dir.glob("step_*"))
     out = tmp_path_factory.mktemp("epochs_killed")
-    killed_run("after_step:5", tiny_assets, out, save_every_n_steps=None)
+    killed_run("after_step:5", tiny_assets, out, **AS_IN_0_6_1)
+    # Only the newest epoch-end checkpoint is kept without save_every_n_steps.
     assert sorted(p.name for p in out.glob("step_*")) == ["step_3"]
     resumed = run_tune_in_process(
         SINGLE, SINGLE_CONFIG, settings | {"resume_from_checkpoint": True}, out
