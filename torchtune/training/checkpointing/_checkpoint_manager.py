@@ -26,6 +26,7 @@ so, with its size, before it does), unless ``keep_previous_runs`` asks to move i
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -35,7 +36,6 @@ import pickle
 import re
 import shutil
 import socket
-import threading
 import time
 import weakref
 import zlib
@@ -67,8 +67,6 @@ MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimiz
 # The config values that set a run's step count and data order (the last two: PPO's).
 TRAJECTORY_KEYS = ("seed", "batch_size", "gradient_accumulation_steps")
 TRAJECTORY_KEYS += ("max_steps_per_epoch", "ppo_batch_size", "ppo_epochs")
-# A lock held from another host is stale once its heartbeat (mtime) is this old.
-LOCK_STALE_AFTER_S, _HEARTBEAT_S = 300.0, 30.0
 # What a run leaves that a later run could mistake for its own, and of that, what a
 # resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
 _RUN_OUTPUTS = re.compile(
@@ -394,65 +392,92 @@ def _described(steps: Sequence[Path]) -> str:
 
 # -- the one-run lock ----------------------------------------------------------------
 
+# The locks this process holds, by lock file: a process runs one recipe at a time, so
+# a new run here takes over the lock of an earlier one (a test's, or one that raised).
+_HELD: dict[Path, _Lock] = {}
 
-def _check_lock(folder: Path) -> None:
-    """Refuse ``folder`` if a live run holds its lock; a stale lock (its process is
-    gone or, on another host, its heartbeat stopped) is no obstacle."""
-    path = folder / LOCK_FILE
-    try:
-        owner, age = json.loads(path.read_text()), time.time() - path.stat().st_mtime
-        pid, host = owner["pid"], owner["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if host == socket.gethostname():
-        if pid == os.getpid():  # a process runs one recipe at a time
-            return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:  # alive, another user's
-            pass
-    elif age > LOCK_STALE_AFTER_S:
-        return
-    raise CheckpointError(
-        f"output_dir={folder} is in use by another run (process {pid} on host {host}, "
-        f"started {owner.get('started')}): two runs would overwrite each other's "
-        "checkpoints. Wait for it to finish, stop it, or use another output_dir."
+
+@dataclass(eq=False)
+class _Lock:
+    """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
+    when the process ends, however it ends, so it is never stale."""
+
+    path: Path
+    fd: int
+
+
+def _owner_of(path: Path) -> str:
+    owner = _read_json(path)
+    if not owner:
+        return "a run whose lock file does not say which"
+    return (
+        f"process {owner.get('pid')} on host {owner.get('host')}, started "
+        f"{owner.get('started')}"
     )
 
 
-def _take_lock(folder: Path, stop: threading.Event) -> None:
-    """Take ``folder``'s lock (on rank 0) and touch it until ``stop`` is set."""
-    path = folder / LOCK_FILE
-    _check_lock(folder)
-    if path.exists():
-        _warn(f"Taking over {path}, left by a run that stopped: {path.read_text()}")
-        path.unlink()
-    folder.mkdir(parents=True, exist_ok=True)
+def _in_use(folder: Path) -> CheckpointError:
+    return CheckpointError(
+        f"output_dir={folder} is in use by another run ({_owner_of(folder / LOCK_FILE)})"
+        ": two runs would overwrite each other's checkpoints. Wait for it to finish, "
+        "stop it, or use another output_dir."
+    )
+
+
+def _check_lock(folder: Path) -> None:
+    """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
+    atomically, later)."""
+    path = (folder / LOCK_FILE).absolute()
+    if path in _HELD or not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(folder) from None
+    finally:
+        os.close(fd)  # which releases the shared lock
+
+
+def _take_lock(folder: Path) -> _Lock:
+    """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
+    live owner's lock is never taken over, whatever its file holds."""
+    path = (folder / LOCK_FILE).absolute()
+    if (earlier := _HELD.pop(path, None)) is not None:
+        lock = _Lock(path, earlier.fd)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _in_use(folder) from None
+            # The owner before us deletes the file as it releases it: a lock on a
+            # deleted file locks nothing, so try again on the one now there.
+            if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        lock = _Lock(path, fd)
+        if path.stat().st_size:  # a run that held it ended without deleting it
+            _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
     owner = {"pid": os.getpid(), "host": socket.gethostname()}
     owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    try:
-        with open(path, "x") as f:  # O_EXCL: of two runs starting together, one wins
-            json.dump(owner, f)
-    except FileExistsError:
-        _check_lock(folder)  # names the run that took it since the check
-        raise
-    threading.Thread(target=_heartbeat, args=(path, stop), daemon=True).start()
+    os.ftruncate(lock.fd, 0)
+    os.pwrite(lock.fd, json.dumps(owner).encode(), 0)
+    _HELD[path] = lock
+    return lock
 
 
-def _heartbeat(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(_HEARTBEAT_S):
-        try:
-            os.utime(path)
-        except OSError:
-            return
-
-
-def _release_lock(path: Path, stop: threading.Event) -> None:
-    stop.set()
-    if _read_json(path).get("pid") == os.getpid():
-        path.unlink(missing_ok=True)
+def _release_lock(lock: _Lock) -> None:
+    """Delete the lock file and release the lock, unless a later run of this process
+    took it over."""
+    if _HELD.get(lock.path) is not lock:
+        return
+    del _HELD[lock.path]
+    lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
+    os.close(lock.fd)
 
 
 # -- what a checkpoint holds ---------------------------------------------------------
@@ -593,7 +618,7 @@ class CheckpointManager:
         # else from torchtune 0.6.1's "epoch" or "dcp" (asynchronous) checkpoint.
         self._steps, self._legacy = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
-        self._lock: Callable[[], None] = lambda: None
+        self._release_output_dir: Callable[[], Any] = lambda: None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> CheckpointManager:
@@ -837,9 +862,12 @@ class CheckpointManager:
         self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
         self._trajectory |= _dataset_identity(dataset)
         folder, recipe_state = self._verified() if self._steps else (None, {})
-        stop = threading.Event()
-        _on_rank_zero(lambda: _take_lock(self._out, stop))
-        self._lock = weakref.finalize(self, _release_lock, self._out / LOCK_FILE, stop)
+
+        def take_lock() -> None:
+            lock = _take_lock(self._out)
+            self._release_output_dir = weakref.finalize(self, _release_lock, lock)
+
+        _on_rank_zero(take_lock)
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._legacy is None:
@@ -875,7 +903,7 @@ class CheckpointManager:
             )
             if folder is not None:
                 _on_rank_zero(lambda: self._finish_run(epoch))
-            self._lock()
+            self._release_output_dir()
 
     def _start_run(self) -> str:
         """Name the new run, and clear what an earlier run left: its resumable state,
@@ -1101,7 +1129,7 @@ class CheckpointManager:
         self._export(epoch := self._progress.epochs_run - 1, final=done)
         if done:
             _on_rank_zero(lambda: self._finish_run(epoch))
-            self._lock()
+            self._release_output_dir()
 
     def _finish_run(self, epoch: int) -> None:
         """Once the final export is whole, delete the run's step checkpoints, as
@@ -1255,5 +1283,5 @@ class CheckpointManager:
         """Complete a step checkpoint still being written in the background and
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
-        self._lock()
+        self._release_output_dir()
         _barrier()  # a next run in these processes finds the lock released
