@@ -7,6 +7,7 @@ How it works, what it saves and costs: ``docs/source/optimizer_in_backward.rst``
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
@@ -15,6 +16,8 @@ import torch
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchtune.training.gradients import (
     GradNorm,
@@ -23,6 +26,9 @@ from torchtune.training.gradients import (
     tensor_norms,
     total_norm,
 )
+from torchtune.utils import get_logger
+
+log = get_logger()
 
 #: Default most gradient bytes, in MiB, that :class:`OptimizerInBackward` updates in
 #: one optimizer call.
@@ -142,6 +148,19 @@ class _Bucket:
         self.ready: set[int] = set()
 
 
+# Parameter -> a weak reference to the OptimizerInBackward that updates it in backward.
+# A new instance over a parameter takes it over from the one before, so that no
+# parameter is ever updated by two of them. Weak both ways: the map keeps neither a
+# parameter nor an optimizer alive.
+_UPDATED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _updater(param: torch.Tensor) -> OptimizerInBackward | None:
+    """The live :class:`OptimizerInBackward` that updates ``param``, if any."""
+    ref = _UPDATED_BY.get(param)
+    return None if ref is None else ref()
+
+
 def _local_bytes(param: torch.Tensor) -> int:
     """Bytes of ``param``'s gradient on this rank (its local shard for a DTensor)."""
     local = param.to_local() if isinstance(param, DTensor) else param
@@ -165,8 +184,10 @@ class OptimizerInBackward(Optimizer):
 
     .. warning::
         ``.grad`` is ``None`` after backward: no gradient accumulation. With
-        ``max_norm``, call :meth:`backward` (``loss.backward()`` raises). Build one per
-        parameter set: a second one over it would take some updates from the first.
+        ``max_norm``, call :meth:`backward` (``loss.backward()`` raises). A second
+        instance over parameters this one updates takes them over (with a warning):
+        this one then no longer updates them, though they stay in its
+        ``param_groups`` and ``state_dict()``.
 
     Args:
         params (Iterable[Any]): parameters, group dicts or ``(name, parameter)`` pairs.
@@ -244,6 +265,9 @@ class OptimizerInBackward(Optimizer):
         #: The largest global gradient norm :meth:`backward` clips to; ``None``: none.
         self.max_norm = max_norm
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
+        # Each trainable parameter's post-accumulate-grad hook, to remove it when a
+        # newer instance takes the parameter over.
+        self._hooks: dict[torch.Tensor, RemovableHandle] = {}
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         # The backward pass (autograd graph task) whose end updates the buckets it
         # left unfinished, if one was queued.
@@ -262,6 +286,7 @@ class OptimizerInBackward(Optimizer):
         self._index_groups()
         for group in self.param_groups:
             self._attach_in_buckets([p for p in group["params"] if p.requires_grad])
+        self._take_over(list(self._hooks))
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names this object does not have. Public ones are the
@@ -309,7 +334,42 @@ class OptimizerInBackward(Optimizer):
         for param in params:
             self._bucket_of[param] = bucket
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                hook = param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                self._hooks[param] = hook
+
+    def _take_over(self, params: list[torch.Tensor]) -> None:
+        """Become the one instance that updates ``params`` in backward: any earlier
+        one stops updating those it held, so no parameter is updated twice."""
+        taken: dict[OptimizerInBackward, int] = {}
+        for param in params:
+            previous = _updater(param)
+            if previous is not None and previous is not self:
+                previous._release(param)
+                taken[previous] = taken.get(previous, 0) + 1
+            _UPDATED_BY[param] = weakref.ref(self)
+        for previous, count in taken.items():
+            log.warning(
+                f"A new OptimizerInBackward ({type(self._optimizer).__name__}) took "
+                f"over {count} parameters that an earlier one "
+                f"({type(previous._optimizer).__name__}) updated in backward. The "
+                "earlier one no longer updates them, but they stay in its param_groups"
+                " and state_dict(), with the state they had then. Build one "
+                "OptimizerInBackward per set of parameters, and drop the earlier one."
+            )
+
+    def _release(self, param: torch.Tensor) -> None:
+        """Stop updating ``param``, which a newer instance has taken over: remove its
+        hook and take it out of its bucket, whose optimizer would step it otherwise."""
+        hook = self._hooks.pop(param, None)  # none if it was frozen when attached
+        if hook is not None:
+            hook.remove()
+        bucket = self._bucket_of.pop(param)
+        bucket.ready.discard(id(param))
+        bucket.params = [p for p in bucket.params if p is not param]
+        # An emptied bucket is never stepped again: its optimizer is left as it was
+        # (the deprecated API's is the user's own per-parameter optimizer).
+        if bucket.params:
+            bucket.optimizer.param_groups[0]["params"] = list(bucket.params)
 
     def _index_groups(self) -> None:
         # Parameter -> the group that holds it: a scan of the groups in every hook
@@ -432,8 +492,9 @@ class OptimizerInBackward(Optimizer):
         """
         self._optimizer.add_param_group(param_group)
         self._index_groups()
-        params = self.param_groups[-1]["params"]
-        self._attach_in_buckets([p for p in params if p.requires_grad])
+        trainable = [p for p in self.param_groups[-1]["params"] if p.requires_grad]
+        self._attach_in_buckets(trainable)
+        self._take_over(trainable)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -456,12 +517,17 @@ class OptimizerInBackward(Optimizer):
                 "backward pass would already update the parameters. Call step() "
                 "without arguments."
             )
+        # Not the parameters a newer instance took over: that one updates them.
         params = [
-            p for g in self.param_groups for p in g["params"] if p.grad is not None
+            p
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and _updater(p) in (None, self)
         ]
         for param in params:
             if param not in self._bucket_of:
                 self._attach([param])
+                self._take_over([param])
         due = {id(b): b for b in map(self._bucket_of.__getitem__, params)}
         # Clip the gradients present by their global norm, as clip_grad_norm_ would.
         clips_here = self._clips and self._phase is None

@@ -157,6 +157,36 @@ def test_a_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> Non
     assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
+def test_the_0_6_1_calls_take_over_the_params_of_an_optimizer_in_backward() -> None:
+    """Each parameter is updated once per backward, by its 0.6.1 optimizer; the
+    OptimizerInBackward built before over the same parameters (at another lr)
+    updates none of them."""
+    reference = make_model()
+    train(reference, adamw(list(reference.parameters())), range(2))
+    model = make_model()
+    earlier = training.OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, lr=0.5
+    )
+    set_up_like_0_6_1(model, adamw)
+    train_like_0_6_1(model, range(2))
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert not earlier.state
+
+
+def test_an_optimizer_in_backward_takes_over_the_params_of_the_0_6_1_calls() -> None:
+    """The reverse: an OptimizerInBackward built after the 0.6.1 calls updates each
+    parameter once; their per-parameter optimizers (at another lr) none."""
+    cls, kwargs = ADAMW
+    reference = make_model()
+    train(reference, cls(reference.parameters(), **kwargs), range(2))
+    model = make_model()
+    wrapper = set_up_like_0_6_1(model, lambda p: torch.optim.AdamW(p, lr=0.5))
+    optimizer = training.OptimizerInBackward(model.parameters(), cls, **kwargs)
+    train(model, optimizer, range(2))
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert not any(o.state for o in wrapper.optim_map.values())
+
+
 def test_optimizers_stepped_for_other_parameters_are_refused() -> None:
     model = make_model()
     optim_dict = {p: adamw([p]) for p in model.parameters()}

@@ -493,25 +493,65 @@ def test_zero_grad_sets_grads_to_none_unless_told_otherwise() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_second_optimizer_over_the_same_params_never_updates_them_twice() -> None:
-    """Each gradient is used by the first hook that finds it and freed: the first
-    optimizer's one bucket waits for its last gradient, so the second (one parameter
-    per bucket) updates the others. Every parameter is updated once per backward, as
-    by one plain optimizer, and its state is in one of the two."""
+# Far above the gradient norms of make_model's first losses (0.51 and 0.13), so a
+# clipped backward multiplies each gradient by exactly 1: bitwise the unclipped step.
+NEVER_CLIPS_HERE = 1e6
+
+
+@pytest.mark.parametrize("first_cap", [None, 0], ids=["one_bucket", "per_parameter"])
+@pytest.mark.parametrize("clipped", [False, True], ids=["backward", "clipped_backward"])
+def test_a_second_optimizer_over_the_same_params_takes_them_over(
+    first_cap: float | None, clipped: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first one's hooks are removed, so each backward updates each parameter
+    once, as one plain optimizer with the second's hyperparameters. Without the
+    takeover the first (built with another lr) updated some or all of them, and in
+    the second's clipped backward, whose first pass only measures, updated them in
+    each of the two passes."""
     cls, kwargs = ADAMW
     model = make_model()
-    first = OptimizerInBackward(model.parameters(), cls, **kwargs)
-    second = OptimizerInBackward(model.parameters(), cls, bucket_cap_mb=0, **kwargs)
-    for step in range(3):
-        loss_fn(model, step).backward()
-        first.step()
-        second.step()
-        first.zero_grad()
-        second.zero_grad()
+    first = OptimizerInBackward(
+        model.parameters(), cls, bucket_cap_mb=first_cap, lr=0.5, weight_decay=0.0
+    )
+    max_norm = NEVER_CLIPS_HERE if clipped else None
+    second = OptimizerInBackward(model.parameters(), cls, max_norm=max_norm, **kwargs)
+    assert "took over 6 parameters that an earlier one (AdamW)" in caplog.text
+    for step in range(2):
+        second.backward(loss_fn(model, step))
+        for optimizer in (first, second):
+            optimizer.step()
+            optimizer.zero_grad()
     reference = make_model()
-    train(reference, cls(reference.parameters(), **kwargs), range(3))
+    plain = cls(reference.parameters(), **kwargs)
+    train(reference, plain, range(2))
     assert_close(snapshot(model), snapshot(reference), **BITWISE)
-    assert len(first.state) == 1 and len(second.state) == 5
+    assert_same_state_dict(second.state_dict(), plain.state_dict())
+    # The first keeps its param_groups (and so its state dict's layout), no state.
+    assert len(first.param_groups[0]["params"]) == 6 and not first.state
+
+
+def test_the_earlier_optimizers_step_leaves_the_params_taken_over_alone() -> None:
+    """Gradients set by hand (no hook runs) are stepped by the instance that took
+    the parameters over, once; the earlier one's step() skips them."""
+    model = make_model()
+    first = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.5)
+    second = OptimizerInBackward(model[4].parameters(), torch.optim.SGD, lr=0.1)
+    reference = make_model()
+    plain = torch.optim.SGD(
+        [
+            {"params": list(reference[:4].parameters()), "lr": 0.5},
+            {"params": list(reference[4].parameters())},
+        ],
+        lr=0.1,
+    )
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        a.grad = torch.full_like(a, 0.25)
+        b.grad = torch.full_like(b, 0.25)
+    plain.step()
+    first.step()
+    assert all(p.grad is not None for p in model[4].parameters())
+    second.step()
+    assert_close(snapshot(model), snapshot(reference), **BITWISE)
 
 
 # -- frozen and added parameters --------------------------------------------------------
