@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from torchtune import config, training, utils
 from torchtune.config._utils import _get_component_from_path as _component
@@ -64,9 +64,24 @@ MANIFEST_VERSION = 2
 RECIPE_STATE, RUN_FILE = "recipe_state.pt", "torchtune_run.json"
 LOCK_FILE, PREVIOUS_RUNS = "torchtune_run.lock", "previous_runs"
 MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
-# The config values that set a run's step count and data order (the last two: PPO's).
-TRAJECTORY_KEYS = ("seed", "batch_size", "gradient_accumulation_steps")
-TRAJECTORY_KEYS += ("max_steps_per_epoch", "ppo_batch_size", "ppo_epochs")
+# The config values that decide what a resumed run computes from its checkpoint on:
+# its step count, data order, precision, clipping and learning rates (``epochs`` or
+# PPO's ``num_steps`` too, which set a schedule's length).
+TRAJECTORY_KEYS = (
+    "seed",
+    "shuffle",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "max_steps_per_epoch",
+    "dtype",
+    "clip_grad_norm",
+    "lr_scheduler",
+    "ppo_batch_size",
+    "ppo_epochs",
+)
+# The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
+# smaller one): a reordered or edited dataset is caught unless every one of them stays.
+FINGERPRINT_SAMPLES = 4096
 # What a run leaves that a later run could mistake for its own, and of that, what a
 # resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
 _RUN_OUTPUTS = re.compile(
@@ -341,6 +356,16 @@ def check_writable(key: str, path: str | Path) -> None:
         )
 
 
+def _trajectory(cfg: DictConfig, length: str) -> dict[str, Any]:
+    """The config's values of :data:`TRAJECTORY_KEYS` and of ``length`` (``epochs``
+    or ``num_steps``), as plain values (``None`` where unset)."""
+    values = {key: cfg.get(key, None) for key in (*TRAJECTORY_KEYS, length)}
+    return {
+        key: OmegaConf.to_container(v) if isinstance(v, DictConfig) else v
+        for key, v in values.items()
+    }
+
+
 def _named_epoch(checkpointer: Mapping[str, Any]) -> int | None:
     """The epoch that torchtune 0.6.1's resume instructions name: ``N`` of
     ``adapter_checkpoint: epoch_{N}/adapter_model.pt`` (LoRA), else of
@@ -504,13 +529,18 @@ def _differs(a: Any, b: Any) -> bool:
 
 
 def _dataset_identity(dataset: Any) -> dict[str, Any]:
-    """A dataset's length and a cheap fingerprint of its contents: a hash of its
-    first, middle and last sample."""
+    """A dataset's length and a fingerprint of its contents and order: a hash of
+    :data:`FINGERPRINT_SAMPLES` samples spread evenly over it, each with its index."""
     n, digest = len(dataset), hashlib.sha256()
-    for i in sorted({0, n // 2, n - 1}) if n else []:
-        jsonable = lambda v: v.tolist() if hasattr(v, "tolist") else type(v).__name__  # noqa: E731
-        digest.update(json.dumps(dataset[i], sort_keys=True, default=jsonable).encode())
-    return {"dataset_length": n, "dataset_fingerprint": digest.hexdigest()[:16]}
+
+    def jsonable(value: Any) -> Any:
+        return value.tolist() if hasattr(value, "tolist") else type(value).__name__
+
+    count = min(n, FINGERPRINT_SAMPLES)
+    for i in sorted({k * (n - 1) // max(count - 1, 1) for k in range(count)}):
+        sample = json.dumps(dataset[i], sort_keys=True, default=jsonable)
+        digest.update(f"{i}:{sample}\n".encode())
+    return {"dataset_length": n, "dataset_hash": digest.hexdigest()[:16]}
 
 
 class _FinalEpochNotes(logging.Filter):
@@ -665,7 +695,7 @@ class CheckpointManager:
             async_save=cfg.get("enable_async_checkpointing", False),
             allow_changes=cfg.get("resume_allow_changes", False),
             optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
-            trajectory={k: cfg.get(k) for k in TRAJECTORY_KEYS if k in cfg},
+            trajectory=_trajectory(cfg, length),
             length=(length, cfg.get(length, None)),
             adapter_config=adapter,
             adapter_only=cfg.get("save_adapter_weights_only", False),
@@ -971,12 +1001,21 @@ class CheckpointManager:
             )
         self._check_optimizer(folder)  # from_config checked the newest
         recipe_state = _load(folder / RECIPE_STATE)
-        # A checkpoint of an earlier build recorded its world size alone.
+        # Settings an earlier build did not record are not compared (the earliest
+        # recorded its world size alone).
         old, new = recipe_state.get("trajectory"), self._trajectory
-        keys = sorted({*old, *new}) if old else ["world_size"]
         old = old or {"world_size": recipe_state.get("world_size", 1)}
-        pairs = {k: (old.get(k), new.get(k)) for k in keys}
+        pairs = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys())}
         diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
+        length = self.options.length[0]
+        if recipe_state.get("epoch_end") and length in diff:
+            # Training a finished (or epoch-end) run further: nothing to match.
+            before, after = diff.pop(length)
+            _warn(
+                f"Resuming {folder} with {length}={after} (it was trained with "
+                f"{before}): training goes on to the new {length}, and a learning rate "
+                f"schedule is rebuilt over it, from this step on."
+            )
         listed = ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
         if "world_size" in diff or (diff and not self.options.allow_changes):
             raise CheckpointError(

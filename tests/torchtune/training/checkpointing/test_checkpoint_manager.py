@@ -60,6 +60,7 @@ from torchtune.modules import peft
 from torchtune.training import OptimizerInBackward
 from torchtune.training.checkpointing import _checkpoint_manager as checkpoint_manager
 from torchtune.training.checkpointing._checkpoint_manager import (
+    FINGERPRINT_SAMPLES,
     LOCK_FILE,
     MANIFEST,
     MODEL_OPTIMIZER_FILE,
@@ -1198,10 +1199,21 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
     [
         ("dataset_length", {"dataset": Samples(10)}, "8 then, 10 now"),
         (
-            "dataset_fingerprint",
+            "dataset_hash",
             {"dataset": Samples(offset=100)},
             "'[0-9a-f]{16}' then, '[0-9a-f]{16}' now",
         ),
+        ("shuffle", {"shuffle": False}, "None then, False now"),
+        ("seed", {"seed": 7}, "None then, 7 now"),
+        ("dtype", {"dtype": "bf16"}, "None then, 'bf16' now"),
+        ("clip_grad_norm", {"clip_grad_norm": 1.0}, "None then, 1.0 now"),
+        (
+            "lr_scheduler",
+            {"lr_scheduler": {"_component_": "x.cosine", "num_warmup_steps": 5}},
+            r"None then, \{'_component_': 'x.cosine', 'num_warmup_steps': 5\} now",
+        ),
+        # Mid-epoch, the epochs left decide a schedule's length from here on.
+        ("epochs", {"epochs": 3}, "2 then, 3 now"),
         ("batch_size", {"batch_size": 4}, "2 then, 4 now"),
         (
             "gradient_accumulation_steps",
@@ -1214,7 +1226,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
 def test_a_resume_with_another_trajectory_is_refused_before_any_file_changes(
     tmp_path: Path, key: str, change: dict[str, Any], message: str
 ) -> None:
-    assert key in TRAJECTORY_KEYS or key.startswith("dataset")
+    assert key in TRAJECTORY_KEYS or key.startswith("dataset") or key == "epochs"
     cfg = make_config(tmp_path)
     train(cfg, stop_after=7)
     change = dict(change)
@@ -1239,26 +1251,56 @@ def test_resume_allow_changes_continues_with_another_trajectory_and_warns(
     assert run.resumed_at == 6 and run.progress.global_step == 8
     assert re.search(
         r"resume_allow_changes=True: resuming .*step_6 with other settings "
-        r"\(dataset_fingerprint: '[0-9a-f]{16}' then, '[0-9a-f]{16}' now\)",
+        r"\(dataset_hash: '[0-9a-f]{16}' then, '[0-9a-f]{16}' now\)",
         warnings_text(caplog),
     )
 
 
-def test_the_dataset_fingerprint_reads_the_first_middle_and_last_sample() -> None:
-    """Cheap by design: a change to another sample goes unseen."""
+def test_the_dataset_fingerprint_covers_every_sample_and_their_order() -> None:
     samples = [{"tokens": [i, 1], "labels": [i, 2]} for i in range(9)]
     identity = _dataset_identity(samples)
     assert identity["dataset_length"] == 9
-    for i, seen in ((0, True), (4, True), (8, True), (1, False), (3, False)):
+    for i in range(9):
         changed = [
             {"tokens": [-1], "labels": []} if j == i else s
             for j, s in enumerate(samples)
         ]
-        differs = _dataset_identity(changed) != identity
-        assert differs == seen, f"sample {i}"
+        assert _dataset_identity(changed) != identity, f"sample {i}"
+    # Two samples swapped: the same samples in another order.
+    swapped = [samples[0], samples[2], samples[1], *samples[3:]]
+    assert _dataset_identity(swapped) != identity
     # Contents, not the order of a sample's keys.
     reordered = [{"labels": s["labels"], "tokens": s["tokens"]} for s in samples]
     assert _dataset_identity(reordered) == identity
+
+
+def test_a_large_datasets_fingerprint_reads_a_spread_of_samples_only() -> None:
+    """Beyond FINGERPRINT_SAMPLES, a sample between those read goes unseen: the
+    trade-off that keeps the fingerprint's cost bounded (it tokenizes what it reads)."""
+    read: set[int] = set()
+
+    class Counted(list):
+        def __getitem__(self, i: int) -> Any:
+            read.add(i)
+            return super().__getitem__(i)
+
+    n = 3 * FINGERPRINT_SAMPLES
+    _dataset_identity(Counted([{"tokens": [i]} for i in range(n)]))
+    assert len(read) == FINGERPRINT_SAMPLES and {0, n - 1} <= read
+
+
+def test_more_epochs_at_an_epoch_end_extend_the_run_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    train(cfg)  # 2 epochs, its step checkpoints kept
+    with caplog.at_level(logging.WARNING):
+        run = resume(OmegaConf.merge(cfg, {"epochs": 3}))
+    assert run.resumed_at == 2 * STEPS_PER_EPOCH
+    assert run.progress.global_step == 3 * STEPS_PER_EPOCH
+    assert "with epochs=3 (it was trained with 2): training goes on to the new " in (
+        warnings_text(caplog)
+    )
 
 
 @pytest.mark.parametrize(
