@@ -383,6 +383,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
                     grad_norm = training.scale_and_clip_grads_(
                         self._model.parameters(), max_norm=self._opts.clip_grad_norm
                     )
+                # Stop before a non-finite step updates (plain) or is saved; the
+                # first of the metrics is the loss.
+                self._checkpoint.stop_if_not_finite(running[0], grad_norm, batch=idx)
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torch.distributed import destroy_process_group
@@ -310,16 +309,17 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the mean loss over the batch's target tokens, and their count."""
-        # Position t predicts token t + 1: shift the labels left, ignore the last one.
-        ignore_index = self._loss_fn.ignore_index
-        labels = F.pad(batch.pop("labels")[..., 1:], (0, 1), value=ignore_index)
+        # Position t predicts token t + 1 (a batch without targets: see the helper).
+        labels, num_targets = training.next_token_labels(
+            batch.pop("labels"), self._loss_fn.ignore_index
+        )
         with self._activations_handling_ctx:
             logits = self._model(**batch)
         # A chunked output loss takes the list of logit chunks as it is.
         if not isinstance(logits, list):
             logits = logits.reshape(-1, logits.size(-1))
             labels = labels.reshape(-1)
-        return self._loss_fn(logits, labels), (labels != ignore_index).sum()
+        return self._loss_fn(logits, labels), num_targets
 
     def train(self) -> None:
         """Train for the remaining epochs, saving a checkpoint after each one."""
@@ -331,6 +331,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
         # This rank's totals over the current step's batches.
+        # A step without any target divides them by 1 (clamp): its loss and
+        # gradients are exactly zero.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
         self._profiler.start()
@@ -359,7 +361,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                     # optimizer scales, clips and applies each gradient in backward.
                     torch.distributed.all_reduce(num_tokens)
                     self._optimizer.backward(
-                        loss, grad_scale=self.world_size / num_tokens
+                        loss, grad_scale=self.world_size / num_tokens.clamp(min=1)
                     )
                 else:
                     loss.backward()
@@ -375,9 +377,11 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                     torch.distributed.all_reduce(num_tokens)
                     grad_norm = training.scale_and_clip_grads_(
                         self._model.parameters(),
-                        self.world_size / num_tokens,
+                        self.world_size / num_tokens.clamp(min=1),
                         self._opts.clip_grad_norm,
                     )
+                # Stop before a non-finite step updates (plain) or is saved.
+                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -388,7 +392,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
                     self.progress.global_step,
-                    loss=running_loss.item() / num_tokens.item(),
+                    loss=running_loss.item() / max(num_tokens.item(), 1),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
                     grad_norm=grad_norm,

@@ -10,7 +10,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -275,16 +274,17 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the mean loss over the batch's target tokens, and their count."""
-        # Position t predicts token t + 1: shift the labels left, ignore the last one.
-        ignore_index = self._loss_fn.ignore_index
-        labels = F.pad(batch.pop("labels")[..., 1:], (0, 1), value=ignore_index)
+        # Position t predicts token t + 1 (a batch without targets: see the helper).
+        labels, num_targets = training.next_token_labels(
+            batch.pop("labels"), self._loss_fn.ignore_index
+        )
         with self._activations_handling_ctx:
             logits = self._model(**batch)
         # A chunked output loss takes the list of logit chunks as it is.
         if not isinstance(logits, list):
             logits = logits.reshape(-1, logits.size(-1))
             labels = labels.reshape(-1)
-        return self._loss_fn(logits, labels), (labels != ignore_index).sum()
+        return self._loss_fn(logits, labels), num_targets
 
     def train(self) -> None:
         """Train for the remaining epochs, saving a checkpoint after each one."""
@@ -292,7 +292,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             log.info("The model compiles in its first forward: expect a slow step 1.")
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Totals over the current step's batches.
+        # Totals over the current step's batches. A step without any target divides
+        # them by 1 (clamp): its loss and gradients are exactly zero.
         running_loss, num_tokens = 0, 0
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
@@ -319,7 +320,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     # One batch per step: its count is the step's. The optimizer
                     # scales, clips and applies each gradient inside backward.
                     self._optimizer.backward(
-                        loss * batch_tokens, grad_scale=1 / num_tokens
+                        loss * batch_tokens, grad_scale=1 / num_tokens.clamp(min=1)
                     )
                 else:
                     (loss * batch_tokens).backward()
@@ -333,9 +334,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 else:
                     grad_norm = training.scale_and_clip_grads_(
                         self._model.parameters(),
-                        1 / num_tokens,
+                        1 / num_tokens.clamp(min=1),
                         self._opts.clip_grad_norm,
                     )
+                # Stop before a non-finite step updates (plain) or is saved.
+                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -345,7 +348,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
                 self._step_logger.log(
                     self.progress.global_step,
-                    loss=(running_loss / num_tokens).item(),
+                    loss=(running_loss / num_tokens.clamp(min=1)).item(),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
                     grad_norm=grad_norm,

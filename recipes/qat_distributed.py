@@ -235,10 +235,6 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
-        # Appended to the shifted labels so logits need no slicing.
-        self.ignore_labels_cache = torch.full(
-            (cfg.batch_size, 1), self._loss_fn.ignore_index, device=self._device
-        )
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         """The quantizer's ``prepare``, keeping frozen what the model builder froze."""
@@ -336,6 +332,8 @@ class QATRecipeDistributed(FTRecipeInterface):
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
         # Summed over the step's batches; all-reduced over ranks once per step.
+        # A step without any target divides them by 1 (clamp): its loss and
+        # gradients are exactly zero.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
 
@@ -356,17 +354,14 @@ class QATRecipeDistributed(FTRecipeInterface):
             ):
                 self._update_fake_quant()
                 utils.batch_to_device(batch, self._device)
-                current_num_tokens = (
-                    batch["labels"] != self._loss_fn.ignore_index
-                ).sum()
+                # Position t predicts token t + 1 (a batch without targets: see the
+                # helper).
+                labels, current_num_tokens = training.next_token_labels(
+                    batch.pop("labels"), self._loss_fn.ignore_index
+                )
                 num_tokens += current_num_tokens
-                labels = batch.pop("labels")
                 with self.activations_handling_ctx:
                     logits = self._model(**batch)
-                # Shift labels left by one (next-token targets), ignoring the last.
-                labels = torch.hstack(
-                    (labels[..., 1:], self.ignore_labels_cache[: labels.shape[0]])
-                )
                 if not isinstance(logits, list):
                     labels = labels.reshape(-1)
                     logits = logits.reshape(-1, logits.size(-1))
@@ -380,7 +375,7 @@ class QATRecipeDistributed(FTRecipeInterface):
                     # optimizer scales, clips and applies each gradient in backward.
                     torch.distributed.all_reduce(num_tokens)
                     self._optimizer.backward(
-                        loss, grad_scale=self.world_size / num_tokens
+                        loss, grad_scale=self.world_size / num_tokens.clamp(min=1)
                     )
                 else:
                     loss.backward()
@@ -395,9 +390,11 @@ class QATRecipeDistributed(FTRecipeInterface):
                     torch.distributed.all_reduce(num_tokens)
                     grad_norm = training.scale_and_clip_grads_(
                         self._model.parameters(),
-                        self.world_size / num_tokens,
+                        self.world_size / num_tokens.clamp(min=1),
                         self._opts.clip_grad_norm,
                     )
+                # Stop before a non-finite step updates (plain) or is saved.
+                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)
@@ -408,7 +405,7 @@ class QATRecipeDistributed(FTRecipeInterface):
                 torch.distributed.all_reduce(running_loss)
                 self._step_logger.log(
                     self.progress.global_step,
-                    loss=running_loss.item() / num_tokens.item(),
+                    loss=running_loss.item() / max(num_tokens.item(), 1),
                     num_tokens=num_tokens.item(),
                     lr=training.get_lr(self._optimizer),
                     grad_norm=grad_norm,

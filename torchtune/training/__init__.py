@@ -63,6 +63,7 @@ from torchtune.training.gradients import scale_and_clip_grads_
 from torchtune.training.loop import (
     StepLogger,
     epoch_batches,
+    next_token_labels,
     setup_lr_scheduler,
     setup_profiler,
     stateful_dataloader,
@@ -154,6 +155,7 @@ __all__ = [
     # training loop
     "StepLogger",
     "epoch_batches",
+    "next_token_labels",
     "scale_and_clip_grads_",
     "setup_lr_scheduler",
     "setup_profiler",

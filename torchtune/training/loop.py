@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from tqdm import tqdm
@@ -120,6 +121,28 @@ class _MemoryHistoryProfiler:
             torch.cuda.memory._record_memory_history()
         elif self._steps == self._last:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def next_token_labels(
+    labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The label each position predicts (the next token's; none, ``ignore_index``,
+    for the last) and how many of them are targets.
+
+    A batch without any target (with ``train_on_input: False``, prompts that fill
+    ``max_seq_len``) would give a mean-reduced loss of 0/0 = NaN, and NaN gradients,
+    which multiplying by its target count, 0, does not undo. Such a batch gets one
+    placeholder target, token 0, at each sequence's first position: its loss is then
+    finite, so multiplied by the returned count, 0, it adds exactly zero to the loss
+    and to every gradient.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: the shifted labels and their target count.
+    """
+    shifted = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    count = (shifted != ignore_index).sum()
+    shifted[..., 0] = torch.where(count == 0, 0, shifted[..., 0])
+    return shifted, count
 
 
 def epoch_batches(

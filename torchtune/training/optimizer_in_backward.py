@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -455,16 +456,27 @@ class OptimizerInBackward(Optimizer):
         for param, norm in zip(params, norms, strict=True):
             self._grad_norms.setdefault(param, []).append(norm)
 
-    def _clip_coefficient(self, measure: Callable[[], Any]) -> torch.Tensor:
+    def _clip_coefficient(
+        self, measure: Callable[[], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``measure``, which records the norms of the gradients about to be
-        used, and return the clip coefficient of those norms alone; they are kept
-        after any recorded earlier since zero_grad()."""
+        used, and return the global norm of those alone and its clip coefficient;
+        they are kept after any recorded earlier since zero_grad()."""
         earlier, self._grad_norms = self._grad_norms, {}
         measure()
-        coef = clip_coefficient(self.max_norm, self._total_norm(self._grad_norms))
+        norm = self._total_norm(self._grad_norms)
         for param, norms in earlier.items():
             self._grad_norms[param] = norms + self._grad_norms.get(param, [])
-        return coef
+        return norm, clip_coefficient(self.max_norm, norm)
+
+    def _finite_on_every_rank(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss`` is finite on every rank: a sharded (DTensor) model's ranks
+        must all update, or none."""
+        finite = torch.isfinite(loss.detach()).to(torch.int32)
+        sharded = any(isinstance(p, DTensor) for p in self._group_of)
+        if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
 
     def _total_norm(self, norms: Mapping[torch.Tensor, list[GradNorm]]) -> torch.Tensor:
         # In parameter order, as a plain step combines them.
@@ -532,7 +544,9 @@ class OptimizerInBackward(Optimizer):
         # Clip the gradients present by their global norm, as clip_grad_norm_ would.
         clips_here = self._clips and self._phase is None
         if clips_here:
-            self._clip_coef = self._clip_coefficient(lambda: self._record_norms(params))
+            _, self._clip_coef = self._clip_coefficient(
+                lambda: self._record_norms(params)
+            )
         try:
             for bucket in due.values():
                 self._update(bucket)
@@ -582,6 +596,12 @@ class OptimizerInBackward(Optimizer):
                 their unit's forward need ``before_update_pass=model.unshard``.
                 Default: ``None``
 
+        A non-finite ``loss`` (on any rank), or with clipping a non-finite measured
+        norm, updates nothing: the pass only measures, so :attr:`grad_norm` reads
+        non-finite, for the caller to stop before anything is saved. Without
+        clipping, a finite loss whose gradients overflow is seen only as each
+        bucket updates: :attr:`grad_norm` reads non-finite after the update.
+
         Raises:
             RuntimeError: if called from inside another :meth:`backward`.
         """
@@ -589,11 +609,17 @@ class OptimizerInBackward(Optimizer):
             raise RuntimeError("OptimizerInBackward.backward() is already running")
         self._grad_scale = grad_scale
         try:
+            if not self._finite_on_every_rank(loss):
+                self._phase = "measure"
+                loss.backward()
+                return
             if self._clips:
                 self._phase = "measure"
-                self._clip_coef = self._clip_coefficient(
+                norm, self._clip_coef = self._clip_coefficient(
                     lambda: loss.backward(retain_graph=True)
                 )
+                if not torch.isfinite(norm):  # the same global norm on every rank
+                    return
                 if before_update_pass is not None:
                     before_update_pass()
             self._phase = "update"

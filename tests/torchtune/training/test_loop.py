@@ -219,3 +219,44 @@ def test_build_optimizer_builds_either_kind_over_every_parameter(
     # Frozen parameters are in the group too, as in 0.6.1.
     assert len(optimizer.param_groups[0]["params"]) == 4
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_next_token_labels_shift_left_and_count_the_targets() -> None:
+    labels = torch.tensor([[-100, -100, 5, 6], [-100, 7, 8, -100]])
+    shifted, count = training.next_token_labels(labels, ignore_index=-100)
+    torch.testing.assert_close(
+        shifted, torch.tensor([[-100, 5, 6, -100], [7, 8, -100, -100]]), rtol=0, atol=0
+    )
+    assert count.item() == 4
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_batch_without_targets_adds_zero_loss_and_zero_gradients(chunks: int) -> None:
+    # Every answer cut off: the mean loss would be 0/0 = NaN, and NaN * 0 is NaN.
+    # With the placeholder target and the count 0, loss and gradients are zero
+    # (and a step of such batches divides them by 1, not 0: no inf * 0 either).
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    torch.manual_seed(0)
+    head = nn.Linear(4, 11)
+    hidden = torch.randn(2, 6, 4)
+    labels = torch.full((2, 6), -100)
+    shifted, count = training.next_token_labels(labels, ignore_index=-100)
+    assert count.item() == 0
+    logits = head(hidden)
+    if chunks == 1:
+        loss = nn.CrossEntropyLoss(ignore_index=-100)(
+            logits.reshape(-1, 11), shifted.reshape(-1)
+        )
+    else:
+        loss_fn = CEWithChunkedOutputLoss(num_output_chunks=chunks)
+        loss = loss_fn(list(logits.chunk(chunks, dim=1)), shifted)
+    (loss * count).backward()
+    assert (loss * count).item() == 0.0
+    for param in head.parameters():
+        torch.testing.assert_close(param.grad, torch.zeros_like(param), rtol=0, atol=0)
+    # Without the placeholder, the same batch's loss is NaN (0/0) through the
+    # shipped configs' loss, and multiplying by the count, 0, keeps it NaN.
+    loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
+    unguarded = loss_fn(list(head(hidden).chunk(2, dim=1)), labels)
+    assert torch.isnan(unguarded * count)

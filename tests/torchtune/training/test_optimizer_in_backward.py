@@ -1580,3 +1580,37 @@ def test_two_gloo_processes(
     and through sharded step checkpoints. See optimizer_in_backward_scenarios.py."""
     outcome = optimizer_in_backward_distributed_run.outcome(scenario)
     assert outcome == "ok", outcome
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_a_non_finite_loss_updates_nothing_and_reads_a_non_finite_norm(
+    max_norm: float | None,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    before = copy.deepcopy(model.state_dict())
+    optimizer = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, lr=0.1, max_norm=max_norm
+    )
+    loss = model(torch.randn(4, 3)).sum() * float("nan")
+    optimizer.backward(loss)
+    assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert not torch.isfinite(optimizer.grad_norm)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_with_clipping_a_non_finite_norm_updates_nothing() -> None:
+    # A finite loss whose gradients are not: the measuring pass sees a non-finite
+    # norm, so the updating pass does not run.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    before = copy.deepcopy(model.state_dict())
+    optimizer = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, lr=0.1, max_norm=1.0
+    )
+    # sqrt at 0: the loss is 0, its gradient inf * 0 = NaN.
+    loss = model(torch.randn(4, 3)).square().sum().mul(0).sqrt()
+    assert torch.isfinite(loss)
+    optimizer.backward(loss)
+    assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert not torch.isfinite(optimizer.grad_norm)

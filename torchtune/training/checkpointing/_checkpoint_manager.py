@@ -1147,6 +1147,45 @@ class CheckpointManager:
         steps = state[training.EPOCHS_KEY] * self._steps_per_epoch
         return {**state, "global_step": steps}
 
+    # -- stopping before a non-finite step --------------------------------------------
+
+    def stop_if_not_finite(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, *, batch: int
+    ) -> None:
+        """Stop the run if the step about to be taken has a non-finite loss or
+        gradient norm (on any rank): call it after backward and before
+        ``optimizer.step()`` and :meth:`save`, so that the weights a plain step would
+        update and every checkpoint stay finite. ``batch``: the position in the epoch
+        of the step's last batch.
+
+        Raises:
+            FloatingPointError: naming the step, the epoch, the batches and the
+                newest step checkpoint, which was saved before this step.
+        """
+        finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32)
+        if _world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if finite:
+            return
+        progress = self._progress
+        newest = _step_dirs(self._out, self._run_id)
+        resume = (
+            f"The newest step checkpoint, {newest[0]}, was saved before it: resume "
+            "from it (resume_from_checkpoint=True) once the cause is fixed"
+            if newest
+            else "No step checkpoint was saved yet: start again once the cause is fixed"
+        )
+        raise FloatingPointError(
+            f"Step {progress.global_step + 1} (epoch {progress.epochs_run}, up to "
+            f"batch {batch} of the epoch) has a non-finite loss ({float(loss)}) or "
+            f"gradient norm ({float(grad_norm)}) on at least one process: stopping "
+            "before anything is saved, and before the optimizer steps (an "
+            "in-backward update without clipping is applied as gradients arrive; "
+            "with a non-finite loss, nothing is applied). "
+            f"{resume} (a learning rate too high, an overflow in low precision, bad "
+            "data in these batches)."
+        )
+
     # -- saving --------------------------------------------------------------------------
 
     def save(self, *, epoch_end: bool = False) -> None:
