@@ -134,20 +134,13 @@ class FullDPORecipeDistributed(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """
-        Builds, in order: metric logger, policy and reference models (sharded, with
-        their weights), tokenizer, optimizer (with resumed state), loss, data, LR
+        Builds, in order: policy and reference models (sharded, with their weights),
+        tokenizer, optimizer (with resumed state), loss, data, metric logger, LR
         scheduler and profiler.
         """
         if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
-        metric_logger = None
-        if self._is_rank_zero:
-            metric_logger = config.instantiate(cfg.metric_logger)
-            metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger.from_options(
-            metric_logger, self._opts, world_size=self.world_size
-        )
 
         checkpoint_dict = self._checkpoint.load_base_checkpoint()
         # The reference always starts from the original weights, never from a
@@ -197,6 +190,15 @@ class FullDPORecipeDistributed(FTRecipeInterface):
             self._dataloader,
             self.progress,
             steps_per_epoch=self._steps_per_epoch,
+        )
+        # Logs and the config copy are written once every check has passed and
+        # output_dir is this run's (load() took its lock).
+        metric_logger = None
+        if self._is_rank_zero:
+            metric_logger = config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger.from_options(
+            metric_logger, self._opts, world_size=self.world_size
         )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(

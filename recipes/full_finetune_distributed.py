@@ -124,20 +124,12 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """
-        Builds, in order: metric logger, model (sharded, with the base or resumed
-        weights), tokenizer, optimizer (with resumed state), loss, data, LR scheduler
-        and profiler.
+        Builds, in order: model (sharded, with the base or resumed weights), tokenizer,
+        optimizer (with resumed state), loss, data, LR scheduler and profiler.
         """
         if self._opts.fsdp_cpu_offload:
             # The CPU optimizer step is ~2x faster with every core in intra-op use.
             training.set_torch_num_threads()
-        metric_logger = None
-        if self._is_rank_zero:
-            metric_logger = config.instantiate(cfg.metric_logger)
-            metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger.from_options(
-            metric_logger, self._opts, world_size=self.world_size
-        )
 
         checkpoint_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(cfg, checkpoint_dict[training.MODEL_KEY])
@@ -171,6 +163,15 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             self._dataloader,
             self.progress,
             steps_per_epoch=self._steps_per_epoch,
+        )
+        # Logs and the config copy are written once every check has passed and
+        # output_dir is this run's (load() took its lock).
+        metric_logger = None
+        if self._is_rank_zero:
+            metric_logger = config.instantiate(cfg.metric_logger)
+            metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger.from_options(
+            metric_logger, self._opts, world_size=self.world_size
         )
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(

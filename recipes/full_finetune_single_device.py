@@ -98,10 +98,6 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything, in dependency order, restoring the state on resume."""
-        metric_logger = config.instantiate(cfg.metric_logger)
-        metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
-
         ckpt_dict = self._checkpoint.load_base_checkpoint()
         self._model = self._setup_model(cfg.model, ckpt_dict[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
@@ -129,6 +125,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self.progress,
             steps_per_epoch=self._steps_per_epoch,
         )
+        # Logs and the config copy are written once every check has passed and
+        # output_dir is this run's (load() took its lock).
+        metric_logger = config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),

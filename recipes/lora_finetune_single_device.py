@@ -120,10 +120,6 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and
         profiler, from the checkpoint's state when resuming."""
-        metric_logger = config.instantiate(cfg.metric_logger)
-        metric_logger.log_config(cfg)
-        self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
-
         ckpt_dict = self._checkpoint.load_base_checkpoint()
         # Picks the variant of the hook that turns NF4 weights back to the training
         # dtype in state_dict() (QLoRA checkpoints).
@@ -158,6 +154,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
             self.progress,
             steps_per_epoch=self._steps_per_epoch,
         )
+        # Logs and the config copy are written once every check has passed and
+        # output_dir is this run's (load() took its lock).
+        metric_logger = config.instantiate(cfg.metric_logger)
+        metric_logger.log_config(cfg)
+        self._step_logger = training.StepLogger.from_options(metric_logger, self._opts)
         cfg_lr_scheduler = cfg.get("lr_scheduler", None)
         self._lr_scheduler = training.setup_lr_scheduler(
             cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),

@@ -238,9 +238,6 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything, in dependency order, restoring the state on resume."""
-        self._metric_logger = config.instantiate(cfg.metric_logger)
-        self._metric_logger.log_config(cfg)
-
         # Each model is read from wherever the config points it. Also when resuming
         # from a step checkpoint: the checkpointers learn the models' format from the
         # files they load, and save epochs in it.
@@ -313,6 +310,10 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             steps_per_epoch=batches_per_epoch,
             exporters={"value": self._value_checkpointer},
         )
+        # Logs and the config copy are written once every check has passed and
+        # output_dir is this run's (load() took its lock).
+        self._metric_logger = config.instantiate(cfg.metric_logger)
+        self._metric_logger.log_config(cfg)
         self._optimizer_steps = (
             self.progress.global_step
             * self._ppo_epochs

@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 import torchtune
-from tests.recipes.utils import snapshot_files, tiny_config
+from tests.recipes.utils import held_by_another_process, snapshot_files, tiny_config
 
 pytestmark = pytest.mark.integration_test
 
@@ -364,7 +364,9 @@ def test_every_recipe_refuses_a_folder_another_live_run_holds_first(
         f"{socket.gethostname()}, started then): two runs would overwrite each other's "
         "checkpoints. Wait for it to finish, stop it, or use another output_dir."
     )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _recipe_class(recipe)(cfg)
+    # Held as a live run holds it: an OS lock on the file.
+    with held_by_another_process(out / "torchtune_run.lock"):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            _recipe_class(recipe)(cfg)
     assert snapshot_files(out) == before
     assert not torch.distributed.is_initialized()

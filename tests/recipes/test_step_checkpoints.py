@@ -577,8 +577,8 @@ def copy_run(source: Path, out: Path) -> None:
 
 
 def checkpoint_files(out: Path) -> dict[str, tuple[str, int]]:
-    """Every file of ``out`` but the logs and the config copy, which every run (a
-    refused one too) writes, as in torchtune 0.6.1."""
+    """Every file of ``out`` but the logs and the config copy, which every run that
+    passes its checks writes."""
     return {
         k: v
         for k, v in snapshot_files(out).items()
@@ -676,7 +676,8 @@ def test_a_resume_with_another_trajectory_is_refused_and_changes_nothing(
                 write_rows(tiny_assets, tmp_path / "small.json", 20)
             )
         }
-    before = checkpoint_files(tmp_path)
+    # Every file, the logs and the config copy included: a refused run writes none.
+    before = snapshot_files(tmp_path)
     settings = overrides(tiny_assets, True, resume_from_checkpoint=True) | change
     with pytest.raises(
         CheckpointError, match="was trained with other settings"
@@ -685,7 +686,7 @@ def test_a_resume_with_another_trajectory_is_refused_and_changes_nothing(
     assert named in str(refused.value) and "resume_allow_changes=True" in str(
         refused.value
     )
-    assert checkpoint_files(tmp_path) == before
+    assert snapshot_files(tmp_path) == before
     # With the run's own settings it continues exactly.
     resumed = run_tune_in_process(
         SINGLE,
@@ -809,7 +810,12 @@ def test_a_second_run_is_refused_while_one_trains_in_the_folder(
                 "the first run did not reach step 3"
             )
             time.sleep(0.2)
-        before = checkpoint_files(tmp_path)
+        # Every file but the live run's growing logs: its config copy included.
+        before = {
+            k: v
+            for k, v in snapshot_files(tmp_path).items()
+            if not k.startswith("logs")
+        }
         for resume in (False, True):
             with pytest.raises(
                 CheckpointError,
@@ -821,7 +827,8 @@ def test_a_second_run_is_refused_while_one_trains_in_the_folder(
                     overrides(tiny_assets, True, resume_from_checkpoint=resume),
                     tmp_path,
                 )
-        assert checkpoint_files(tmp_path) == before
+        after = snapshot_files(tmp_path)
+        assert {k: v for k, v in after.items() if not k.startswith("logs")} == before
     finally:
         first.kill()
         first.wait()
@@ -848,6 +855,15 @@ def test_a_second_run_is_refused_while_one_trains_in_the_folder(
         ),
         ({"epochs": 0}, "epochs=0 is not a positive integer"),
         ({"max_steps_per_epoch": 0}, "max_steps_per_epoch=0 is not a positive integer"),
+        ({"optimizer.lr": "abc"}, "optimizer.lr='abc' is not a number"),
+        ({"optimizer.betas": "[0.9]"}, "optimizer.betas=[0.9] is not 2 numbers"),
+        ({"seed": "abc"}, "seed='abc' is not a whole number"),
+        (
+            {"optimizer._component_": "torch.optim.AdamWW"},
+            "optimizer._component_=torch.optim.AdamWW cannot be imported",
+        ),
+        ({"resume_from_checkpoint": "'False'"}, "resume_from_checkpoint='False' is"),
+        ({"resume_allow_changes": "'False'"}, "resume_allow_changes='False' is not"),
     ],
 )
 def test_a_refused_new_run_leaves_an_earlier_runs_folder_as_it_was(
@@ -980,7 +996,7 @@ def test_the_documented_resume_of_an_epoch_whose_state_is_gone_changes_nothing(
     # anything is written, naming what can be resumed.
     kept = {"save_every_n_steps": 2, "checkpointer.keep_last_n_checkpoints": 1}
     killed_run("after_step:5", tiny_assets, tmp_path, **kept)
-    before = checkpoint_files(tmp_path)
+    before = snapshot_files(tmp_path)
     docs = {
         "resume_from_checkpoint": True,
         "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
@@ -991,4 +1007,20 @@ def test_the_documented_resume_of_an_epoch_whose_state_is_gone_changes_nothing(
         run_tune_in_process(
             SINGLE, SINGLE_CONFIG, overrides(tiny_assets, True, **kept) | docs, tmp_path
         )
-    assert checkpoint_files(tmp_path) == before
+    assert snapshot_files(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["the base folder", "inside it"])
+def test_an_output_dir_in_the_base_checkpoint_folder_is_refused_before_any_write(
+    tiny_assets: TinyAssets, tmp_path: Path, where: str
+) -> None:
+    # 0.6.1's checkpointer refused it only after logs/ and the config copy had been
+    # written into the base model's folder.
+    base = tmp_path / "base"
+    shutil.copytree(tiny_assets.checkpoint_dir, base)
+    before = snapshot_files(base)
+    out = base if where == "the base folder" else base / "out"
+    settings = overrides(tiny_assets, True) | {"checkpointer.checkpoint_dir": base}
+    with pytest.raises(ValueError, match=f"output_dir={out} is inside "):
+        run_tune_in_process(SINGLE, SINGLE_CONFIG, settings, out)
+    assert snapshot_files(base) == before

@@ -20,6 +20,7 @@ interpreter start or imports per run); both read the metrics back the same way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -1134,3 +1135,28 @@ def assert_same_update(
     assert ratio <= rtol, (
         f"the updates differ by {ratio:.3g} of their size, more than {rtol}"
     )
+
+
+# A process that holds a flock on the file it is given, as a live run holds
+# output_dir's torchtune_run.lock, until it is killed.
+HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@contextlib.contextmanager
+def held_by_another_process(lock: Path) -> Iterator[int]:
+    """``lock`` held, as a live run holds it, by another process (its pid)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from torchtune import utils
+from torchtune.config._errors import InstantiationError
 from torchtune.config._utils import _get_component_from_path
 from torchtune.training.memory import is_valid_bucket_cap
 from torchtune.training.precision import get_dtype
@@ -88,8 +92,15 @@ def _check_optimizer(
     train but their quantized state cannot be copied by an asynchronous save (what
     was measured, on which versions: ``docs/source/optimizer_in_backward.rst``).
     """
-    cls = _get_component_from_path(component)
     key = f"optimizer._component_={component}"
+    try:
+        cls = _get_component_from_path(component)
+    except InstantiationError as e:
+        raise ValueError(
+            f"{key} cannot be imported ({str(e).splitlines()[-1]}): check the name "
+            "(e.g. torch.optim.AdamW, bitsandbytes.optim.PagedAdamW8bit), or install "
+            "the package that provides it."
+        ) from e
     module = getattr(cls, "__module__", None) or ""
     is_class = isinstance(cls, type)
     if is_class and issubclass(cls, torch.optim.LBFGS):
@@ -136,6 +147,57 @@ def _check_bool(key: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(
             f"{key}={value!r} is not a bool: set {key}=True or {key}=False."
+        )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_optimizer_arguments(optimizer: Mapping[str, Any]) -> None:
+    """Refuse an optimizer argument the class would reject only once the model is
+    built: a name it does not take, a number given as text (``optimizer.lr=abc``), or
+    something else than numbers where its default is a tuple of them (``betas``)."""
+    cls = _get_component_from_path(optimizer["_component_"])
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: the class decides
+        return
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    for name, value in optimizer.items():
+        key = f"optimizer.{name}"
+        if name == "_component_" or (name not in parameters and takes_any):
+            continue
+        if name not in parameters:
+            taken = [n for n in parameters if n != "params"]
+            raise ValueError(
+                f"{key}={value!r}: {cls.__name__} takes no argument {name} (it takes "
+                f"{', '.join(taken)}). Fix the name, or remove it."
+            )
+        default = parameters[name].default
+        if (name == "lr" or _is_number(default)) and not _is_number(value):
+            example = default if _is_number(default) else 2e-5
+            raise ValueError(
+                f"{key}={value!r} is not a number: set it to one, e.g. {key}={example}."
+            )
+        pair = isinstance(default, tuple) and all(map(_is_number, default))
+        if pair and not (
+            isinstance(value, Sequence | ListConfig)
+            and not isinstance(value, str)
+            and len(value) == len(default)
+            and all(map(_is_number, value))
+        ):
+            raise ValueError(
+                f"{key}={value!r} is not {len(default)} numbers: set it like "
+                f"{key}={list(default)}."
+            )
+
+
+def _check_seed(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(
+            f"seed={value!r} is not a whole number: set seed to an integer (the same "
+            "seed, the same run), or null for a random one."
         )
 
 
@@ -406,6 +468,7 @@ class RecipeOptions:
         for key in BOOL_KEYS:
             if key in cfg:
                 _check_bool(key, cfg[key])
+        _check_seed(cfg.get("seed", None))
         profiler = (cfg.get("profiler", None) or {}).get("_component_")
         if (profiler or _TORCH_PROFILER) != _TORCH_PROFILER:
             raise ValueError(
@@ -434,6 +497,7 @@ class RecipeOptions:
                 distributed=distributed,
                 async_save=read.get("enable_async_checkpointing") is True,
             )
+            _check_optimizer_arguments(cfg.optimizer)
         for key, reason in (
             ("fsdp_cpu_offload", "has nothing to move"),
             ("log_peak_memory_stats", "has no such stats"),

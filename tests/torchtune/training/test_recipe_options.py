@@ -3,6 +3,7 @@ the recipes share, read and checked once (``compile``, what ``optimizer_in_bwd``
 refuses, the optimizers FSDP2 refuses, the profiler a recipe can build)."""
 
 import dataclasses
+import importlib.util
 import logging
 import re
 
@@ -427,3 +428,52 @@ def test_every_flag_refuses_what_is_not_a_bool(key, value):
         ),
     ):
         training.RecipeOptions.from_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "message"),
+    [
+        ({"lr": "abc"}, "optimizer.lr='abc' is not a number: set it to one, e.g. "),
+        ({"weight_decay": "0.1x"}, "optimizer.weight_decay='0.1x' is not a number"),
+        ({"betas": [0.9]}, "optimizer.betas=[0.9] is not 2 numbers: set it like "),
+        ({"betas": "0.9,0.99"}, "optimizer.betas='0.9,0.99' is not 2 numbers"),
+        ({"lrr": 0.1}, "optimizer.lrr=0.1: AdamW takes no argument lrr (it takes lr,"),
+    ],
+)
+def test_a_bad_optimizer_argument_is_refused_before_anything_is_built(
+    optimizer, message
+):
+    cfg = _cfg(optimizer={"_component_": "torch.optim.AdamW", **optimizer})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        training.RecipeOptions.from_config(cfg)
+
+
+def test_an_optimizer_that_does_not_import_is_named_with_the_fix():
+    cfg = _cfg(optimizer={"_component_": "bitsandbyte.optim.PagedAdamW8bit"})
+    with pytest.raises(
+        ValueError,
+        match=r"^optimizer._component_=bitsandbyte.optim.PagedAdamW8bit cannot be "
+        r"imported \(.*\): check the name",
+    ):
+        training.RecipeOptions.from_config(cfg)
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, True])
+def test_a_seed_that_is_not_a_whole_number_is_refused(seed):
+    with pytest.raises(ValueError, match=re.escape(f"seed={seed!r} is not a whole")):
+        training.RecipeOptions.from_config(_cfg(seed=seed))
+
+
+def test_every_shipped_configs_optimizer_arguments_are_accepted():
+    from pathlib import Path
+
+    from torchtune.training.recipe_options import _check_optimizer_arguments
+
+    configs = Path(importlib.util.find_spec("recipes").origin).parent / "configs"
+    checked = 0
+    for path in sorted(configs.rglob("*.yaml")):
+        optimizer = OmegaConf.load(path).get("optimizer")
+        if optimizer and "_component_" in optimizer:
+            _check_optimizer_arguments(optimizer)
+            checked += 1
+    assert checked > 50

@@ -172,8 +172,10 @@ def _warn(message: str) -> None:
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -241,10 +243,29 @@ def export_manifest(folder: str | Path) -> Path:
     return folder.parent / f".{folder.name}.manifest.json"
 
 
-def verify(folder: str | Path, manifest: str | Path | None = None) -> dict[str, Any]:
+def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """The CRC-32 of a manifest's own entries (all but ``manifest_crc32``): a changed
+    run id, step, version or file entry shows as damage."""
+    entries = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return f"{zlib.crc32(json.dumps(entries, sort_keys=True).encode()):08x}"
+
+
+def _intact(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest's entries are as written (one of an earlier build, which
+    has no checksum of its own, is taken as it is)."""
+    saved = manifest.get("manifest_crc32")
+    return saved is None or saved == _manifest_checksum(manifest)
+
+
+def verify(
+    folder: str | Path,
+    manifest: str | Path | None = None,
+    required: Sequence[str] = (),
+) -> dict[str, Any]:
     """Check that every file of ``folder`` that its manifest lists (``manifest``,
     default: ``folder/manifest.json``) is there with the size and CRC-32 it had when
-    written; call it on every rank of a distributed run, which share the reading.
+    written, the manifest itself too, and that it lists the ``required`` files;
+    call it on every rank of a distributed run, which share the reading.
 
     Returns:
         dict[str, Any]: the manifest.
@@ -261,6 +282,10 @@ def verify(folder: str | Path, manifest: str | Path | None = None) -> dict[str, 
     try:
         manifest = json.loads(path.read_text())
         version, files = manifest.get("version", 1), manifest["files"]
+        if not _intact(manifest):
+            raise ValueError("its entries changed since it was written")
+        if version not in (1, MANIFEST_VERSION):
+            raise ValueError(f"version {version!r} is no manifest version")
         entries = files.values() if version == MANIFEST_VERSION else []
         if any((type(e["size"]), type(e["crc32"])) != (int, str) for e in entries):
             raise TypeError("its file list is not a manifest's")
@@ -271,7 +296,7 @@ def verify(folder: str | Path, manifest: str | Path | None = None) -> dict[str, 
             f"{path} is of manifest version {version}, which this build cannot verify: "
             "resume with the build that wrote it, or resume_from_checkpoint=False."
         )
-    problems = []
+    problems = [f"{path} lists no {n}" for n in required if n not in files]
     for n in sorted(files)[_rank() :: _world_size()]:
         path, size = Path(folder) / n, files[n]["size"]
         if not path.is_file():
@@ -295,7 +320,13 @@ def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
     """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
     those of that run (or of no recorded run)."""
     steps = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None]
-    own = [p for p in steps if _read_json(p / MANIFEST).get("run_id") in (run_id, None)]
+    manifests = {p: _read_json(p / MANIFEST) for p in steps}
+    # A damaged manifest's run id cannot be trusted: verify() reports it.
+    own = [
+        p
+        for p, manifest in manifests.items()
+        if manifest.get("run_id") in (run_id, None) or not _intact(manifest)
+    ]
     return sorted(own if run_id else steps, key=step_of, reverse=True)
 
 
@@ -323,14 +354,52 @@ def _set_aside(
         target.mkdir(parents=True)
         moved = sorted(e.name for e in entries if e.parent == folder)
         copied = sorted(e.name for e in copies if e.parent == folder)
-        for name in moved:
-            os.replace(folder / name, target / name)
         for name in copied:
             copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
             copy(folder / name, target / name)
+        # What is left to move, for the next start to finish if this process dies.
+        journal = _move_journal(target)
+        journal.write_text(json.dumps({"target": target.name, "names": moved}))
+        for name in moved:
+            os.replace(folder / name, target / name)
         _fsync_dir(folder)
+        journal.unlink()
         also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
         _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
+
+
+def _move_journal(target: Path) -> Path:
+    return target.parent / f".{target.name}.moving.json"
+
+
+def _finish_moves(folder: Path, first: bool) -> None:
+    """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
+    of what it was moving joins what it moved. Only the ``first`` process (rank 0,
+    which found no live run holding the folder) moves; the others wait for it, as
+    there is no process group yet to wait with."""
+    journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
+    if not first:
+        deadline = time.monotonic() + 120
+        while any(journal.exists() for journal in journals):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"{journals[0]} was not finished by rank 0 within 120 s: start "
+                    "again."
+                )
+            time.sleep(0.1)
+        return
+    for journal in journals:
+        move = _read_json(journal)
+        target = folder / PREVIOUS_RUNS / str(move.get("target"))
+        left = [n for n in move.get("names", []) if (folder / n).exists()]
+        for name in left:
+            os.replace(folder / name, target / name)
+        _fsync_dir(folder)
+        journal.unlink()
+        _warn(
+            f"Finished moving {', '.join(left) or 'nothing'} to {target}, a move an "
+            "earlier process stopped midway"
+        )
 
 
 def check_writable(key: str, path: str | Path) -> None:
@@ -339,6 +408,7 @@ def check_writable(key: str, path: str | Path) -> None:
 
     Raises:
         PermissionError: naming ``key`` and ``path``.
+        ValueError: if a folder name is longer than the file system allows.
     """
     path = existing = Path(path).absolute()
     while not existing.exists() and existing != existing.parent:
@@ -348,11 +418,33 @@ def check_writable(key: str, path: str | Path) -> None:
             f"{key}={path} cannot be made: {existing} is a file, not a folder. Set "
             f"{key} to a folder this run can write."
         )
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in path.relative_to(existing).parts:  # the folders it would make
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(
+                f"{key}={path} cannot be made: its folder name {part[:40]}... is "
+                f"{len(os.fsencode(part))} bytes, more than the {name_max} this file "
+                f"system allows. Set {key} to a folder with shorter names."
+            )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(
             f"{key}={path} cannot be written: this process has no write permission "
             f"in {existing}, so no checkpoint could be saved. Set {key} to a folder "
             f"this run can write, or give it write permission (chmod u+w {existing})."
+        )
+
+
+def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
+    """Refuse an output folder equal to or inside the folder of a base checkpoint."""
+    base_path, out_path = base.resolve(), out.resolve()
+    if out_path == base_path or base_path in out_path.parents:
+        raise ValueError(
+            f"{out_key}={out} is inside {base_key}={base}: the run would write its "
+            "checkpoints and exports among the base model's files (and every epoch "
+            f"export copies that folder's files). Set {out_key} to a folder outside it."
         )
 
 
@@ -644,6 +736,9 @@ class CheckpointManager:
         check_writable("checkpointer.output_dir", self._export_dir)
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
             _check_lock(self._out)
+        # Before anything reads the folder: a move a killed run left midway.
+        for root in {self._out, self._export_dir}:
+            _finish_moves(root, first=int(os.environ.get("RANK", 0)) == 0)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from torchtune 0.6.1's "epoch" or "dcp" (asynchronous) checkpoint.
         self._steps, self._legacy = self._resume_points()
@@ -672,10 +767,16 @@ class CheckpointManager:
             )
             adapter = {"r": model.lora_rank, "lora_alpha": model.lora_alpha}
             adapter |= {"target_modules": modules, "peft_type": "LORA"}
-        read = []
+        read, output_dir = [], Path(cfg.get("output_dir") or checkpointer.output_dir)
         for key, section in cfg.items():
             if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
                 root = Path(section.checkpoint_dir)
+                _check_outside(root, f"{key}.checkpoint_dir", output_dir, "output_dir")
+                if section.get("output_dir"):
+                    out = Path(section.output_dir)
+                    _check_outside(
+                        root, f"{key}.checkpoint_dir", out, f"{key}.output_dir"
+                    )
                 files = section.get("checkpoint_files")
                 names = [] if isinstance(files, str | Mapping) else list(files or [])
                 names += [section.get("adapter_checkpoint")]
@@ -683,7 +784,7 @@ class CheckpointManager:
         length = "epochs" if "epochs" in cfg else "num_steps"
         resume = cfg.get("resume_from_checkpoint", False)
         options = CheckpointOptions(
-            output_dir=Path(cfg.get("output_dir") or checkpointer.output_dir),
+            output_dir=output_dir,
             checkpointer=checkpointer,
             device=utils.get_device(device=cfg.device),
             resume=resume,
@@ -979,13 +1080,21 @@ class CheckpointManager:
         run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
         return _write_run_file(self._out, run_id)
 
+    def _required_files(self) -> list[str]:
+        """What every step checkpoint of this run's layout lists (the files of ranks
+        other than 0 are checked once the saved number of processes is known): a
+        file its manifest does not list is never loaded."""
+        if _sharded():
+            return [RECIPE_STATE, f"{MODEL_OPTIMIZER_DCP}/.metadata", "rank_0.pt"]
+        return [RECIPE_STATE, MODEL_OPTIMIZER_FILE, "rank_0.pt"]
+
     def _verified(self) -> tuple[Path, dict[str, Any]]:
         """The newest resume point whose every byte verifies (a damaged one gives way
         to the one before, with a warning) and its recipe state; refused if it was
         trained with other settings."""
         for folder in self._steps:
             try:
-                verify(folder)
+                verify(folder, required=self._required_files())
                 break
             except CheckpointError as e:
                 if named := self.options.recipe_checkpoint:
@@ -1078,7 +1187,13 @@ class CheckpointManager:
             return
         self._run_id = _read_json(folder / MANIFEST).get("run_id")
         self._run_id = self._run_id or read_run_file(self._out)
-        rank_state = _load(folder / f"rank_{_rank()}.pt")
+        rank_file = f"rank_{_rank()}.pt"
+        if rank_file not in _read_json(folder / MANIFEST).get("files", {}):
+            raise CheckpointError(
+                f"{folder / MANIFEST} lists no {rank_file}: the checkpoint is not "
+                "whole. Resume another one (checkpointer.recipe_checkpoint=step_N)."
+            )
+        rank_state = _load(folder / rank_file)
         if rank_state[training.DATALOADER_KEY]:
             self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
         torch.set_rng_state(rank_state["rng"]["torch"])
@@ -1287,6 +1402,7 @@ class CheckpointManager:
         files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
         manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id, "step": step}
         manifest["files"] = files
+        manifest["manifest_crc32"] = _manifest_checksum(manifest)
         text = json.dumps(manifest, indent=1)
         _on_rank_zero(lambda: path.write_text(text))
 

@@ -19,7 +19,6 @@ restored something wrongly, not rounding.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -27,7 +26,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -48,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests.recipes.utils import held_by_another_process
 from tests.torchtune.distributed_launcher import (
     DistributedRun,
     run_distributed,
@@ -72,6 +71,7 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointManager,
     TrainingProgress,
     _dataset_identity,
+    _manifest_checksum,
     _named_epoch,
     _on_rank_zero,
     _release_lock,
@@ -305,6 +305,7 @@ def rewrite(step_dir: Path, name: str, obj: Any) -> None:
         "size": (step_dir / name).stat().st_size,
         "crc32": file_checksum(step_dir / name),
     }
+    manifest["manifest_crc32"] = _manifest_checksum(manifest)
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -1334,7 +1335,7 @@ def test_a_manifest_that_names_no_run_resumes_as_the_folders_run(
     out = tmp_path / "out"
     run_id = read_run_file(out)
     manifest = json.loads((out / "step_4" / MANIFEST).read_text())
-    del manifest["run_id"]  # as an earlier build wrote it
+    del manifest["run_id"], manifest["manifest_crc32"]  # as an earlier build wrote it
     (out / "step_4" / MANIFEST).write_text(json.dumps(manifest))
     run = resume(cfg)
     assert run.resumed_at == 4
@@ -1507,29 +1508,6 @@ def write_lock(out: Path, pid: int, host: str) -> Path:
 def assert_held_by_this_process(lock: Path) -> None:
     owner = json.loads(lock.read_text())
     assert (owner["pid"], owner["host"]) == (os.getpid(), socket.gethostname())
-
-
-HOLD_LOCK = (
-    "import fcntl, os, sys, time\n"
-    "fd = os.open(sys.argv[1], os.O_RDWR)\n"
-    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-    "print('held', flush=True)\n"
-    "time.sleep(120)\n"
-)
-
-
-@contextlib.contextmanager
-def held_by_another_process(lock: Path) -> Iterator[int]:
-    """``lock`` held, as a live run holds it, by another process (its pid)."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        yield holder.pid
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 @pytest.mark.parametrize(
@@ -2061,3 +2039,101 @@ def test_an_epoch_end_resume_rewrites_an_export_another_run_wrote(
     expected = tmp_path / "uninterrupted" / "out" / "epoch_0" / EXPORT_FILE
     uninterrupted(tmp_path)
     assert (out / "epoch_0" / EXPORT_FILE).read_bytes() == expected.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["equal", "inside"])
+def test_an_output_dir_in_a_base_checkpoint_folder_is_refused_first(
+    tmp_path: Path, where: str
+) -> None:
+    base = tmp_path / "base"
+    out = base if where == "equal" else base / "runs" / "a"
+    cfg = make_config(tmp_path, output_dir=str(out), checkpointer={"output_dir": None})
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"output_dir={out} is inside checkpointer.checkpoint_dir={base}: the run "
+            "would write its checkpoints and exports among the base model's files"
+        ),
+    ):
+        CheckpointManager.from_config(cfg)
+    assert sorted(p.name for p in base.iterdir()) == ["model.pt"]
+
+
+def test_a_folder_name_longer_than_the_file_system_allows_is_refused(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / ("x" * 300) / "run"
+    with pytest.raises(
+        ValueError,
+        match=r"output_dir=.* cannot be made: its folder name x{40}\.\.\. is 300 bytes, "
+        r"more than the 255 this file system allows",
+    ):
+        CheckpointManager.from_config(make_config(tmp_path, output_dir=str(out)))
+
+
+@pytest.mark.parametrize(
+    ("edit", "reported"),
+    [
+        ("a character of the run id lost", "its entries changed since it was written"),
+        ("the version damaged", "its entries changed since it was written"),
+        ("rank_0.pt dropped, checksum redone", "lists no rank_0.pt"),
+    ],
+)
+def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edit: str, reported: str
+) -> None:
+    # Its checkpoint is not taken for another run's, its version not named as one,
+    # and a file it does not list is never loaded: it gives way to the one before.
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=5)
+    step = tmp_path / "out" / "step_4"
+    manifest = json.loads((step / MANIFEST).read_text())
+    if edit == "a character of the run id lost":
+        manifest["run_id"] = manifest["run_id"][:-1]
+    elif edit == "the version damaged":
+        manifest["version"] = "2x"
+    else:
+        del manifest["files"]["rank_0.pt"]
+        (step / "rank_0.pt").unlink()
+        manifest["manifest_crc32"] = _manifest_checksum(manifest)
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert f"Skipping step checkpoint {step}: " in warnings_text(caplog)
+    assert reported in warnings_text(caplog)
+    assert run.resumed_at == 3
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path))  # run A: step_3, step_4, step_6, step_8, exports
+    earlier = read_run_file(out)
+    a_files = snapshot(out)
+    cfg = make_config(tmp_path, keep_previous_runs=True)
+    # Run B dies after moving one of A's entries (an error stands in for SIGKILL).
+    replace, moves = os.replace, []
+
+    def dies_after_one_move(source: Any, target: Any) -> None:
+        if "previous_runs" in str(target) and moves:
+            raise KeyboardInterrupt
+        moves.append(target)
+        replace(source, target)
+
+    monkeypatch.setattr(checkpoint_manager.os, "replace", dies_after_one_move)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, stop_after=1)
+    monkeypatch.setattr(checkpoint_manager.os, "replace", replace)
+    aside = out / PREVIOUS_RUNS / f"run_{earlier}"
+    assert len(list(aside.iterdir())) == 1  # the rest is still in out
+    with caplog.at_level(logging.WARNING):
+        train(cfg, stop_after=1)
+    assert f"to {aside}, a move an earlier process stopped midway" in (
+        warnings_text(caplog)
+    )
+    # All of run A in one folder, byte for byte; no second, partial one.
+    assert sorted(p.name for p in (out / PREVIOUS_RUNS).iterdir()) == [aside.name]
+    for name, data in a_files.items():
+        assert data is None or (aside / name).read_bytes() == data, name
