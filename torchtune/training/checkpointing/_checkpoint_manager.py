@@ -402,6 +402,13 @@ def _finish_moves(folder: Path, first: bool) -> None:
         )
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # e.g. a name longer than the file system allows
+        return False
+
+
 def check_writable(key: str, path: str | Path) -> None:
     """Refuse a folder this process cannot write: ``path``, or the nearest existing
     folder above it, where it would be made.
@@ -411,7 +418,7 @@ def check_writable(key: str, path: str | Path) -> None:
         ValueError: if a folder name is longer than the file system allows.
     """
     path = existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:
+    while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         raise PermissionError(
@@ -771,12 +778,11 @@ class CheckpointManager:
         for key, section in cfg.items():
             if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
                 root = Path(section.checkpoint_dir)
-                _check_outside(root, f"{key}.checkpoint_dir", output_dir, "output_dir")
-                if section.get("output_dir"):
-                    out = Path(section.output_dir)
-                    _check_outside(
-                        root, f"{key}.checkpoint_dir", out, f"{key}.output_dir"
-                    )
+                # Where this checkpointer writes: its own output_dir, or output_dir.
+                own = section.get("output_dir")
+                out_key = f"{key}.output_dir" if own else "output_dir"
+                out = Path(own or output_dir)
+                _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
                 files = section.get("checkpoint_files")
                 names = [] if isinstance(files, str | Mapping) else list(files or [])
                 names += [section.get("adapter_checkpoint")]

@@ -631,7 +631,13 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     run = train(make_config(tmp_path), stop_after=5)
     out = tmp_path / "out"
     manifest = json.loads((out / "step_3" / MANIFEST).read_text())
-    assert sorted(manifest) == ["files", "run_id", "step", "version"]
+    assert sorted(manifest) == [
+        "files",
+        "manifest_crc32",
+        "run_id",
+        "step",
+        "version",
+    ]
     assert manifest["version"] == 2
     # The run id: the UTC time the run started and 8 random hex digits.
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", read_run_file(out))
