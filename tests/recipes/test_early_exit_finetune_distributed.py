@@ -119,8 +119,12 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
         out,
         ignore=shutil.ignore_patterns(".hf_datasets_cache", f"step_{EPOCHS * STEPS}"),
     )
+    # As torchtune 0.6.1's docs say to: the checkpoint files pointed at epoch_0/.
+    docs = {
+        "checkpointer.checkpoint_files": ["epoch_0/model-00001-of-00001.safetensors"]
+    }
     resumed = _train(
-        out, tiny_assets, optimizer_in_bwd=True, resume_from_checkpoint=True
+        out, tiny_assets, optimizer_in_bwd=True, resume_from_checkpoint=True, **docs
     )
     assert f"Resumed from step checkpoint {out / f'step_{STEPS}'}." in resumed.output
     assert_same_training(

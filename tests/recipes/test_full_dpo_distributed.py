@@ -314,10 +314,10 @@ class Runs:
         **overrides: Any,
     ) -> TuneRun:
         """Resume ``source_name`` from the step checkpoint of epoch 0's end, in a
-        copy of its output_dir without the step checkpoints further along, naming no
-        file: the recipe finds it. ``edit`` may rewrite the copy into a torchtune
-        0.6.1 epoch checkpoint, whose weights the configured checkpointer reads from
-        ``epoch_0``.
+        copy of its output_dir without the step checkpoints further along, as
+        torchtune 0.6.1's docs say to: the checkpoint files pointed at ``epoch_0``'s
+        export. ``edit`` may rewrite the copy into a torchtune 0.6.1 epoch
+        checkpoint, whose weights the configured checkpointer reads from there.
         """
         source = self[source_name]
         self._in_process_done.wait()
@@ -329,8 +329,8 @@ class Runs:
         )
         if edit is not None:
             edit(self._root / name)
-            weights = "epoch_0/model-00001-of-00001.safetensors"
-            overrides["checkpointer.checkpoint_files"] = [weights]
+        weights = "epoch_0/model-00001-of-00001.safetensors"
+        overrides["checkpointer.checkpoint_files"] = [weights]
         return self._train(name, resume_from_checkpoint=True, **overrides)
 
     def _resume_from_step(

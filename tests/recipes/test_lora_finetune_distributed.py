@@ -131,18 +131,21 @@ KEEP_EPOCH_STEPS = {"checkpointer.keep_last_n_checkpoints": EPOCHS}
 
 
 def _copy_epoch_0(source: TuneRun, out: Path) -> None:
-    """Copy into ``out`` what ``source``'s epoch 0 left: its export, the step
-    checkpoint of its end (which holds the adapter) and the run's id."""
+    """Copy into ``out`` what ``source``'s epoch 0 left: its export and manifest, the
+    step checkpoint of its end (which holds the adapter) and the run's id."""
     for part in ("epoch_0", f"step_{STEPS}"):
         shutil.copytree(source.output_dir / part, out / part)
-    shutil.copy(source.output_dir / "torchtune_run.json", out / "torchtune_run.json")
+    for name in ("torchtune_run.json", ".epoch_0.manifest.json"):
+        shutil.copy(source.output_dir / name, out / name)
 
 
 def _resume(source: TuneRun, out: Path, assets: TinyAssets, optimizer_in_bwd: bool):
     """Resume ``source`` from the step checkpoint of epoch 0's end, in a fresh
-    output_dir that holds only what epoch 0 left."""
+    output_dir that holds only what epoch 0 left, as torchtune 0.6.1's docs say to:
+    the adapter checkpoint pointed at epoch_0/."""
     _copy_epoch_0(source, out)
-    run = _train(out, assets, optimizer_in_bwd, resume_from_checkpoint=True)
+    docs = {"checkpointer.adapter_checkpoint": "epoch_0/adapter_model.pt"}
+    run = _train(out, assets, optimizer_in_bwd, resume_from_checkpoint=True, **docs)
     assert_steps(run, EPOCH_1)
     return run
 

@@ -209,8 +209,9 @@ def resume(
 ) -> Callable[..., TuneRun]:
     """``resume(source, target)``: ``runs[source]`` resumed in mode ``target`` from
     its epoch-0 step checkpoint, alone with the epoch-0 exports in a fresh
-    output_dir, found by ``resume_from_checkpoint=True``; made on first request and
-    shared after."""
+    output_dir, as torchtune 0.6.1's docs say to (``resume_from_checkpoint=True``,
+    the policy's checkpoint files pointed at ``epoch_0/``); made on first request
+    and shared after."""
     made: dict[str, TuneRun] = {}
 
     def resume(source: str, target: str) -> TuneRun:
@@ -222,7 +223,12 @@ def resume(
             made[key] = run_tune_in_process(
                 RECIPE,
                 CONFIG,
-                _overrides(ppo_assets, resume_from_checkpoint=True, **_mode(target)),
+                _overrides(
+                    ppo_assets,
+                    resume_from_checkpoint=True,
+                    **{"checkpointer.checkpoint_files": f"[epoch_0/{SHARD}]"},
+                    **_mode(target),
+                ),
                 out,
             )
         return made[key]

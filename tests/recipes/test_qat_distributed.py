@@ -121,12 +121,15 @@ def _resume(
     source: TuneRun, out: Path, assets: TinyAssets, data: Path, **overrides: Any
 ) -> TuneRun:
     """Resume from the step checkpoint of ``source``'s epoch 0 end, in a fresh
-    output_dir that holds what epoch 0 left: its export, that step checkpoint and
-    the run's id."""
+    output_dir that holds what epoch 0 left (its export and manifest, that step
+    checkpoint and the run's id), as torchtune 0.6.1's docs say to: the checkpoint
+    files pointed at the epoch's export."""
     for part in ("epoch_0", f"step_{STEPS}"):
         shutil.copytree(source.output_dir / part, out / part)
-    shutil.copy(source.output_dir / "torchtune_run.json", out / "torchtune_run.json")
-    run = _train(out, assets, data, resume_from_checkpoint=True, **overrides)
+    for name in ("torchtune_run.json", ".epoch_0.manifest.json"):
+        shutil.copy(source.output_dir / name, out / name)
+    docs = {"checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"]}
+    run = _train(out, assets, data, resume_from_checkpoint=True, **docs, **overrides)
     assert f"Resumed from step checkpoint {out / f'step_{STEPS}'}." in run.output
     assert list(run.metrics) == list(EPOCH_1), run.metrics
     return run

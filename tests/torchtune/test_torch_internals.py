@@ -1,0 +1,103 @@
+"""The private torch APIs this patch set relies on, in one place: each one's dotted
+name, where it is used, what for, and the torch versions it was checked against.
+
+A torch upgrade may rename or remove any of them without notice. This test fails on
+the first one that is gone, naming it and what breaks, so that an upgrade shows
+where to look before a user's run does. Checked against torch 2.13.0 (the CPU build
+this project tests with); update ``CHECKED_WITH`` when another version passes the
+whole suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+CHECKED_WITH = ("2.13.0",)
+
+# (dotted name, where it is used, what for)
+PRIVATE_TORCH_APIS = [
+    (
+        "torch._C._current_graph_task_id",
+        "torchtune/training/optimizer_in_backward.py",
+        "tells which backward pass a gradient hook runs in, to queue one end-of-pass "
+        "update of the buckets whose gradients did not all arrive",
+    ),
+    (
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "torchtune/training/optimizer_in_backward.py",
+        "runs that end-of-pass update when the backward pass finishes",
+    ),
+    (
+        "torch.optim.Optimizer._patch_step_function",
+        "torchtune/training/optimizer_in_backward.py",
+        "installs the step hooks LR schedulers and profilers expect on an optimizer",
+    ),
+    (
+        "torch._C._log_api_usage_once",
+        "torchtune/training/optimizer_in_backward.py",
+        "the usage log every torch.optim optimizer writes when built",
+    ),
+    (
+        "torch.utils._foreach_utils._group_tensors_by_device_and_dtype",
+        "torchtune/training/gradients.py",
+        "groups gradients as clip_grad_norm_ does, so norms are computed bitwise alike",
+    ),
+    (
+        "torch.utils._foreach_utils._has_foreach_support",
+        "torchtune/training/gradients.py",
+        "chooses the foreach norm kernel exactly when clip_grad_norm_ does",
+    ),
+    (
+        "torch._foreach_norm",
+        "torchtune/training/gradients.py",
+        "the per-gradient norms, in one kernel, as clip_grad_norm_ computes them",
+    ),
+    (
+        "torch.distributed.checkpoint.state_dict._init_optim_state",
+        "torchtune/training/checkpointing/_checkpoint_manager.py",
+        "creates optimizer state before a torchtune 0.6.1 DCP checkpoint loads into it",
+    ),
+    (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+        "torchtune/training/memory.py, optim_in_bwd_legacy_state_dict.py",
+        "activation checkpointing, and the parameter names it adds (0.6.1 checkpoints)",
+    ),
+    (
+        "torch.cuda.memory._record_memory_history",
+        "torchtune/training/loop.py",
+        "the profiler's memory snapshot (CUDA only), as 0.6.1's recipes take it",
+    ),
+]
+
+
+def _resolve(dotted: str) -> object:
+    """The object at ``dotted``: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute)
+        return found
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize(
+    ("name", "where", "used_for"),
+    PRIVATE_TORCH_APIS,
+    ids=[name for name, _, _ in PRIVATE_TORCH_APIS],
+)
+def test_each_private_torch_api_still_exists(name: str, where: str, used_for: str):
+    try:
+        found = _resolve(name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(
+            f"{name} is gone in torch {torch.__version__} (checked with "
+            f"{', '.join(CHECKED_WITH)}): {where} uses it ({used_for}). {e}"
+        )
+    assert callable(found), f"{name} is no longer callable in torch {torch.__version__}"
