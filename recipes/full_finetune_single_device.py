@@ -307,6 +307,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._profiler.stop()
 
     def cleanup(self) -> None:
+        # Releases output_dir.
+        self._checkpoint.close()
         self._step_logger.close()
 
 

@@ -821,6 +821,8 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger.log_dict(log_dict, step=self._optimizer_steps)
 
     def cleanup(self) -> None:
+        # Releases output_dir.
+        self._checkpoint.close()
         self._metric_logger.close()
 
 
