@@ -50,11 +50,24 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig, OmegaConf
 
-from torchtune import config, training, utils
+from torchtune import config, utils
 from torchtune.config._utils import _get_component_from_path as _component
 from torchtune.modules import peft
 from torchtune.training import optim_in_bwd_legacy_state_dict as legacy_format
+from torchtune.training._distributed import (
+    gather_cpu_state_dict,
+    load_from_full_optimizer_state_dict,
+)
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.checkpointing._utils import (
+    ADAPTER_CONFIG,
+    ADAPTER_KEY,
+    DATALOADER_KEY,
+    EPOCHS_KEY,
+    MODEL_KEY,
+    OPT_KEY,
+    TOTAL_EPOCHS_KEY,
+)
 from torchtune.training.optimizer_in_backward import hyperparameters
 
 log = utils.get_logger("DEBUG")
@@ -111,13 +124,13 @@ class TrainingProgress:
 
     def state_dict(self) -> dict[str, int]:
         return {
-            training.EPOCHS_KEY: self.epochs_run,
-            training.TOTAL_EPOCHS_KEY: self.total_epochs,
+            EPOCHS_KEY: self.epochs_run,
+            TOTAL_EPOCHS_KEY: self.total_epochs,
             "global_step": self.global_step,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.epochs_run = state_dict[training.EPOCHS_KEY]
+        self.epochs_run = state_dict[EPOCHS_KEY]
         self.global_step = state_dict["global_step"]
 
 
@@ -498,7 +511,7 @@ def _epoch_ended(folder: Path) -> int | None:
     it was saved mid-epoch, or its recipe state does not read."""
     try:
         state = torch.load(folder / RECIPE_STATE, weights_only=True, mmap=True)
-        return state[training.EPOCHS_KEY] - 1 if state.get("epoch_end") else None
+        return state[EPOCHS_KEY] - 1 if state.get("epoch_end") else None
     except Exception:  # damaged: load() names it, if it comes to it
         return None
 
@@ -705,7 +718,7 @@ class CheckpointManager:
     Example (a recipe's use; ``docs/source/step_checkpoints.rst`` runs one)::
 
         manager = CheckpointManager.from_config(cfg)  # in __init__
-        model.load_state_dict(manager.load_base_checkpoint()[training.MODEL_KEY])
+        model.load_state_dict(manager.load_base_checkpoint()[MODEL_KEY])
         progress = TrainingProgress(total_epochs=cfg.epochs)
         manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
         for epoch in range(progress.epochs_run, progress.total_epochs):
@@ -914,7 +927,7 @@ class CheckpointManager:
         ``checkpoint_files`` names there and the adapter.
 
         Returns:
-            dict[str, Any]: ``training.MODEL_KEY`` (and ``ADAPTER_KEY`` when the
+            dict[str, Any]: ``MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
         epoch, cfg = self._legacy == "epoch", self.options.checkpointer
@@ -927,15 +940,15 @@ class CheckpointManager:
                 cfg, should_load_recipe_state=True, recipe_checkpoint=recipe_state
             )
             state = self._checkpointer.load_checkpoint()
-            weights = (training.MODEL_KEY, training.ADAPTER_KEY)
+            weights = (MODEL_KEY, ADAPTER_KEY)
             return {key: state[key] for key in weights if key in state}
         self._checkpointer = config.instantiate(cfg, should_load_recipe_state=epoch)
         state = self._checkpointer.load_checkpoint()
         if not epoch:
             return state
-        weights = (training.MODEL_KEY, training.ADAPTER_KEY)
+        weights = (MODEL_KEY, ADAPTER_KEY)
         self._legacy_state = {k: state.pop(k) for k in list(state) if k not in weights}
-        if self.options.adapter_config and training.ADAPTER_KEY not in state:
+        if self.options.adapter_config and ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
                 "checkpointer.adapter_checkpoint, or resume from an output_dir whose "
@@ -983,7 +996,7 @@ class CheckpointManager:
             ValueError: if an epoch would have no optimizer step.
         """
         self._named = isinstance(model, Mapping)
-        self._models = dict(model) if self._named else {training.MODEL_KEY: model}
+        self._models = dict(model) if self._named else {MODEL_KEY: model}
         self._optimizer, self._dataloader = optimizer, dataloader
         self._progress, self._steps_per_epoch = progress, steps_per_epoch
         exporters = {n: self._checkpointer for n in self._models} | (exporters or {})
@@ -1200,8 +1213,8 @@ class CheckpointManager:
                 "whole. Resume another one (checkpointer.recipe_checkpoint=step_N)."
             )
         rank_state = _load(folder / rank_file)
-        if rank_state[training.DATALOADER_KEY]:
-            self._dataloader.load_state_dict(rank_state[training.DATALOADER_KEY])
+        if rank_state[DATALOADER_KEY]:
+            self._dataloader.load_state_dict(rank_state[DATALOADER_KEY])
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
@@ -1240,17 +1253,17 @@ class CheckpointManager:
         if self._legacy == "dcp":
             (model,) = models
             dsd._init_optim_state(optimizer)  # DCP loads into existing tensors
-            state = {training.MODEL_KEY: model.state_dict(), training.EPOCHS_KEY: 0}
-            state[training.OPT_KEY] = optimizer.state_dict()
+            state = {MODEL_KEY: model.state_dict(), EPOCHS_KEY: 0}
+            state[OPT_KEY] = optimizer.state_dict()
             export, group = self._export_dir, self._async_group
             reader = DistributedCheckpointer(export, export, process_group=group)
             state = reader.load_checkpoint(state)
-            weights, optim = state[training.MODEL_KEY], state[training.OPT_KEY]
+            weights, optim = state[MODEL_KEY], state[OPT_KEY]
             dsd.set_state_dict(
                 model, optimizer, model_state_dict=weights, optim_state_dict=optim
             )
         else:
-            state, optim = self._legacy_state, self._legacy_state[training.OPT_KEY]
+            state, optim = self._legacy_state, self._legacy_state[OPT_KEY]
             if legacy_format.is_legacy_in_bwd_state_dict(optim):
                 # Several models (PPO): 0.6.1 saved the last one's parameters only.
                 pairs = [(m, n, p) for m in models for n, p in m.named_parameters()]
@@ -1258,14 +1271,14 @@ class CheckpointManager:
                 convert = legacy_format.convert_legacy_optim_in_bwd_state_dict
                 optim = convert(optim, None if _sharded() else named)
             if _sharded():
-                training.load_from_full_optimizer_state_dict(
+                load_from_full_optimizer_state_dict(
                     models[0], optimizer, optim, self.options.device
                 )
             elif any(isinstance(k, str) for k in optim["state"]):  # keyed by name
                 dsd.set_optimizer_state_dict(models[0], optimizer, optim)
             else:
                 optimizer.load_state_dict(optim)
-        steps = state[training.EPOCHS_KEY] * self._steps_per_epoch
+        steps = state[EPOCHS_KEY] * self._steps_per_epoch
         return {**state, "global_step": steps}
 
     # -- stopping before a non-finite step --------------------------------------------
@@ -1375,14 +1388,14 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=where)
         else:
             models = {n: _trainable(m) for n, m in self._models.items()}
-            model = models if self._named else models[training.MODEL_KEY]
+            model = models if self._named else models[MODEL_KEY]
             state = {"model": model, "optimizer": self._optimizer.state_dict()}
             _save_file(state, partial / MODEL_OPTIMIZER_FILE)
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         loader = self._dataloader.state_dict() if mid_epoch else None
-        rank_state = {training.DATALOADER_KEY: loader, "rng": rng}
+        rank_state = {DATALOADER_KEY: loader, "rng": rng}
         _save_file(rank_state, partial / f"rank_{_rank()}.pt")
         if _rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
@@ -1451,16 +1464,16 @@ class CheckpointManager:
         for name, model in self._models.items():
             if _sharded():
                 args = (model, _rank() == 0, self.options.device, adapter_only)
-                state = training.gather_cpu_state_dict(*args)
+                state = gather_cpu_state_dict(*args)
             else:
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             if _rank() != 0:
                 continue
-            export = {training.MODEL_KEY: state}
+            export = {MODEL_KEY: state}
             if adapter is not None:
-                export = {training.ADAPTER_KEY: peft.get_adapter_state_dict(state)}
+                export = {ADAPTER_KEY: peft.get_adapter_state_dict(state)}
                 # A copy: the HF checkpointer rewrites the config it saves.
-                export[training.ADAPTER_CONFIG] = dict(adapter)
+                export[ADAPTER_CONFIG] = dict(adapter)
             if adapter is not None and not adapter_only:
                 # Merged into copies: a CPU state dict may hold the model's own tensors.
                 for k in [k for k in state if k.endswith("lora_a.weight")]:
@@ -1468,7 +1481,7 @@ class CheckpointManager:
                     state[base] = state[base].clone()
                 rank, alpha = adapter["r"], adapter["lora_alpha"]
                 merged = peft.get_merged_lora_ckpt(state, rank, alpha)
-                export[training.MODEL_KEY] = merged
+                export[MODEL_KEY] = merged
             exporter, only_final = self._exporters[name], _FinalEpochNotes(final)
             log.addFilter(only_final)  # the logger every torchtune module shares
             try:
