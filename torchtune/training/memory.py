@@ -1,10 +1,10 @@
-"""Memory utilities: activation checkpointing, memory statistics, and the choice
-between a plain optimizer and :class:`OptimizerInBackward` (:func:`build_optimizer`).
+"""Memory utilities: activation checkpointing and memory statistics.
 
-:class:`OptimizerInBackward` lives in :mod:`torchtune.training.optimizer_in_backward`
-and torchtune 0.6.1's deprecated in-backward API in
-:mod:`torchtune.training.optim_in_bwd_deprecated`; both are importable from here too,
-the deprecated names as in 0.6.1."""
+torchtune 0.6.1's deprecated optimizer-in-backward functions
+(:mod:`torchtune.training.optim_in_bwd_deprecated`) are importable from here too, as
+in 0.6.1; :class:`~torchtune.training.OptimizerInBackward` and
+:func:`~torchtune.training.build_optimizer` live in
+:mod:`torchtune.training.optimizer_in_backward`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import contextlib
 import gc
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import torch
@@ -21,19 +21,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.optim import Optimizer
 
-from torchtune.training.optim_in_bwd_deprecated import (
-    OptimizerInBackwardWrapper,
-    create_optim_in_bwd_wrapper,
-    register_optim_in_bwd_hooks,
-)
-from torchtune.training.optimizer_in_backward import (
-    DEFAULT_BUCKET_CAP_MB,
-    OptimizerInBackward,
-    is_valid_bucket_cap,
-)
-from torchtune.utils import get_device_support, get_logger, log_rank_zero
+from torchtune.utils import get_device_support, get_logger
 
 _log: logging.Logger = get_logger()
 
@@ -199,68 +188,29 @@ def log_memory_stats(
 # ---------------------------------------------------------------------------
 
 
-def build_optimizer(
-    params: Iterable[torch.Tensor],
-    make_optimizer: Callable[[list[torch.Tensor]], Optimizer],
-    *,
-    in_backward: bool = False,
-    bucket_cap_mb: float | None = None,
-    max_norm: float | None = None,
-) -> Optimizer:
-    """The optimizer a recipe trains with: ``make_optimizer(params)``, or with
-    ``in_backward`` an :class:`OptimizerInBackward` that runs the same class inside
-    backward.
+# torchtune 0.6.1's optimizer-in-backward functions, which 0.6.1 code imports from
+# this module; imported on first use, so that this module imports no optimizer.
+_DEPRECATED = (
+    "OptimizerInBackwardWrapper",
+    "create_optim_in_bwd_wrapper",
+    "register_optim_in_bwd_hooks",
+)
 
-    Give it every parameter of the model, frozen ones too, as torchtune 0.6.1 did:
-    a frozen parameter gets no state (and no in-backward hook), and the state dicts
-    of either mode, and 0.6.1's, then hold the same parameters, so each loads into
-    the other.
 
-    Args:
-        params (Iterable[torch.Tensor]): the parameters, in model order.
-        make_optimizer (Callable[[list[torch.Tensor]], Optimizer]): builds the plain
-            optimizer over a list of parameters, e.g.
-            ``functools.partial(config.instantiate, cfg.optimizer)``.
-        in_backward (bool): update inside backward. Default: ``False``
-        bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer
-            call; ``None``: the default.
-        max_norm (float | None): with ``in_backward``, the global gradient norm
-            :meth:`OptimizerInBackward.backward` clips to; a plain optimizer's loop
-            clips after backward itself. Default: ``None``
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        from torchtune.training import optim_in_bwd_deprecated
 
-    Returns:
-        Optimizer: the optimizer.
-
-    Example:
-        >>> optimizer = build_optimizer(
-        ...     model.parameters(), torch.optim.AdamW, in_backward=True
-        ... )
-        >>> type(optimizer).__name__
-        'OptimizerInBackward'
-    """
-    params = list(params)
-    if in_backward:
-        optimizer = OptimizerInBackward(
-            params, make_optimizer, bucket_cap_mb=bucket_cap_mb, max_norm=max_norm
-        )
-    else:
-        optimizer = make_optimizer(params)
-    log_rank_zero(_log, f"Optimizer is initialized: {type(optimizer).__name__}.")
-    return optimizer
+        return getattr(optim_in_bwd_deprecated, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ACWrapPolicyType",
-    "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_LOG_MESSAGE",
-    "OptimizerInBackward",
-    "OptimizerInBackwardWrapper",
-    "build_optimizer",
     "cleanup_before_training",
-    "create_optim_in_bwd_wrapper",
     "get_memory_stats",
-    "is_valid_bucket_cap",
     "log_memory_stats",
-    "register_optim_in_bwd_hooks",
     "set_activation_checkpointing",
+    *_DEPRECATED,
 ]

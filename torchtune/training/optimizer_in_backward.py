@@ -27,7 +27,7 @@ from torchtune.training.gradients import (
     tensor_norms,
     total_norm,
 )
-from torchtune.utils import get_logger
+from torchtune.utils import get_logger, log_rank_zero
 
 log = get_logger()
 
@@ -688,9 +688,60 @@ class OptimizerInBackward(Optimizer):
         self._index_groups()
 
 
+def build_optimizer(
+    params: Iterable[torch.Tensor],
+    make_optimizer: Callable[[list[torch.Tensor]], Optimizer],
+    *,
+    in_backward: bool = False,
+    bucket_cap_mb: float | None = None,
+    max_norm: float | None = None,
+) -> Optimizer:
+    """The optimizer a recipe trains with: ``make_optimizer(params)``, or with
+    ``in_backward`` an :class:`OptimizerInBackward` that runs the same class inside
+    backward.
+
+    Give it every parameter of the model, frozen ones too, as torchtune 0.6.1 did:
+    a frozen parameter gets no state (and no in-backward hook), and the state dicts
+    of either mode, and 0.6.1's, then hold the same parameters, so each loads into
+    the other.
+
+    Args:
+        params (Iterable[torch.Tensor]): the parameters, in model order.
+        make_optimizer (Callable[[list[torch.Tensor]], Optimizer]): builds the plain
+            optimizer over a list of parameters, e.g.
+            ``functools.partial(config.instantiate, cfg.optimizer)``.
+        in_backward (bool): update inside backward. Default: ``False``
+        bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer
+            call; ``None``: the default.
+        max_norm (float | None): with ``in_backward``, the global gradient norm
+            :meth:`OptimizerInBackward.backward` clips to; a plain optimizer's loop
+            clips after backward itself. Default: ``None``
+
+    Returns:
+        Optimizer: the optimizer.
+
+    Example:
+        >>> optimizer = build_optimizer(
+        ...     model.parameters(), torch.optim.AdamW, in_backward=True
+        ... )
+        >>> type(optimizer).__name__
+        'OptimizerInBackward'
+    """
+    params = list(params)
+    if in_backward:
+        optimizer = OptimizerInBackward(
+            params, make_optimizer, bucket_cap_mb=bucket_cap_mb, max_norm=max_norm
+        )
+    else:
+        optimizer = make_optimizer(params)
+    log_rank_zero(log, f"Optimizer is initialized: {type(optimizer).__name__}.")
+    return optimizer
+
+
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "OptimizerInBackward",
+    "build_optimizer",
     "hyperparameters",
     "is_valid_bucket_cap",
 ]

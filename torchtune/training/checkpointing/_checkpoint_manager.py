@@ -1498,3 +1498,17 @@ class CheckpointManager:
         self._finish_pending()
         self._release_output_dir()
         _barrier()  # a next run in these processes finds the lock released
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointOptions",
+    "TrainingProgress",
+    "check_writable",
+    "export_manifest",
+    "file_checksum",
+    "read_run_file",
+    "step_of",
+    "verify",
+]
