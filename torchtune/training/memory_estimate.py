@@ -428,14 +428,18 @@ class _Setup:
 
 def _tied_parameters(model: nn.Module) -> dict[int, str]:
     """Trainable parameters used by more than one module (an embedding tied to the
-    output projection through ``TiedLinear``): local gradient bytes -> name."""
+    output projection through ``TiedLinear``): gradient bytes (whole and this
+    rank's shard) -> name."""
     names = {p: n for n, p in model.named_parameters()}
     tied = {}
     for module in model.modules():
         tied_module = getattr(module, "tied_module", None)
         if isinstance(tied_module, nn.Module) and tied_module.weight.requires_grad:
             weight = tied_module.weight
-            tied[_local_bytes(weight)] = f"{names[weight]} (tied to the output)"
+            name = f"{names[weight]} (tied to the output)"
+            # Summed whole before FSDP2 reduce-scatters it, or as this rank's shard.
+            tied[weight.numel() * weight.element_size()] = name
+            tied[_local_bytes(weight)] = name
     return tied
 
 
@@ -597,7 +601,7 @@ class _Estimator:
             elif tag == "backward" and nbytes in tied:
                 peak.held_gradients.append(
                     (
-                        f"gradient sum of {tied.pop(nbytes)}",
+                        f"gradient sum of {_pop_name(tied, nbytes)}",
                         nbytes,
                         "autograd sums a tied parameter's gradient from its first "
                         "use's backward (the output projection) to its last (the "
@@ -714,6 +718,14 @@ class _Phase:
     """Where a step is, for a run that counts nothing."""
 
     phase = ""
+
+
+def _pop_name(sizes: dict[int, str], nbytes: int) -> str:
+    """Take the name of ``nbytes`` out of ``sizes``, with its other sizes."""
+    name = sizes[nbytes]
+    for key in [k for k, v in sizes.items() if v == name]:
+        del sizes[key]
+    return name
 
 
 def _why_held(
