@@ -137,7 +137,13 @@ def measure(
     else:
         command = [sys.executable, script, *args]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    # A fixed mmap threshold: glibc maps every allocation of 64 KiB or more on its
+    # own and unmaps it when freed, so that RSS follows the tensors alive (with the
+    # default, growing threshold it keeps freed blocks of up to 32 MiB).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(
             f"measured run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -432,8 +432,15 @@ def _tied_parameters(model: nn.Module) -> dict[int, str]:
     rank's shard) -> name."""
     names = {p: n for n, p in model.named_parameters()}
     tied = {}
-    for module in model.modules():
-        tied_module = getattr(module, "tied_module", None)
+    # ``TiedLinear`` is not a module: it is an attribute of the decoder.
+    tied_linears = [
+        v
+        for m in model.modules()
+        for v in vars(m).values()
+        if hasattr(v, "tied_module")
+    ]
+    for tied_linear in tied_linears:
+        tied_module = tied_linear.tied_module
         if isinstance(tied_module, nn.Module) and tied_module.weight.requires_grad:
             weight = tied_module.weight
             name = f"{names[weight]} (tied to the output)"
