@@ -350,8 +350,14 @@ def format_report(est: Estimate) -> str:
         f"{est.saving / max(est.gradient_bytes, 1):.0%} of the gradient bytes",
         f"  in-backward lower bound at its peak: {_gib(est.bound)}, kept from it by:",
     ]
-    if not bwd.held_gradients:
-        lines.append("    nothing: no gradient is alive at the in-backward peak")
+    if not bwd.held_gradients and bwd.phase in ("forward", "all-gather in forward"):
+        lines.append(
+            "    nothing: its peak is in forward, before any gradient exists; "
+            "in-backward cannot lower it (activation checkpointing, a smaller batch "
+            "or shorter samples can)"
+        )
+    elif not bwd.held_gradients:
+        lines.append("    nothing: no gradient waits at the in-backward peak")
     for what, nbytes, why in bwd.held_gradients:
         lines.append(f"    {_gib(nbytes)} {what}: {why}")
     sizes = ", ".join(f"{gb} GB" for gb in GPU_SIZES_GB)
@@ -391,6 +397,41 @@ def _bnb_patch(device_type: str) -> contextlib.AbstractContextManager:
     return stack
 
 
+@contextlib.contextmanager
+def _torchao_patch() -> Iterator[None]:
+    """torchao's low-bit Adam builds its state subclasses with its own code, on fake
+    tensors, once its quantization maps (computed from values, and cached) exist.
+    Its update, one compiled kernel per parameter that dequantizes, updates and
+    quantizes in registers, cannot run on fake tensors: it is skipped, and counted
+    as allocating nothing."""
+    try:
+        from torchao.optim import adam, subclass_4bit, subclass_8bit
+    except ImportError:
+        yield
+        return
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed()
+        module.get_qmap_unsigned()
+    original = adam.single_param_adam
+
+    def no_update(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    compile_fn = torch.compile
+
+    def compile_but_no_update(fn: Any = None, **kwargs: Any) -> Any:
+        # Nothing to compile in the skipped update.
+        return fn if fn is no_update else compile_fn(fn, **kwargs)
+
+    adam.single_param_adam = no_update
+    torch.compile = compile_but_no_update
+    try:
+        yield
+    finally:
+        adam.single_param_adam = original
+        torch.compile = compile_fn
+
+
 def _optimizer_note(optimizer_cls: Any) -> str:
     module = getattr(optimizer_cls, "__module__", "")
     name = getattr(optimizer_cls, "__name__", str(optimizer_cls))
@@ -409,7 +450,9 @@ def _optimizer_note(optimizer_cls: Any) -> str:
         return note
     if module.startswith("torchao"):
         return (
-            f"{name}'s quantized state tensors, created by its own step on fake tensors"
+            f"{name}'s own state subclasses on fake tensors (codes and a scale per "
+            "block); its compiled update cannot run on fake tensors and is counted "
+            "as allocating nothing (it works in registers)"
         )
     return f"{name}'s own step on fake tensors"
 
@@ -591,7 +634,8 @@ class _Estimator:
             "setup": "temporaries",
             "forward": "activations",
             "recompute": "activations",
-            "all-gather": "unsharded parameters",
+            "all-gather in forward": "unsharded parameters",
+            "all-gather in backward": "unsharded parameters",
         }
         tied = dict(setup.tied_bytes)
         for nbytes, tag, detail in live.values():
@@ -615,7 +659,7 @@ class _Estimator:
                         "embedding) before the parameter can be updated",
                     )
                 )
-            elif tag == "reduce-scatter":
+            elif tag.startswith("reduce-scatter"):
                 peak.held_gradients.append(
                     (
                         "reduce-scatter buffer",
@@ -688,7 +732,8 @@ class _Estimator:
         tracker = _LiveStorages()
         setup = self._build(fake_mode, in_backward, tracker)
         device = "cpu" if self.target_device == "cpu" else "cuda"
-        with _bnb_patch(device), _phase_patch(tracker), fake_mode, tracker:
+        patches = _bnb_patch(device), _torchao_patch(), _phase_patch(tracker)
+        with patches[0], patches[1], patches[2], fake_mode, tracker:
             for t in setup.model.parameters():
                 tracker.track(t, "parameters")
             for t in setup.model.buffers():
@@ -773,7 +818,15 @@ def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
 
     def tagged(method: Callable, phase: str) -> Callable:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            outer, tracker.phase = tracker.phase, phase
+            outer = tracker.phase
+            if phase == "all-gather":
+                # In forward, or ahead of a unit's backward.
+                inner = (
+                    f"all-gather in {'forward' if 'forward' in outer else 'backward'}"
+                )
+            else:
+                inner = phase
+            tracker.phase = inner
             try:
                 return method(self, *args, **kwargs)
             finally:

@@ -252,3 +252,41 @@ def test_fits_keeps_a_reserve_free():
     # 20 GiB: 20 * 1.1 + 2 = 24 GiB = 25.8 GB: not in 24 GB, in 40 GB.
     assert me.fits(20 * me.GIB) == [40, 48, 80]
     assert me.fits(100 * me.GIB) == []
+
+
+def test_torchao_8bit_state_is_its_own_layout():
+    # torchao's AdamW8bit: for a parameter of 4096 elements or more (a multiple of
+    # its 256-element block), each moment is uint8 codes, an fp32 scale per block
+    # and its own 256-entry fp32 map; smaller ones get fp32 moments; each parameter
+    # has a 4-byte step count.
+    est = me.estimate(
+        tiny_config("torchao.optim.AdamW8bit"), recipe=RECIPE, seq_len=SEQ_LEN
+    )
+    setup = me._Estimator(
+        OmegaConf.merge(tiny_config(), {"optimizer_in_bwd": False}), RECIPE, 1, 1
+    ).build_real(False)
+    expected = 0
+    for p in setup.model.parameters():
+        n = p.numel()
+        quantized = n >= 4096 and n % 256 == 0
+        expected += 4 + 2 * ((n + 4 * n // 256 + 256 * 4) if quantized else 4 * n)
+    assert est.optimizer_state_bytes == expected
+
+
+def test_lora_trains_only_the_adapter():
+    cfg = tiny_config()
+    cfg.model = OmegaConf.merge(
+        cfg.model,
+        {
+            "_component_": "torchtune.models.llama3_2.lora_llama3_2",
+            "lora_attn_modules": ["q_proj", "v_proj"],
+            "lora_rank": 8,
+            "lora_alpha": 16,
+        },
+    )
+    est = me.estimate(cfg, recipe="lora_finetune_single_device", seq_len=SEQ_LEN)
+    # Rank-8 A and B for q and v (256 -> 256 and 256 -> 128) in each of 2 layers.
+    assert est.trainable_params == 2 * (8 * 256 + 256 * 8 + 8 * 256 + 128 * 8)
+    assert est.gradient_bytes == 4 * est.trainable_params
+    # AdamW's state: two fp32 moments and a step count per adapter parameter.
+    assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * 8
