@@ -38,15 +38,20 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 GB = 10**9
 GIB = 2**30
 
-#: Shipped configs with ``optimizer_in_bwd: True`` (``tune ls``; Llama 3.x), and the
-#: distributed configs the table flips it on for, with their ranks.
+#: Shipped configs with ``optimizer_in_bwd: True`` (``tune ls``; Llama 3.x) as
+#: shipped, and with 512-token samples; the distributed configs the table flips it
+#: on for, over 8 ranks: (config, ranks, overrides).
 TABLE = [
-    ("llama3_2/1B_full_single_device", 1),
-    ("llama3_2/3B_full_single_device", 1),
-    ("llama3_1/8B_full_single_device", 1),
-    ("llama3_1/8B_full", 8),
-    ("llama3_3/70B_full", 8),
+    ("llama3_2/1B_full_single_device", 1, []),
+    ("llama3_2/1B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_2/3B_full_single_device", 1, []),
+    ("llama3_2/3B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_1/8B_full_single_device", 1, []),
+    ("llama3_1/8B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_1/8B_full", 8, ["optimizer_in_bwd=True"]),
+    ("llama3_3/70B_full", 8, ["optimizer_in_bwd=True", "fsdp_cpu_offload=False"]),
 ]
+
 
 #: The model of the 2-process check: a Llama 3.2 of 265M parameters.
 FSDP_MODEL = {
@@ -208,10 +213,10 @@ def table(args: argparse.Namespace) -> None:
 
     results = _load()
     rows = results.setdefault("table", {})
-    for config, nproc in TABLE:
-        overrides = ["optimizer_in_bwd=True"] if nproc > 1 else []
+    for config, nproc, overrides in TABLE:
         est = run_estimate(config, overrides, nproc)
-        rows[config] = est
+        est["overrides"] = overrides
+        rows[" ".join([config, *overrides])] = est
         print(est["report"], f"\n({est['wall_s']:.0f} s)\n", flush=True)
     results["torch"] = torch.__version__
     _save(results)

@@ -465,11 +465,12 @@ class _Setup:
     optimizer: torch.optim.Optimizer
     loss_fn: nn.Module
     param_names: dict[torch.Tensor, str]
-    #: Local gradient bytes of each trainable tied parameter -> its name.
-    tied_bytes: dict[int, str]
+    #: Gradient bytes (whole and this rank's shard) of each trainable parameter
+    #: used more than once in a step -> its name and why its sum is held.
+    tied_bytes: dict[int, tuple[str, str]]
 
 
-def _tied_parameters(model: nn.Module) -> dict[int, str]:
+def _tied_parameters(model: nn.Module) -> dict[int, tuple[str, str]]:
     """Trainable parameters used by more than one module (an embedding tied to the
     output projection through ``TiedLinear``): gradient bytes (whole and this
     rank's shard) -> name."""
@@ -486,7 +487,12 @@ def _tied_parameters(model: nn.Module) -> dict[int, str]:
         tied_module = tied_linear.tied_module
         if isinstance(tied_module, nn.Module) and tied_module.weight.requires_grad:
             weight = tied_module.weight
-            name = f"{names[weight]} (tied to the output)"
+            name = (
+                f"{names[weight]} (tied to the output)",
+                "autograd sums a tied parameter's gradient from its first use's "
+                "backward (the output projection) to its last (the embedding) "
+                "before the parameter can be updated",
+            )
             # Summed whole before FSDP2 reduce-scatters it, or as this rank's shard.
             tied[weight.numel() * weight.element_size()] = name
             tied[_local_bytes(weight)] = name
@@ -609,6 +615,20 @@ class _Estimator:
         loss_fn = config.instantiate(self.cfg.loss)
         if hasattr(loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(loss_fn.num_output_chunks)
+            output = getattr(model, "output", None)
+            chunks = loss_fn.num_output_chunks
+            if isinstance(output, nn.Linear) and output.weight.requires_grad:
+                # The output projection runs once per chunk of the logits.
+                weight = output.weight
+                why = (
+                    f"the output projection runs on each of {chunks} chunks of the "
+                    "logits: autograd sums their gradients before any update"
+                )
+                for nbytes in (
+                    weight.numel() * weight.element_size(),
+                    _local_bytes(weight),
+                ):
+                    setup.tied_bytes.setdefault(nbytes, (names[weight], why))
         setup.optimizer, setup.loss_fn = optimizer, loss_fn
         return setup
 
@@ -650,15 +670,8 @@ class _Estimator:
                 if held is not None:
                     peak.held_gradients.append(held)
             elif tag == "backward" and nbytes in tied:
-                peak.held_gradients.append(
-                    (
-                        f"gradient sum of {_pop_name(tied, nbytes)}",
-                        nbytes,
-                        "autograd sums a tied parameter's gradient from its first "
-                        "use's backward (the output projection) to its last (the "
-                        "embedding) before the parameter can be updated",
-                    )
-                )
+                name, why = _pop_name(tied, nbytes)
+                peak.held_gradients.append((f"gradient sum of {name}", nbytes, why))
             elif tag.startswith("reduce-scatter"):
                 peak.held_gradients.append(
                     (
@@ -772,7 +785,7 @@ class _Phase:
     phase = ""
 
 
-def _pop_name(sizes: dict[int, str], nbytes: int) -> str:
+def _pop_name(sizes: dict[int, Any], nbytes: int) -> Any:
     """Take the name of ``nbytes`` out of ``sizes``, with its other sizes."""
     name = sizes[nbytes]
     for key in [k for k, v in sizes.items() if v == name]:
