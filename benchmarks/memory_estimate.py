@@ -331,6 +331,13 @@ def check_fsdp(args: argparse.Namespace) -> None:
     )
 
 
+def _error(estimated: float, measured: float, grads: float) -> str:
+    """The estimate's error, relative where something was saved."""
+    if abs(measured) < 0.05 * grads:
+        return f"{(estimated - measured) / GB * 1000:+.0f} MB (nothing saved)"
+    return f"{(estimated - measured) / measured:+.1%}"
+
+
 def _fmt(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GIB:.2f}"
 
@@ -372,6 +379,44 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {', '.join(map(str, est['fits']['in_backward'])) or 'none'} "
             f"| {est['wall_s']:.0f} s |"
         )
+    paged = [
+        f"`{config}` {est['paged_state_bytes'] / GIB:.2f} GiB"
+        for config, est in results.get("table", {}).items()
+        if est.get("paged_state_bytes")
+    ]
+    if paged:
+        lines += [
+            "",
+            "Paged optimizer state, counted in both peaks above: it lives in CUDA "
+            "managed memory, which `torch.cuda.max_memory_allocated` (the recipes' "
+            "`peak_memory_alloc`) does not count and the driver can move to host "
+            "memory: " + ", ".join(paged) + ".",
+        ]
+    lines += [
+        "",
+        "## Why in-backward saves less than the gradients' bytes",
+        "",
+        "- **The peak moves.** Plain training peaks at the end of backward or in the "
+        "optimizer step, with every gradient alive. In-backward frees those, and its "
+        "peak is elsewhere: at the start of backward (the logits' gradients and the "
+        "output projection's gradient) or in forward (the activations), where "
+        "gradients play no part. Where forward's peak is above backward's (long "
+        "samples without activation checkpointing, or the logits of a large "
+        "vocabulary), in-backward saves nothing: lower it with activation "
+        "checkpointing, a smaller batch or shorter samples.",
+        "- **Some gradients are sums that cannot be applied early.** A parameter "
+        "used more than once has its gradient summed by autograd over all its uses "
+        "before any update: the embedding tied to the output projection, from the "
+        "output projection's backward (the first) to the embedding's (the last); "
+        "the output projection, over the chunks of the chunked cross-entropy loss. "
+        "Under FSDP2 a unit's gradients are whole (unsharded) until its "
+        "reduce-scatter, so such a sum is the whole parameter's size on every rank.",
+        "- **Buckets and FSDP2 buffers**: gradients waiting in an unfinished bucket "
+        "(at most `optimizer_in_bwd_bucket_cap_mb`), FSDP2's reduce-scatter buffers.",
+        "- **On CPU only**, bitsandbytes' fallback update dequantizes the state of the "
+        "parameter it updates to fp32 (about 5 fp32 copies of it), in either mode; "
+        "for the 1B model's 525 MB embedding that is the largest temporary.",
+    ]
     lines += ["", "## Breakdown at each peak (GiB per rank, estimated)", ""]
     cats = (
         "parameters",
@@ -398,13 +443,17 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             "## Checks against measured runs (CPU, peak RSS per process)",
             "",
-            "Each measured run is the recipe itself on this machine's CPU: random "
-            "weights, the test tokenizer, full-length samples; peak RSS of the training "
-            "steps (reset when the epoch starts, read before the epoch-end save). The "
-            "estimate is run with the same config and overrides. RSS also holds what "
-            "the estimate does not count (the interpreter and libraries, the tokenizer "
-            "and data, freed memory glibc keeps): the constant below, measured minus "
-            "estimated.",
+            "Each measured run is the recipe itself (`tune run`'s recipe file) on this "
+            "machine's CPU: random weights, the test tokenizer, full-length samples, "
+            "2 or 3 steps; the peak RSS of the training steps of each process (reset "
+            "when the epoch starts, read before the epoch-end save), with glibc's mmap "
+            "threshold fixed at 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`) so that freed "
+            "tensors leave RSS. The estimate is run with the same config and overrides "
+            "(`device=cpu`: bitsandbytes' CPU update, which dequantizes each "
+            "parameter's state to fp32, is what runs there). RSS also holds what the "
+            "estimate does not count (the interpreter and torch's libraries, the "
+            "tokenizer and data, the allocator's own overhead): the constant below, "
+            "measured minus estimated, the same in both modes.",
             "",
             "| check | mode | measured peak RSS (GB) | estimated peak (GB) | "
             "measured - estimated (GB) |",
@@ -433,8 +482,8 @@ def markdown(results: dict[str, Any]) -> str:
             )
             saving, grads = est["saving"], est["gradient_bytes"]
             lines.append(
-                f"| {name} | {meas / GB:.2f} | {saving / GB:.2f} "
-                f"| {(saving - meas) / meas:+.0%} | {grads / GB:.2f} "
+                f"| {name} | {meas / GB:.3f} | {saving / GB:.3f} "
+                f"| {_error(saving, meas, grads)} | {grads / GB:.2f} "
                 f"| {meas / grads:.0%} | {saving / grads:.0%} |"
             )
         for name, check in checks.items():

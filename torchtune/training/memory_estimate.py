@@ -282,6 +282,9 @@ class Estimate:
     param_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
+    #: bitsandbytes' paged state (CUDA managed memory, which
+    #: ``torch.cuda.max_memory_allocated`` does not count), included in the peaks.
+    paged_state_bytes: int
     plain: ModeEstimate
     in_backward: ModeEstimate
     notes: list[str] = field(default_factory=list)
@@ -333,6 +336,14 @@ def format_report(est: Estimate) -> str:
         f"{'on' if est.activation_checkpointing else 'off'}; clip_grad_norm "
         f"{est.clip_grad_norm}; optimizer {est.optimizer}",
         f"  optimizer state: {est.optimizer_note}",
+        *(
+            [
+                f"  of which paged (in every peak below): {_gib(est.paged_state_bytes)}"
+                "; torch.cuda.max_memory_allocated does not count it"
+            ]
+            if est.paged_state_bytes
+            else []
+        ),
         "",
         f"  {'':24}{'plain':>12}{'in-backward':>14}",
     ]
@@ -658,7 +669,8 @@ class _Estimator:
             "all-gather in backward": "unsharded parameters",
         }
         tied = dict(setup.tied_bytes)
-        for nbytes, tag, detail in live.values():
+        # Largest first: a parameter's whole gradient sum before its shard's size.
+        for nbytes, tag, detail in sorted(live.values(), key=lambda v: -v[0]):
             cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
             by_cat[cat] += nbytes
             if not in_backward:
@@ -995,6 +1007,16 @@ def estimate(
         s.nbytes() for s in {id(s): s for t in state for s in _storages(t)}.values()
     )
     cls = setup.optimizer.__class__
+    paged = 0
+    if getattr(setup.optimizer, "is_paged", False):
+        # bitsandbytes pages the moments of parameters of 1e5 elements or more.
+        for p, s in setup.optimizer.state.items():
+            if _local(p).numel() >= 1e5:
+                paged += sum(
+                    s[k].untyped_storage().nbytes()
+                    for k in ("state1", "state2")
+                    if isinstance(s.get(k), torch.Tensor)
+                )
     notes = list(est_notes)
     if int(cfg.get("gradient_accumulation_steps", 1)) > 1:
         notes.append(
@@ -1022,6 +1044,7 @@ def estimate(
         param_bytes=sum(_local_bytes(p) for p in params),
         gradient_bytes=sum(_local_bytes(p) for p in trainable),
         optimizer_state_bytes=state_bytes,
+        paged_state_bytes=paged,
         plain=results[False],
         in_backward=results[True],
         notes=notes,
