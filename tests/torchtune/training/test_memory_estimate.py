@@ -128,13 +128,15 @@ def estimates() -> dict:
         "adamw": tiny_config(),
         "adamw8bit": tiny_config("bitsandbytes.optim.AdamW8bit"),
         "activations": tiny_config(checkpointing=False, vocab_size=512),
+        # In-backward clipping runs backward twice over a retained graph.
+        "clipped": OmegaConf.merge(tiny_config(), {"clip_grad_norm": 1.0}),
     }.items():
         out[name] = (cfg, me.estimate(cfg, recipe=RECIPE, seq_len=SEQ_LEN))
     return out
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "in_bwd"])
-@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "activations"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "activations", "clipped"])
 def test_estimated_peak_is_the_real_steps_peak(estimates, name, in_backward):
     cfg, est = estimates[name]
     mode = est.in_backward if in_backward else est.plain
