@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 import weakref
@@ -1093,8 +1092,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("TORCHTUNE_QUIET", "1")
-    sys.exit(main())
-
 __all__ = ["Estimate", "ModeEstimate", "Peak", "estimate", "fits", "format_report"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
