@@ -1,0 +1,531 @@
+"""The memory estimate (``python -m torchtune.training.memory_estimate``) for the
+shipped in-backward configs at real size, and its checks against measured runs.
+
+Subcommands (from the repository root; each adds its part to
+``benchmarks/results/memory_estimate.json`` and rewrites the ``.md``)::
+
+    python benchmarks/memory_estimate.py table     # estimates, per rank
+    python benchmarks/memory_estimate.py check-1b  # shipped 1B on CPU, peak RSS
+    python benchmarks/memory_estimate.py check-fsdp  # 2 CPU processes, FSDP2, gloo
+    python benchmarks/memory_estimate.py report    # the .md from the .json
+
+A measured run is the recipe itself (``tune run``'s recipe file, run with
+``runpy``; ``torchrun`` for 2 processes) on randomly initialized weights, the tiny
+tokenizer of ``tests/assets`` and full-length samples (``scripts/measure_shipped_in_bwd.py``
+makes them). Each process reports its peak resident set size over the training
+steps: reset (``/proc/self/clear_refs``) when the first epoch starts and read before
+the epoch-end checkpoint is written, so saving is not counted. The estimate is run
+with the same config and overrides (``device=cpu``: bitsandbytes' CPU update,
+which dequantizes to fp32, is what runs there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+GB = 10**9
+GIB = 2**30
+
+#: Shipped configs with ``optimizer_in_bwd: True`` (``tune ls``; Llama 3.x) as
+#: shipped, and with 512-token samples; the distributed configs the table flips it
+#: on for, over 8 ranks: (config, ranks, overrides).
+TABLE = [
+    ("llama3_2/1B_full_single_device", 1, []),
+    ("llama3_2/1B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_2/3B_full_single_device", 1, []),
+    ("llama3_2/3B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_1/8B_full_single_device", 1, []),
+    ("llama3_1/8B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
+    ("llama3_1/8B_full", 8, ["optimizer_in_bwd=True"]),
+    ("llama3_3/70B_full", 8, ["optimizer_in_bwd=True", "fsdp_cpu_offload=False"]),
+]
+
+
+#: The model of the 2-process check: a Llama 3.2 of 265M parameters.
+FSDP_MODEL = {
+    "_component_": "torchtune.models.llama3_2.llama3_2",
+    "vocab_size": 32000,
+    "num_layers": 16,
+    "num_heads": 16,
+    "num_kv_heads": 4,
+    "embed_dim": 1024,
+    "intermediate_dim": 4096,
+    "max_seq_len": 2048,
+}
+
+
+def _shipped_helpers() -> Any:
+    """``scripts/measure_shipped_in_bwd.py``: its data, checkpoint and overrides."""
+    path = REPO_ROOT / "scripts" / "measure_shipped_in_bwd.py"
+    spec = importlib.util.spec_from_file_location("measure_shipped_in_bwd", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO_ROOT))
+    spec.loader.exec_module(module)
+    return module
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def run_recipe(recipe: str, out: Path, argv: list[str]) -> None:
+    """Run ``recipe`` in this process as ``tune run`` does, recording the peak RSS
+    of its training steps to ``out`` (``out.rank{RANK}.json`` per process)."""
+    from torchtune import training
+    from torchtune._recipe_registry import get_all_recipes
+
+    record: dict[str, Any] = {}
+    epoch_batches = training.epoch_batches
+    save = training.CheckpointManager.save
+
+    def start_epoch(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        record["rss_at_start"] = _vm("VmRSS")
+        record["start"] = time.time()
+        return epoch_batches(*args, **kwargs)
+
+    def save_and_record(self: Any, *args: Any, epoch_end: bool = False, **kw: Any):
+        record["peak_rss"] = _vm("VmHWM")
+        if epoch_end:
+            record["train_s"] = time.time() - record["start"]
+            rank = os.environ.get("RANK", "0")
+            Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))
+        return save(self, *args, epoch_end=epoch_end, **kw)
+
+    training.epoch_batches = start_epoch
+    training.CheckpointManager.save = save_and_record
+    (entry,) = [r for r in get_all_recipes() if r.name == recipe]
+    root = Path(training.__file__).parents[2]
+    path = root / "recipes" / entry.file_path
+    sys.argv = [str(path), *argv]
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def measure(
+    recipe: str, config: str, overrides: list[str], nproc: int, work: Path
+) -> dict[str, Any]:
+    """Peak RSS per process of a measured run, in a fresh process (or torchrun)."""
+    from torchtune.training.memory_estimate import _config_path
+
+    out = work / f"rss_{int(time.time() * 1000)}"
+    path = _config_path(config)[0]
+    args = ["run-recipe", recipe, str(out), "--", "--config", str(path), *overrides]
+    script = str(Path(__file__).resolve())
+    if nproc > 1:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            script,
+            *args,
+        ]
+    else:
+        command = [sys.executable, script, *args]
+    start = time.perf_counter()
+    # A fixed mmap threshold: glibc maps every allocation of 64 KiB or more on its
+    # own and unmaps it when freed, so that RSS follows the tensors alive (with the
+    # default, growing threshold it keeps freed blocks of up to 32 MiB).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"measured run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nproc)]
+    return {
+        "ranks": ranks,
+        "peak_rss": max(r["peak_rss"] for r in ranks),
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def run_estimate(
+    config: str, overrides: list[str], nproc: int = 1, recipe: str | None = None
+) -> dict[str, Any]:
+    """The estimate, in a fresh process, as a user runs it."""
+    out = Path(f"/tmp/memory_estimate_{os.getpid()}_{time.time_ns()}.json")
+    command = [
+        sys.executable,
+        "-m",
+        "torchtune.training.memory_estimate",
+        "--config",
+        config,
+        "--nproc",
+        str(nproc),
+        "--json",
+        str(out),
+        *(["--recipe", recipe] if recipe else []),
+        *overrides,
+    ]
+    start = time.perf_counter()
+    with open(f"{out}.log", "w+") as log:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)
+        log.seek(0)
+        output = log.read()
+    os.unlink(f"{out}.log")
+    if status != 0:
+        raise RuntimeError(f"estimate failed:\n{output[-5000:]}")
+    est = json.loads(out.read_text())
+    out.unlink()
+    est["wall_s"] = time.perf_counter() - start
+    est["report"] = output[output.find("ESTIMATED") :]
+    # The estimate's own peak RSS: it allocates nothing model-sized.
+    est["estimator_peak_rss"] = usage.ru_maxrss * 1024
+    return est
+
+
+def _load() -> dict[str, Any]:
+    path = RESULTS / "memory_estimate.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(results: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory_estimate.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / "memory_estimate.md").write_text(markdown(results))
+
+
+def table(args: argparse.Namespace) -> None:
+    import torch
+
+    results = _load()
+    rows = results.setdefault("table", {})
+    for config, nproc, overrides in TABLE:
+        est = run_estimate(config, overrides, nproc)
+        est["overrides"] = overrides
+        rows[" ".join([config, *overrides])] = est
+        print(est["report"], f"\n({est['wall_s']:.0f} s)\n", flush=True)
+    results["torch"] = torch.__version__
+    _save(results)
+
+
+def _check(
+    name: str,
+    recipe: str,
+    config: str,
+    overrides: list[str],
+    nproc: int,
+    work: Path,
+) -> None:
+    results = _load()
+    check: dict[str, Any] = {
+        "config": config,
+        "recipe": recipe,
+        "nproc": nproc,
+        "overrides": [o for o in overrides if "/tmp" not in o and "/work" not in o],
+    }
+    for mode, flag in (("plain", False), ("in_backward", True)):
+        run = measure(
+            recipe, config, [*overrides, f"optimizer_in_bwd={flag}"], nproc, work
+        )
+        check[f"measured_{mode}"] = run
+        print(name, mode, f"peak RSS {run['peak_rss'] / GB:.2f} GB", flush=True)
+    est = run_estimate(config, overrides, nproc, recipe)
+    check["estimate"] = est
+    print(est["report"], flush=True)
+    results.setdefault("checks", {})[name] = check
+    _save(results)
+
+
+def check_1b(args: argparse.Namespace) -> None:
+    helpers = _shipped_helpers()
+    from tests.assets.make_assets import DEFAULT_OUT, ensure_assets
+
+    work = Path(args.work_dir) / "check_1b"
+    work.mkdir(parents=True, exist_ok=True)
+    assets = ensure_assets(DEFAULT_OUT)
+    ns = argparse.Namespace(
+        model="1b", seq_len=args.seq_len, device="cpu", steps=args.steps
+    )
+    data = work / "data.json"
+    helpers.write_data(
+        data, records=args.batch_size * (args.steps + 2), seq_len=args.seq_len
+    )
+    ckpt = work / "checkpoint"
+    if not (ckpt / helpers.CHECKPOINT_FILE).exists():
+        helpers.write_checkpoint(helpers.model_section("1b"), "cpu", ckpt)
+    overrides = [
+        *helpers.overrides(ns, assets, data, ckpt),
+        f"batch_size={args.batch_size}",
+        f"output_dir={work / 'out'}",
+        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={work / 'out' / 'logs'}",
+    ]
+    _check(
+        "llama3_2/1B_full_single_device",
+        "full_finetune_single_device",
+        helpers.CONFIG,
+        overrides,
+        1,
+        work,
+    )
+
+
+def check_fsdp(args: argparse.Namespace) -> None:
+    helpers = _shipped_helpers()
+    from tests.assets.make_assets import DEFAULT_OUT, ensure_assets
+
+    work = Path(args.work_dir) / "check_fsdp"
+    work.mkdir(parents=True, exist_ok=True)
+    assets = ensure_assets(DEFAULT_OUT)
+    ns = argparse.Namespace(
+        model="tiny", seq_len=args.seq_len, device="cpu", steps=args.steps
+    )
+    data = work / "data.json"
+    helpers.write_data(
+        data, records=2 * args.batch_size * (args.steps + 2), seq_len=args.seq_len
+    )
+    ckpt = work / "checkpoint"
+    if not (ckpt / helpers.CHECKPOINT_FILE).exists():
+        helpers.write_checkpoint(dict(FSDP_MODEL), "cpu", ckpt)
+    from tests.recipes.utils import format_override
+
+    overrides = [
+        o
+        for o in helpers.overrides(ns, assets, data, ckpt)
+        if not o.startswith("model.")
+    ]
+    overrides += [format_override(f"model.{k}", v) for k, v in FSDP_MODEL.items()]
+    overrides += [
+        f"batch_size={args.batch_size}",
+        "gradient_accumulation_steps=1",
+        "optimizer.fused=False",
+        f"dtype={args.dtype}",
+        f"enable_activation_checkpointing={args.ac}",
+        "checkpointer.model_type=LLAMA3_2",
+        f"output_dir={work / 'out'}",
+        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={work / 'out' / 'logs'}",
+    ]
+    ac = "AC" if args.ac else "no AC"
+    _check(
+        f"265M, 2 processes FSDP2, {args.dtype}, {ac}, {args.batch_size}x{args.seq_len}",
+        "full_finetune_distributed",
+        "llama3_2/1B_full",
+        overrides,
+        2,
+        work,
+    )
+
+
+def _error(estimated: float, measured: float, grads: float) -> str:
+    """The estimate's error, relative where something was saved."""
+    if abs(measured) < 0.05 * grads:
+        return f"{(estimated - measured) / GB * 1000:+.0f} MB (nothing saved)"
+    return f"{(estimated - measured) / measured:+.1%}"
+
+
+def _fmt(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "# Memory estimate: plain vs in-backward, per rank (estimated)",
+        "",
+        "`python -m torchtune.training.memory_estimate --config <config> [--nproc N] "
+        "[overrides]` on this project's CPU machine (no GPU), torch "
+        f"{results.get('torch', '?')}. All GPU figures are **estimated**: tensors the "
+        "step allocates, counted on fake tensors (`docs/source/memory_estimate.rst`); "
+        "not counted: CUDA context, NCCL buffers, kernel workspaces, the caching "
+        'allocator\'s fragmentation. "Fits" keeps 2 GiB + 10% of the peak free for '
+        "those. Samples are full length (worst case); `max_seq_len: null` in a "
+        "tokenizer means 2048 tokens here. GiB = 2^30 bytes, GB = 10^9.",
+        "",
+        "| config | ranks | batch x tokens | AC | optimizer | peak plain (GiB) | "
+        "peak in-backward (GiB) | saved (GiB) | saved / gradients | in-backward bound "
+        "(GiB) | what holds in-backward above the bound | fits plain | fits in-backward "
+        "| estimate took |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---|---:|",
+    ]
+    for config, est in results.get("table", {}).items():
+        held = est["in_backward"]["peak"]["held_gradients"]
+        why = "; ".join(f"{w} {b / GIB:.2f} GiB" for w, b, _ in held) or (
+            f"nothing (peak in {est['in_backward']['peak']['phase']})"
+        )
+        share = est["saving_share_of_gradients"]
+        lines.append(
+            f"| `{config}` | {est['nproc']} | {est['batch_size']} x {est['seq_len']} "
+            f"| {'on' if est['activation_checkpointing'] else 'off'} "
+            f"| {est['optimizer'].rsplit('.', 1)[-1]} "
+            f"| {_fmt(est['plain']['peak']['total'])} "
+            f"| {_fmt(est['in_backward']['peak']['total'])} "
+            f"| {_fmt(est['saving'])} | {share:.0%} "
+            f"| {_fmt(est['in_backward_bound'])} | {why} "
+            f"| {', '.join(map(str, est['fits']['plain'])) or 'none'} "
+            f"| {', '.join(map(str, est['fits']['in_backward'])) or 'none'} "
+            f"| {est['wall_s']:.0f} s |"
+        )
+    paged = [
+        f"`{config}` {est['paged_state_bytes'] / GIB:.2f} GiB"
+        for config, est in results.get("table", {}).items()
+        if est.get("paged_state_bytes")
+    ]
+    if paged:
+        lines += [
+            "",
+            "Paged optimizer state, counted in both peaks above: it lives in CUDA "
+            "managed memory, which `torch.cuda.max_memory_allocated` (the recipes' "
+            "`peak_memory_alloc`) does not count and the driver can move to host "
+            "memory: " + ", ".join(paged) + ".",
+        ]
+    lines += [
+        "",
+        "## Why in-backward saves less than the gradients' bytes",
+        "",
+        "- **The peak moves.** Plain training peaks at the end of backward or in the "
+        "optimizer step, with every gradient alive. In-backward frees those, and its "
+        "peak is elsewhere: at the start of backward (the logits' gradients and the "
+        "output projection's gradient) or in forward (the activations), where "
+        "gradients play no part. Where forward's peak is above backward's (long "
+        "samples without activation checkpointing, or the logits of a large "
+        "vocabulary), in-backward saves nothing: lower it with activation "
+        "checkpointing, a smaller batch or shorter samples.",
+        "- **Some gradients are sums that cannot be applied early.** A parameter "
+        "used more than once has its gradient summed by autograd over all its uses "
+        "before any update: the embedding tied to the output projection, from the "
+        "output projection's backward (the first) to the embedding's (the last); "
+        "the output projection, over the chunks of the chunked cross-entropy loss. "
+        "Under FSDP2 a unit's gradients are whole (unsharded) until its "
+        "reduce-scatter, so such a sum is the whole parameter's size on every rank.",
+        "- **Buckets and FSDP2 buffers**: gradients waiting in an unfinished bucket "
+        "(at most `optimizer_in_bwd_bucket_cap_mb`), FSDP2's reduce-scatter buffers.",
+        "- **On CPU only**, bitsandbytes' fallback update dequantizes the state of the "
+        "parameter it updates to fp32 (about 5 fp32 copies of it), in either mode; "
+        "for the 1B model's 525 MB embedding that is the largest temporary.",
+    ]
+    lines += ["", "## Breakdown at each peak (GiB per rank, estimated)", ""]
+    cats = (
+        "parameters",
+        "buffers",
+        "unsharded parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "temporaries",
+    )
+    lines.append("| config | mode | peak in | " + " | ".join(cats) + " |")
+    lines.append("|---|---|---|" + "---:|" * len(cats))
+    for config, est in results.get("table", {}).items():
+        for mode in ("plain", "in_backward"):
+            peak = est[mode]["peak"]
+            lines.append(
+                f"| `{config}` | {mode.replace('_', '-')} | {peak['phase']} | "
+                + " | ".join(_fmt(peak["by_category"].get(c, 0)) for c in cats)
+                + " |"
+            )
+    checks = results.get("checks", {})
+    if checks:
+        lines += [
+            "",
+            "## Checks against measured runs (CPU, peak RSS per process)",
+            "",
+            "Each measured run is the recipe itself (`tune run`'s recipe file) on this "
+            "machine's CPU: random weights, the test tokenizer, full-length samples, "
+            "2 or 3 steps; the peak RSS of the training steps of each process (reset "
+            "when the epoch starts, read before the epoch-end save), with glibc's mmap "
+            "threshold fixed at 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`) so that freed "
+            "tensors leave RSS. The estimate is run with the same config and overrides "
+            "(`device=cpu`: bitsandbytes' CPU update, which dequantizes each "
+            "parameter's state to fp32, is what runs there). RSS also holds what the "
+            "estimate does not count (the interpreter and torch's libraries, the "
+            "tokenizer and data, the allocator's own overhead): the constant below, "
+            "measured minus estimated, the same in both modes.",
+            "",
+            "| check | mode | measured peak RSS (GB) | estimated peak (GB) | "
+            "measured - estimated (GB) |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for name, check in checks.items():
+            est = check["estimate"]
+            for mode in ("plain", "in_backward"):
+                meas = check[f"measured_{mode}"]["peak_rss"]
+                e = est[mode]["peak"]["total"]
+                lines.append(
+                    f"| {name} | {mode.replace('_', '-')} | {meas / GB:.2f} "
+                    f"| {e / GB:.2f} | {(meas - e) / GB:+.2f} |"
+                )
+        lines += [
+            "",
+            "| check | measured saving (GB) | estimated saving (GB) | error | "
+            "gradients (GB) | measured / gradients | estimated / gradients |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, check in checks.items():
+            est = check["estimate"]
+            meas = (
+                check["measured_plain"]["peak_rss"]
+                - check["measured_in_backward"]["peak_rss"]
+            )
+            saving, grads = est["saving"], est["gradient_bytes"]
+            lines.append(
+                f"| {name} | {meas / GB:.3f} | {saving / GB:.3f} "
+                f"| {_error(saving, meas, grads)} | {grads / GB:.2f} "
+                f"| {meas / grads:.0%} | {saving / grads:.0%} |"
+            )
+        for name, check in checks.items():
+            lines += [
+                "",
+                f"`{name}`: `{check['recipe']}` `--config {check['config']}` over "
+                f"{check['nproc']} process(es), overrides besides the assets: "
+                + ", ".join(
+                    f"`{o}`"
+                    for o in check["overrides"]
+                    if not o.startswith(("tokenizer.path", "dataset.", "checkpointer."))
+                    and "metric_logger" not in o
+                ),
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run-recipe":
+        recipe, out, sep, *rest = argv[1:]
+        run_recipe(recipe, Path(out), rest)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("table", "check-1b", "check-fsdp", "report"))
+    parser.add_argument("--work-dir", default="/tmp/memory_estimate_checks")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--ac", action="store_true", help="activation checkpointing")
+    args = parser.parse_args(argv)
+    if args.what == "table":
+        table(args)
+    elif args.what == "check-1b":
+        check_1b(args)
+    elif args.what == "check-fsdp":
+        check_fsdp(args)
+    else:
+        _save(_load())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Tests for torchtune/training/memory_estimate.py: the estimate, made on fake
+tensors, against the same training step run on real CPU tensors.
+
+The real step's memory is read from the profiler's allocation events (every
+allocation and free of the CPU allocator, in order), independently of the
+estimate's own counting: the bytes alive when the step starts (parameters,
+buffers, optimizer state) plus the largest sum of the step's allocations and
+frees. The estimate runs the same recipe code on fake tensors, so the two must
+agree but for what real kernels allocate inside themselves (workspaces), which
+fake kernels do not: a few KiB per step at these sizes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.profiler import profile
+
+from torchtune.training import memory_estimate as me
+
+RECIPE = "full_finetune_single_device"
+SEQ_LEN = 16
+# Real kernels' own workspaces, which fake kernels do not allocate: measured at
+# under 8 KiB per step for these models (e.g. 1,548 B with AdamW); 1% of the step's
+# allocations or 64 KiB, whichever is larger, leaves room for other CPU kernels.
+RTOL, ATOL = 0.01, 64 * 1024
+
+
+def tiny_config(
+    optimizer: str = "torch.optim.AdamW", *, checkpointing: bool = True, **model
+) -> OmegaConf:
+    """A 2-layer Llama 3.2 (embedding tied to the output) whose parameters outweigh
+    its activations at ``SEQ_LEN`` tokens, so that the plain peak is the optimizer
+    step's and in-backward has something to save."""
+    section = {
+        "_component_": "torchtune.models.llama3_2.llama3_2",
+        "vocab_size": 4096,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 256,
+        "intermediate_dim": 512,
+        "max_seq_len": 256,
+    } | model
+    return OmegaConf.create(
+        {
+            "model": section,
+            "optimizer": {"_component_": optimizer, "lr": 1e-3},
+            "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+            "batch_size": 1,
+            "device": "cpu",
+            "dtype": "fp32",
+            "enable_activation_checkpointing": checkpointing,
+            "tokenizer": {"max_seq_len": SEQ_LEN},
+        }
+    )
+
+
+_MEASURED: dict = {}
+
+
+def measured(name: str, cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]:
+    """:func:`measure_real_step`, once per config and mode."""
+    key = (name, in_backward)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_real_step(cfg, in_backward)
+    return _MEASURED[key]
+
+
+def measure_real_step(cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]:
+    """The second training step of ``cfg`` on real tensors: bytes alive at its start,
+    its peak, and what the first step left (parameter, gradient and state bytes)."""
+    estimator = me._Estimator(
+        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), RECIPE, 1, SEQ_LEN
+    )
+    torch.manual_seed(0)
+    setup = estimator.build_real(in_backward)
+    params = list(setup.model.parameters())
+    grad_bytes = {}
+
+    def record(param: torch.Tensor) -> None:
+        # After an in-backward update the gradient is gone (and not counted).
+        if param.grad is not None:
+            grad_bytes[param] = param.grad.untyped_storage().nbytes()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(record)
+    estimator.step_real(setup, in_backward)  # creates the optimizer state
+    state = [
+        v
+        for s in setup.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    alive = {}
+    for t in [*params, *setup.model.buffers(), *state]:
+        for storage in me._storages(t):
+            alive[id(storage)] = storage.nbytes()
+    with profile(profile_memory=True) as prof:
+        estimator.step_real(setup, in_backward)
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    start = sum(alive.values())
+    parts = {
+        "parameters": sum(p.untyped_storage().nbytes() for p in params),
+        "gradients": sum(grad_bytes.values()),
+        "optimizer state": sum(
+            {id(s): s.nbytes() for t in state for s in me._storages(t)}.values()
+        ),
+    }
+    return start, start + peak, parts
+
+
+@pytest.fixture(scope="module")
+def estimates() -> dict:
+    """Estimates of the configs the tests measure, made once."""
+    out = {}
+    for name, cfg in {
+        "adamw": tiny_config(),
+        "adamw8bit": tiny_config("bitsandbytes.optim.AdamW8bit"),
+        "activations": tiny_config(checkpointing=False, vocab_size=512),
+        # In-backward clipping runs backward twice over a retained graph.
+        "clipped": OmegaConf.merge(tiny_config(), {"clip_grad_norm": 1.0}),
+    }.items():
+        out[name] = (cfg, me.estimate(cfg, recipe=RECIPE, seq_len=SEQ_LEN))
+    return out
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "in_bwd"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "activations", "clipped"])
+def test_estimated_peak_is_the_real_steps_peak(estimates, name, in_backward):
+    cfg, est = estimates[name]
+    mode = est.in_backward if in_backward else est.plain
+    start, peak, _ = measured(name, cfg, in_backward)
+    # What is alive before the step is counted by the same storages: exactly.
+    assert mode.step_start == start
+    torch.testing.assert_close(
+        mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
+    )
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit"])
+def test_estimated_saving_is_the_real_saving(estimates, name):
+    cfg, est = estimates[name]
+    plain = measured(name, cfg, False)[1]
+    in_bwd = measured(name, cfg, True)[1]
+    torch.testing.assert_close(est.saving, plain - in_bwd, rtol=RTOL, atol=2 * ATOL)
+    # The model is parameter-bound: in-backward saves at least a third of the
+    # gradients (the tied embedding's gradient sum, alive through backward, is
+    # about half of them).
+    assert est.saving > est.gradient_bytes / 3
+
+
+def test_breakdown_of_the_plain_peak_is_the_real_steps(estimates):
+    # The plain step peaks in the optimizer step: every parameter, every gradient
+    # and the whole state are alive, in the bytes the real step holds.
+    cfg, est = estimates["adamw"]
+    _, _, real = measured("adamw", cfg, False)
+    peak = est.plain.peak
+    assert peak.phase == "optimizer step"
+    for part in ("parameters", "gradients", "optimizer state"):
+        assert peak.by_category[part] == real[part], part
+    assert est.gradient_bytes == real["gradients"]
+    assert est.optimizer_state_bytes == real["optimizer state"]
+    # AdamW's state is two moments per parameter and a step count each.
+    assert real["optimizer state"] >= 2 * real["parameters"]
+
+
+def test_in_backward_peak_holds_at_most_one_bucket_of_gradients(estimates):
+    _, est = estimates["adamw"]
+    peak = est.in_backward.peak
+    # The tied embedding (4096 x 256 fp32, 4 MiB) is the largest parameter: no more
+    # than a 4 MiB bucket of gradients is alive at once.
+    assert peak.by_category["gradients"] <= 4 * 2**20
+    assert est.bound <= peak.total
+    assert sum(b for _, b, _ in peak.held_gradients) == peak.total - est.bound
+    report = me.format_report(est)
+    assert "in-backward saves" in report and "ESTIMATED" in report
+
+
+def test_bitsandbytes_state_is_its_documented_layout(estimates):
+    # uint8 per element and an fp32 absmax per block of 256 for each of the two
+    # moments; fp32 moments for parameters under 4096 elements (the norm scales).
+    _, est = estimates["adamw8bit"]
+    model = me._Estimator(
+        OmegaConf.merge(estimates["adamw8bit"][0], {"optimizer_in_bwd": False}),
+        RECIPE,
+        1,
+        SEQ_LEN,
+    ).build_real(False)
+    expected = 0
+    for p in model.model.parameters():
+        n = p.numel()
+        expected += 2 * 4 * n if n < 4096 else 2 * (n + 4 * -(-n // 256))
+    # Plus the two 256-entry fp32 quantization maps every 8-bit parameter's state
+    # names, one pair shared by all of them.
+    assert est.optimizer_state_bytes == expected + 2 * 256 * 4
+
+
+def test_distributed_estimate_is_per_rank(estimates):
+    cfg, single = estimates["adamw"]
+    est = me.estimate(cfg, recipe="full_finetune_distributed", nproc=2, seq_len=SEQ_LEN)
+    # Every dimension is even: each of 2 ranks holds half of every parameter.
+    assert est.param_bytes * 2 == single.param_bytes
+    assert est.gradient_bytes * 2 == single.gradient_bytes
+    # In-backward keeps a few scalars more (the gradient scale), nothing else.
+    assert est.in_backward.peak.total <= est.plain.peak.total + 64
+    assert est.plain.peak.by_category["parameters"] == est.param_bytes
+
+
+def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    OmegaConf.save(tiny_config(), path)
+    out = tmp_path / "estimate.json"
+    me.main(
+        [
+            "--config",
+            str(path),
+            "--recipe",
+            RECIPE,
+            "--json",
+            str(out),
+            "batch_size=2",
+            "optimizer_in_bwd_bucket_cap_mb=0",
+        ]
+    )
+    report = capsys.readouterr().out
+    assert "batch 2 x 16 tokens" in report
+    saved = json.loads(out.read_text())
+    assert saved["batch_size"] == 2 and saved["bucket_cap_mb"] == 0
+    assert (
+        saved["saving"]
+        == saved["plain"]["peak"]["total"] - (saved["in_backward"]["peak"]["total"])
+    )
+
+
+def test_refuses_a_recipe_it_does_not_reproduce():
+    with pytest.raises(ValueError, match="not one the estimate reproduces"):
+        me.estimate(tiny_config(), recipe="ppo_full_finetune_single_device")
+    with pytest.raises(ValueError, match="--nproc must be 1"):
+        me.estimate(tiny_config(), recipe=RECIPE, nproc=2)
+
+
+def test_fits_keeps_a_reserve_free():
+    # 20 GiB: 20 * 1.1 + 2 = 24 GiB = 25.8 GB: not in 24 GB, in 40 GB.
+    assert me.fits(20 * me.GIB) == [40, 48, 80]
+    assert me.fits(100 * me.GIB) == []
+
+
+def test_torchao_8bit_state_is_its_own_layout():
+    # torchao's AdamW8bit: for a parameter of 4096 elements or more (a multiple of
+    # its 256-element block), each moment is uint8 codes, an fp32 scale per block
+    # and its own 256-entry fp32 map; smaller ones get fp32 moments; each parameter
+    # has a 4-byte step count.
+    est = me.estimate(
+        tiny_config("torchao.optim.AdamW8bit"), recipe=RECIPE, seq_len=SEQ_LEN
+    )
+    setup = me._Estimator(
+        OmegaConf.merge(tiny_config(), {"optimizer_in_bwd": False}), RECIPE, 1, 1
+    ).build_real(False)
+    expected = 0
+    for p in setup.model.parameters():
+        n = p.numel()
+        quantized = n >= 4096 and n % 256 == 0
+        expected += 4 + 2 * ((n + 4 * n // 256 + 256 * 4) if quantized else 4 * n)
+    assert est.optimizer_state_bytes == expected
+
+
+def test_lora_trains_only_the_adapter():
+    cfg = tiny_config()
+    cfg.model = OmegaConf.merge(
+        cfg.model,
+        {
+            "_component_": "torchtune.models.llama3_2.lora_llama3_2",
+            "lora_attn_modules": ["q_proj", "v_proj"],
+            "lora_rank": 8,
+            "lora_alpha": 16,
+        },
+    )
+    est = me.estimate(cfg, recipe="lora_finetune_single_device", seq_len=SEQ_LEN)
+    # Rank-8 A and B for q and v (256 -> 256 and 256 -> 128) in each of 2 layers.
+    assert est.trainable_params == 2 * (8 * 256 + 256 * 8 + 8 * 256 + 128 * 8)
+    assert est.gradient_bytes == 4 * est.trainable_params
+    # AdamW's state: two fp32 moments and a step count per adapter parameter.
+    assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * 8

@@ -1,0 +1,1099 @@
+"""Peak memory per rank of a recipe's training step, plain and with
+``optimizer_in_bwd``, estimated on a CPU without allocating model-sized memory.
+
+Run it with the config and overrides you give ``tune run``::
+
+    python -m torchtune.training.memory_estimate --config llama3_1/8B_full --nproc 8
+    python -m torchtune.training.memory_estimate \\
+        --config llama3_2/1B_full_single_device batch_size=4
+
+How it works, what it leaves out, and its checks against measured runs:
+``docs/source/memory_estimate.rst``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GIB = 2**30
+
+#: Recipes the estimate reproduces, and whether each shards with FSDP2.
+RECIPES = {
+    "full_finetune_single_device": False,
+    "full_finetune_distributed": True,
+    "lora_finetune_single_device": False,
+    "lora_finetune_distributed": True,
+}
+
+#: What the bytes alive at a peak are, in the order the report lists them.
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "unsharded parameters",
+    "gradients",
+    "optimizer state",
+    "activations",
+    "temporaries",
+)
+
+#: GPU sizes (GB, 10**9 bytes) the report says a run fits in.
+GPU_SIZES_GB = (24, 40, 48, 80)
+
+#: What a GPU needs besides the tensors the estimate counts (CUDA context, NCCL
+#: buffers, kernel workspaces) and the caching allocator's fragmentation, as bytes
+#: kept free when saying whether a run fits: 2 GiB plus 10% of the peak.
+FIT_RESERVE_BYTES = 2 * GIB
+FIT_RESERVE_SHARE = 0.10
+
+
+# -- counting live storages --------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storages(t: Any) -> Iterator[torch.UntypedStorage]:
+    """The storages behind a tensor: a DTensor's local shard, a wrapper subclass's
+    inner tensors (e.g. torchao's quantized optimizer state), or its own."""
+    if not isinstance(t, torch.Tensor):
+        return
+    if isinstance(t, DTensor):
+        yield from _storages(t._local_tensor)
+        return
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.nn.Parameter:
+        try:
+            names, _ = flatten()
+        except Exception:  # a plain tensor or Parameter without inner tensors
+            names = None
+        if names is not None:
+            for name in names:
+                yield from _storages(getattr(t, name))
+            return
+    try:
+        yield t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # a wrapper without storage
+        return
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates until it is freed, each with
+    a tag saying what it is, and keeps what is alive at the largest peak.
+
+    A storage counts once however many views share it. Its tag is the phase it was
+    made in (``forward``; ``recompute``, an activation checkpoint's forward run again
+    in backward; ``backward``; ...) until :meth:`retag` names it (a gradient, the
+    optimizer state). What is alive at a peak is copied at the first free after it
+    (a local maximum); the copy reads no tensor, as a free can come in the middle of
+    a tensor's destruction.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id(storage) -> [bytes, tag, detail]
+        self.live: dict[int, list[Any]] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        self.at_peak: tuple[dict[int, tuple[int, str, Any]], str] = ({}, "")
+        self._pending = False
+        self.phase = "setup"
+
+    def _tag(self) -> str:
+        if self.phase == "backward" and torch.is_grad_enabled():
+            # Activation checkpointing recomputes a layer's forward in backward,
+            # with grad enabled.
+            return "recompute"
+        return self.phase
+
+    def track(self, tensor: Any, tag: str | None = None, detail: Any = None) -> None:
+        for storage in _storages(tensor):
+            key = id(storage)
+            if key in self.live:
+                continue
+            nbytes = storage.nbytes()
+            self.live[key] = [nbytes, tag or self._tag(), detail]
+            self._refs[key] = weakref.ref(storage, partial(self._freed, key))
+            self._add(nbytes)
+
+    def retag(self, tensor: Any, tag: str, detail: Any = None) -> None:
+        """Name what a live tensor is (tracking it if it is not yet)."""
+        for storage in _storages(tensor):
+            entry = self.live.get(id(storage))
+            if entry is None:
+                self.track(tensor, tag, detail)
+            else:
+                entry[1], entry[2] = tag, detail
+
+    def resized(self, tensor: torch.Tensor, tag: str) -> None:
+        """After a storage's ``resize_`` (FSDP2 frees and re-allocates its gathered
+        parameters so): count its new size."""
+        for storage in _storages(tensor):
+            entry = self.live.get(id(storage))
+            if entry is None:
+                self.track(tensor, tag)
+                continue
+            delta = storage.nbytes() - entry[0]
+            if delta < 0 and self._pending:
+                self._copy_peak()
+            entry[0], entry[1] = storage.nbytes(), tag
+            self._add(delta)
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self._pending = True
+
+    def _freed(self, key: int, _ref: Any) -> None:
+        if self._pending:
+            self._copy_peak()
+        nbytes = self.live.pop(key)[0]
+        self._refs.pop(key, None)
+        self.current -= nbytes
+
+    def _copy_peak(self) -> None:
+        self._pending = False
+        live = {k: (v[0], v[1], v[2]) for k, v in self.live.items()}
+        self.at_peak = (live, self.phase)
+
+    def finish(self) -> None:
+        if self._pending:
+            self._copy_peak()
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = self.current
+        self._copy_peak()
+
+    def _accumulates(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """The buffer autograd would sum a gradient into in place, if this op is
+        that sum. Autograd adds a gradient to the one already waiting for the same
+        input with ``add_`` when nothing else holds that buffer, but out of place
+        when a dispatch mode is active: counted as it is, every such sum would
+        count one gradient too many. Measured on real runs, the first sum of two
+        gradients is out of place (they are views of their producers' outputs)
+        and every later one is in place, into the previous sum: only a buffer an
+        earlier sum made counts as summed into in place."""
+        if (
+            func is not torch.ops.aten.add.Tensor
+            or kwargs
+            or self.phase != "backward"
+            or torch.is_grad_enabled()
+            or len(args) != 2
+        ):
+            return None
+        a, b = args
+        if not (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.is_contiguous()
+        ):
+            return None
+        entry = self.live.get(id(a.untyped_storage()))
+        if entry is None or entry[2] is not torch.ops.aten.add.Tensor:
+            return None
+        return entry
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        entry = self._accumulates(func, args, kwargs)
+        if entry is not None and entry[0]:
+            # Count the sum in the first buffer's bytes: it is freed right after.
+            if self._pending:
+                self._copy_peak()
+            self.current -= entry[0]
+            entry[0] = 0
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t, detail=func)
+        return out
+
+
+# -- the report --------------------------------------------------------------------
+
+
+@dataclass
+class Peak:
+    """What is alive at a peak, in bytes of this rank."""
+
+    total: int = 0
+    phase: str = ""
+    by_category: dict[str, int] = field(default_factory=dict)
+    #: Gradients alive at the peak that in-backward has not freed yet, each with
+    #: its bytes and the reason: (what, bytes, why).
+    held_gradients: list[tuple[str, int, str]] = field(default_factory=list)
+    #: The largest storages alive at the peak: (bytes, category, what made it).
+    largest: list[tuple[int, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class ModeEstimate:
+    """The estimate of one mode (plain or in-backward)."""
+
+    peak: Peak
+    #: Peak of the first step, which creates the optimizer state.
+    first_step_peak: int
+    #: Bytes alive when the reported step starts (parameters, buffers, state).
+    step_start: int
+    seconds: float
+
+
+@dataclass
+class Estimate:
+    """The estimate for a config, per rank."""
+
+    config: str
+    recipe: str
+    nproc: int
+    dtype: str
+    optimizer: str
+    optimizer_note: str
+    batch_size: int
+    seq_len: int
+    seq_len_note: str
+    activation_checkpointing: bool
+    clip_grad_norm: float | None
+    bucket_cap_mb: float | None
+    params: int
+    trainable_params: int
+    param_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    #: bitsandbytes' paged state (CUDA managed memory, which
+    #: ``torch.cuda.max_memory_allocated`` does not count), included in the peaks.
+    paged_state_bytes: int
+    plain: ModeEstimate
+    in_backward: ModeEstimate
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def saving(self) -> int:
+        return self.plain.peak.total - self.in_backward.peak.total
+
+    @property
+    def bound(self) -> int:
+        """The in-backward peak without the gradients it holds at that peak for the
+        reasons listed (never above the in-backward peak)."""
+        held = sum(b for _, b, _ in self.in_backward.peak.held_gradients)
+        return self.in_backward.peak.total - held
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["saving"] = self.saving
+        out["saving_share_of_gradients"] = (
+            self.saving / self.gradient_bytes if self.gradient_bytes else None
+        )
+        out["in_backward_bound"] = self.bound
+        out["fits"] = {
+            mode: fits(getattr(self, key).peak.total)
+            for mode, key in (("plain", "plain"), ("in_backward", "in_backward"))
+        }
+        return out
+
+
+def fits(peak: int) -> list[int]:
+    """The sizes in :data:`GPU_SIZES_GB` a peak fits in, with the reserve kept free."""
+    need = peak * (1 + FIT_RESERVE_SHARE) + FIT_RESERVE_BYTES
+    return [gb for gb in GPU_SIZES_GB if need <= gb * 10**9]
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_report(est: Estimate) -> str:
+    """The human-readable report of an estimate."""
+    ranks = f"per rank, {est.nproc} ranks (FSDP2)" if est.nproc > 1 else "one device"
+    lines = [
+        f"ESTIMATED peak memory of one training step, {ranks}: {est.config} "
+        f"({est.recipe})",
+        f"  {est.params / 1e9:.3f}B parameters ({est.trainable_params / 1e9:.3f}B "
+        f"trainable), {est.dtype}; batch {est.batch_size} x {est.seq_len} tokens "
+        f"({est.seq_len_note}); activation checkpointing "
+        f"{'on' if est.activation_checkpointing else 'off'}; clip_grad_norm "
+        f"{est.clip_grad_norm}; optimizer {est.optimizer}",
+        f"  optimizer state: {est.optimizer_note}",
+        *(
+            [
+                f"  of which paged (in every peak below): {_gib(est.paged_state_bytes)}"
+                "; torch.cuda.max_memory_allocated does not count it"
+            ]
+            if est.paged_state_bytes
+            else []
+        ),
+        "",
+        f"  {'':24}{'plain':>12}{'in-backward':>14}",
+    ]
+    plain, bwd = est.plain.peak, est.in_backward.peak
+    for cat in CATEGORIES:
+        a, b = plain.by_category.get(cat, 0), bwd.by_category.get(cat, 0)
+        if a or b:
+            lines.append(f"  {cat:24}{_gib(a):>12}{_gib(b):>14}")
+    lines += [
+        f"  {'peak':24}{_gib(plain.total):>12}{_gib(bwd.total):>14}",
+        f"  {'peak is in':24}{plain.phase:>12}{bwd.phase:>14}",
+        "",
+        f"  gradients of the trainable parameters: {_gib(est.gradient_bytes)}",
+        f"  in-backward saves {_gib(est.saving)} = "
+        f"{est.saving / max(est.gradient_bytes, 1):.0%} of the gradient bytes",
+        f"  in-backward lower bound at its peak: {_gib(est.bound)}, kept from it by:",
+    ]
+    if not bwd.held_gradients and bwd.phase in ("forward", "all-gather in forward"):
+        lines.append(
+            "    nothing: its peak is in forward, before any gradient exists; "
+            "in-backward cannot lower it (activation checkpointing, a smaller batch "
+            "or shorter samples can)"
+        )
+    elif not bwd.held_gradients:
+        lines.append("    nothing: no gradient waits at the in-backward peak")
+    for what, nbytes, why in bwd.held_gradients:
+        lines.append(f"    {_gib(nbytes)} {what}: {why}")
+    sizes = ", ".join(f"{gb} GB" for gb in GPU_SIZES_GB)
+    lines += [
+        "",
+        f"  fits ({sizes}; keeping 2 GiB + 10% free): plain "
+        f"{fits(plain.total) or 'none'}, in-backward {fits(bwd.total) or 'none'}",
+    ]
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+# -- building what the recipe builds, without memory --------------------------------
+
+
+def _bnb_patch(device_type: str) -> contextlib.AbstractContextManager:
+    """bitsandbytes' 8-bit optimizers build their state with their own ``init_state``
+    (the documented layout: uint8 per element plus an fp32 absmax per block of 256,
+    fp32 state for parameters under 4096 elements). Their update kernel is updated in
+    place on CUDA (nothing allocated); on CPU it is torch code that dequantizes the
+    state to fp32, which runs here on fake tensors as it would for real."""
+    try:
+        import bitsandbytes.functional as bnb_f
+    except ImportError:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if device_type == "cpu":
+        from bitsandbytes.backends.cpu import ops as cpu_ops
+
+        original = bnb_f.optimizer_update_8bit_blockwise
+
+        def cpu_update(*args: Any, **kwargs: Any) -> None:
+            cpu_ops._optimizer_update_8bit_blockwise_cpu(*args, **kwargs)
+
+        bnb_f.optimizer_update_8bit_blockwise = cpu_update
+        stack.callback(setattr, bnb_f, "optimizer_update_8bit_blockwise", original)
+    return stack
+
+
+@contextlib.contextmanager
+def _torchao_patch() -> Iterator[None]:
+    """torchao's low-bit Adam builds its state subclasses with its own code, on fake
+    tensors, once its quantization maps (computed from values, and cached) exist.
+    Its update, one compiled kernel per parameter that dequantizes, updates and
+    quantizes in registers, cannot run on fake tensors: it is skipped, and counted
+    as allocating nothing."""
+    try:
+        from torchao.optim import adam, subclass_4bit, subclass_8bit
+    except ImportError:
+        yield
+        return
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed()
+        module.get_qmap_unsigned()
+    original = adam.single_param_adam
+
+    def no_update(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    compile_fn = torch.compile
+
+    def compile_but_no_update(fn: Any = None, **kwargs: Any) -> Any:
+        # Nothing to compile in the skipped update.
+        return fn if fn is no_update else compile_fn(fn, **kwargs)
+
+    adam.single_param_adam = no_update
+    torch.compile = compile_but_no_update
+    try:
+        yield
+    finally:
+        adam.single_param_adam = original
+        torch.compile = compile_fn
+
+
+def _optimizer_note(optimizer_cls: Any) -> str:
+    module = getattr(optimizer_cls, "__module__", "")
+    name = getattr(optimizer_cls, "__name__", str(optimizer_cls))
+    if module.startswith("bitsandbytes"):
+        note = (
+            f"{name}'s own init_state on fake tensors (uint8 per element and an fp32 "
+            "absmax per block of 256; fp32 for parameters under 4096 elements); its "
+            "update kernel cannot run on fake tensors: on CUDA it is in place and "
+            "allocates nothing, on CPU its torch fallback is run"
+        )
+        if "Paged" in name:
+            note += (
+                "; paged state is in CUDA managed memory, counted here as resident "
+                "(the driver can evict it to host memory under pressure)"
+            )
+        return note
+    if module.startswith("torchao"):
+        return (
+            f"{name}'s own state subclasses on fake tensors (codes and a scale per "
+            "block); its compiled update cannot run on fake tensors and is counted "
+            "as allocating nothing (it works in registers)"
+        )
+    return f"{name}'s own step on fake tensors"
+
+
+@dataclass
+class _Setup:
+    """What a recipe builds for a training step."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: nn.Module
+    param_names: dict[torch.Tensor, str]
+    #: Gradient bytes (whole and this rank's shard) of each trainable parameter
+    #: used more than once in a step -> its name and why its sum is held.
+    tied_bytes: dict[int, tuple[str, str]]
+
+
+def _tied_parameters(model: nn.Module) -> dict[int, tuple[str, str]]:
+    """Trainable parameters used by more than one module (an embedding tied to the
+    output projection through ``TiedLinear``): gradient bytes (whole and this
+    rank's shard) -> name."""
+    names = {p: n for n, p in model.named_parameters()}
+    tied = {}
+    # ``TiedLinear`` is not a module: it is an attribute of the decoder.
+    tied_linears = [
+        v
+        for m in model.modules()
+        for v in vars(m).values()
+        if hasattr(v, "tied_module")
+    ]
+    for tied_linear in tied_linears:
+        tied_module = tied_linear.tied_module
+        if isinstance(tied_module, nn.Module) and tied_module.weight.requires_grad:
+            weight = tied_module.weight
+            name = (
+                f"{names[weight]} (tied to the output)",
+                "autograd sums a tied parameter's gradient from its first use's "
+                "backward (the output projection) to its last (the embedding) "
+                "before the parameter can be updated",
+            )
+            # Summed whole before FSDP2 reduce-scatters it, or as this rank's shard.
+            tied[weight.numel() * weight.element_size()] = name
+            tied[_local_bytes(weight)] = name
+    return tied
+
+
+class _Estimator:
+    """Builds a recipe's model, optimizer and loss under ``FakeTensorMode`` and runs
+    its training step while counting live bytes."""
+
+    def __init__(self, cfg: DictConfig, recipe: str, nproc: int, seq_len: int) -> None:
+        from torchtune.training.recipe_options import RecipeOptions
+
+        self.cfg = cfg
+        self.recipe = recipe
+        self.nproc = nproc
+        self.seq_len = seq_len
+        self.distributed = RECIPES[recipe]
+        self.is_lora = recipe.startswith("lora")
+        self.target_device = str(cfg.get("device", "cuda"))
+        # The options as the recipe reads them, on this machine's CPU: the fake
+        # tensors live on CPU whatever device the config names.
+        cpu_cfg = OmegaConf.merge(
+            cfg, {"device": "cpu", "enable_activation_offloading": False}
+        )
+        self.opts = RecipeOptions.from_config(cpu_cfg, distributed=self.distributed)
+        self.notes: list[str] = []
+        if cfg.get("enable_activation_offloading", False):
+            self.notes.append(
+                "enable_activation_offloading is not modeled: activations are counted "
+                "as if they stayed on the GPU (an upper bound)"
+            )
+        if cfg.get("fsdp_cpu_offload", False):
+            self.notes.append(
+                "fsdp_cpu_offload is not modeled: shards are counted on the GPU"
+            )
+        if self.opts.compile["model"] or self.opts.compile["loss"]:
+            self.notes.append(
+                "compile is not modeled: the eager step is counted (compiled "
+                "kernels usually need less activation memory)"
+            )
+
+    # -- the model ---------------------------------------------------------------
+
+    def _build_model(self, fake_mode: Any) -> nn.Module:
+        from torchtune import config, modules, training
+        from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+        opts = self.opts
+        with training.set_default_dtype(opts.dtype), torch.device("meta"):
+            model = config.instantiate(self.cfg.model)
+        if self.is_lora:
+            set_trainable_params(model, get_adapter_params(model))
+        if opts.enable_activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        elif self.distributed and opts.ac_mode is not None:
+            from torchtune.training.activations import (
+                apply_selective_activation_checkpointing,
+            )
+
+            apply_selective_activation_checkpointing(
+                model, opts.ac_mode, opts.ac_option
+            )
+        if self.distributed and self.nproc > 1:
+            from torchtune.training._distributed import (
+                get_shard_conditions,
+                shard_model,
+            )
+
+            shard_model(
+                model=model,
+                shard_conditions=[
+                    partial(
+                        get_shard_conditions,
+                        names_to_match=opts.custom_sharded_layers,
+                    )
+                ],
+                cpu_offload=False,
+                reshard_after_forward=opts.fsdp_reshard_after_forward,
+            )
+        with fake_mode or contextlib.nullcontext():
+            model.to_empty(device="cpu")
+        if fake_mode is None:
+            # A real model (to check the estimate against): a random init.
+            with torch.no_grad():
+                for param in model.parameters():
+                    _local(param).normal_(0.0, 0.02)
+        # RoPE buffers are computed from values (Llama 3.1's scaling branches on
+        # them), so outside fake mode, then turned into fake tensors.
+        for m in model.modules():
+            if hasattr(m, "rope_init"):
+                with training.set_default_dtype(opts.dtype), torch.device("cpu"):
+                    m.rope_init()
+                for name, buf in list(m.named_buffers(recurse=False)):
+                    if fake_mode is not None:
+                        m._buffers[name] = fake_mode.from_tensor(buf)
+        return model
+
+    def _build(
+        self, fake_mode: Any, in_backward: bool, tracker: _LiveStorages | None
+    ) -> _Setup:
+        from torchtune import config, training
+
+        model = self._build_model(fake_mode)
+        names = {p: n for n, p in model.named_parameters()}
+        setup = _Setup(model, None, None, names, _tied_parameters(model))
+        if tracker is not None:
+            self._tag_gradients(setup, tracker)
+        # Built outside fake mode: bitsandbytes computes its quantization maps from
+        # values when built; the state comes in the first step, on fake tensors.
+        optimizer = training.build_optimizer(
+            model.parameters(),
+            partial(config.instantiate, self.cfg.optimizer),
+            in_backward=in_backward,
+            bucket_cap_mb=self.opts.bucket_cap_mb,
+            max_norm=self.opts.clip_grad_norm,
+        )
+        loss_fn = config.instantiate(self.cfg.loss)
+        if hasattr(loss_fn, "num_output_chunks"):
+            model.set_num_output_chunks(loss_fn.num_output_chunks)
+            output = getattr(model, "output", None)
+            chunks = loss_fn.num_output_chunks
+            if isinstance(output, nn.Linear) and output.weight.requires_grad:
+                # The output projection runs once per chunk of the logits.
+                weight = output.weight
+                why = (
+                    f"the output projection runs on each of {chunks} chunks of the "
+                    "logits: autograd sums their gradients before any update"
+                )
+                for nbytes in (
+                    weight.numel() * weight.element_size(),
+                    _local_bytes(weight),
+                ):
+                    setup.tied_bytes.setdefault(nbytes, (names[weight], why))
+        setup.optimizer, setup.loss_fn = optimizer, loss_fn
+        return setup
+
+    # -- what is alive ------------------------------------------------------------
+
+    def _tag_gradients(self, setup: _Setup, tracker: _LiveStorages) -> None:
+        """Tag each gradient as it is assigned, before any optimizer hook uses it:
+        these hooks are registered before the optimizer registers its own."""
+
+        def tag(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                tracker.retag(param.grad, "gradients", param)
+
+        for param in setup.model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(tag)
+
+    def _peak(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> Peak:
+        live, phase = tracker.at_peak
+        peak = Peak(total=sum(v[0] for v in live.values()), phase=phase)
+        by_cat = dict.fromkeys(CATEGORIES, 0)
+        tags = {
+            "setup": "temporaries",
+            "forward": "activations",
+            "recompute": "activations",
+            "all-gather in forward": "unsharded parameters",
+            "all-gather in backward": "unsharded parameters",
+        }
+        tied = dict(setup.tied_bytes)
+        # Largest first: a parameter's whole gradient sum before its shard's size.
+        for nbytes, tag, detail in sorted(live.values(), key=lambda v: -v[0]):
+            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
+            by_cat[cat] += nbytes
+            if not in_backward:
+                continue
+            if cat == "gradients":
+                held = _why_held(
+                    setup.optimizer, detail, setup.param_names, nbytes, phase
+                )
+                if held is not None:
+                    peak.held_gradients.append(held)
+            elif tag == "backward" and nbytes in tied:
+                name, why = _pop_name(tied, nbytes)
+                peak.held_gradients.append((f"gradient sum of {name}", nbytes, why))
+            elif tag.startswith("reduce-scatter"):
+                peak.held_gradients.append(
+                    (
+                        "reduce-scatter buffer",
+                        nbytes,
+                        "FSDP2 flattens a unit's gradients to reduce-scatter them "
+                        "before any of them reaches the optimizer",
+                    )
+                )
+        peak.by_category = by_cat
+        biggest = sorted(live.values(), key=lambda v: -v[0])[:8]
+        for nbytes, tag, detail in biggest:
+            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
+            what = setup.param_names.get(detail) or str(detail or tag)
+            peak.largest.append((nbytes, cat, f"{tag}: {what}"))
+        return peak
+
+    # -- the step ------------------------------------------------------------------
+
+    def _batch(self) -> dict[str, torch.Tensor]:
+        bsz, seq = int(self.cfg.batch_size), self.seq_len
+        vocab = 2
+        return {
+            "tokens": torch.randint(0, vocab, (bsz, seq)),
+            "labels": torch.randint(0, vocab, (bsz, seq)),
+        }
+
+    def _step(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> None:
+        """One training step as the recipes take it (one batch per step)."""
+        import torch.distributed as dist
+
+        from torchtune import training
+
+        model, optimizer, loss_fn = setup.model, setup.optimizer, setup.loss_fn
+        ignore_index = loss_fn.ignore_index
+        batch = self._batch()
+        tracker.phase = "forward"
+        labels = batch.pop("labels")
+        num_tokens = (labels != ignore_index).sum()
+        logits = model(**batch)
+        labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+        if not isinstance(logits, list):
+            logits = logits.reshape(-1, logits.size(-1))
+            labels = labels.reshape(-1)
+        loss = loss_fn(logits, labels) * num_tokens
+        del logits
+        tracker.phase = "backward"
+        world = self.nproc if self.distributed else 1
+        if world > 1:
+            dist.all_reduce(num_tokens)
+        if in_backward:
+            optimizer.backward(loss, grad_scale=world / num_tokens)
+        else:
+            loss.backward()
+        del loss
+        tracker.phase = "optimizer step"
+        if not in_backward:
+            training.scale_and_clip_grads_(
+                model.parameters(), world / num_tokens, self.opts.clip_grad_norm
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker.phase = "between steps"
+
+    def run(self, in_backward: bool) -> tuple[ModeEstimate, _Setup]:
+        """Two training steps on fake tensors, counted; the second is reported."""
+        from torch._subclasses import FakeTensorMode
+
+        start = time.perf_counter()
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        tracker = _LiveStorages()
+        setup = self._build(fake_mode, in_backward, tracker)
+        device = "cpu" if self.target_device == "cpu" else "cuda"
+        patches = _bnb_patch(device), _torchao_patch(), _phase_patch(tracker)
+        with patches[0], patches[1], patches[2], fake_mode, tracker:
+            for t in setup.model.parameters():
+                tracker.track(t, "parameters")
+            for t in setup.model.buffers():
+                tracker.track(t, "buffers")
+            peaks = []
+            for _ in range(2):
+                step_start = tracker.current
+                tracker.reset_peak()
+                self._step(setup, tracker, in_backward)
+                tracker.finish()
+                peaks.append(tracker.peak)
+                # State made in this step is the optimizer's from now on.
+                for s in setup.optimizer.state.values():
+                    for v in s.values():
+                        if isinstance(v, torch.Tensor):
+                            tracker.retag(v, "optimizer state")
+            peak = self._peak(setup, tracker, in_backward)
+        seconds = time.perf_counter() - start
+        return ModeEstimate(peak, peaks[0], step_start, seconds), setup
+
+    def build_real(self, in_backward: bool) -> _Setup:
+        """What :meth:`run` builds, on real CPU tensors (randomly initialized), for
+        a measured run of a small config to check the estimate against."""
+        return self._build(None, in_backward, None)
+
+    def step_real(self, setup: _Setup, in_backward: bool) -> None:
+        """One training step of :meth:`build_real`'s setup, as :meth:`run` takes it."""
+        device = "cpu" if self.target_device == "cpu" else "cuda"
+        with _bnb_patch(device):
+            self._step(setup, _Phase(), in_backward)
+
+
+class _Phase:
+    """Where a step is, for a run that counts nothing."""
+
+    phase = ""
+
+
+def _pop_name(sizes: dict[int, Any], nbytes: int) -> Any:
+    """Take the name of ``nbytes`` out of ``sizes``, with its other sizes."""
+    name = sizes[nbytes]
+    for key in [k for k, v in sizes.items() if v == name]:
+        del sizes[key]
+    return name
+
+
+def _why_held(
+    optimizer: Any, param: Any, names: dict, nbytes: int, phase: str
+) -> tuple[str, int, str] | None:
+    """Why in-backward holds ``param``'s gradient at its peak; ``None`` when it is
+    the one being applied (no update can do without it)."""
+    name = names.get(param, "?")
+    bucket = getattr(optimizer, "_bucket_of", {}).get(param)
+    if bucket is None or phase == "update in backward" and not bucket.ready:
+        return None
+    waiting = len(bucket.params) - len(bucket.ready)
+    cap = getattr(optimizer, "_bucket_cap_bytes", 0) / 2**20
+    return (
+        f"gradient of {name}",
+        nbytes,
+        f"its bucket (optimizer_in_bwd_bucket_cap_mb={cap:g}) waits for {waiting} "
+        f"more of its {len(bucket.params)} parameters' gradients",
+    )
+
+
+@contextlib.contextmanager
+def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
+    """Count FSDP2's gathered parameters, which it allocates and frees by resizing
+    their storages (no op does); tag what FSDP2's all-gathers and reduce-scatters
+    and the in-backward updates allocate."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        tracker.resized(tensor, "unsharded parameters")
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        free(tensor)
+        tracker.resized(tensor, "unsharded parameters")
+
+    def tagged(method: Callable, phase: str) -> Callable:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = tracker.phase
+            if phase == "all-gather":
+                # In forward, or ahead of a unit's backward.
+                inner = (
+                    f"all-gather in {'forward' if 'forward' in outer else 'backward'}"
+                )
+            else:
+                inner = phase
+            tracker.phase = inner
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                tracker.phase = outer
+
+        return run
+
+    from torchtune.training.optimizer_in_backward import OptimizerInBackward
+
+    group_cls = _fsdp_param_group.FSDPParamGroup
+    patches = [
+        (
+            OptimizerInBackward,
+            "_update",
+            tagged(OptimizerInBackward._update, "update in backward"),
+        ),
+        (_fsdp_param, "alloc_storage", alloc_storage),
+        (_fsdp_param, "free_storage", free_storage),
+        (_fsdp_param_group, "alloc_storage", alloc_storage),
+        (group_cls, "post_backward", tagged(group_cls.post_backward, "reduce-scatter")),
+        (group_cls, "unshard", tagged(group_cls.unshard, "all-gather")),
+        (
+            group_cls,
+            "wait_for_unshard",
+            tagged(group_cls.wait_for_unshard, "all-gather"),
+        ),
+    ]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in originals:
+            setattr(obj, name, value)
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    t = _local(p)
+    return t.numel() * t.element_size()
+
+
+# -- the command line ----------------------------------------------------------------
+
+
+def _config_path(name: str) -> tuple[Path, str | None]:
+    """The YAML file of a config path or a shipped config name, and the recipe the
+    shipped config belongs to."""
+    from torchtune._recipe_registry import get_all_recipes
+
+    for recipe in get_all_recipes():
+        for cfg in recipe.configs:
+            if cfg.name == name:
+                root = Path(__import__("torchtune").__file__).parent.parent
+                return root / "recipes" / "configs" / cfg.file_path, recipe.name
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--config {name} is neither a file nor a shipped config (`tune ls` lists "
+            "them)"
+        )
+    return path, None
+
+
+def _seq_len(cfg: DictConfig, given: int | None) -> tuple[int, str]:
+    if given is not None:
+        return given, "--seq-len"
+    tok_len = (cfg.get("tokenizer", None) or {}).get("max_seq_len", None)
+    if tok_len is not None:
+        return int(tok_len), "tokenizer.max_seq_len; every sample assumed full length"
+    return 2048, (
+        "tokenizer.max_seq_len is null: 2048 assumed, set --seq-len for your data"
+    )
+
+
+@contextlib.contextmanager
+def _fake_process_group(nproc: int) -> Iterator[None]:
+    """A process group of ``nproc`` ranks in which this process is rank 0 and every
+    collective returns at once, with a CPU device mesh for FSDP2 over it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the estimate needs a process of its own, without a group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=nproc)
+    try:
+        init_device_mesh("cpu", (nproc,))
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate(
+    cfg: DictConfig,
+    *,
+    recipe: str,
+    nproc: int = 1,
+    seq_len: int | None = None,
+    config_name: str = "",
+) -> Estimate:
+    """Estimate the per-rank peak memory of ``recipe`` trained with ``cfg``, plain and
+    in-backward (``optimizer_in_bwd`` is set either way, whatever ``cfg`` says).
+
+    Args:
+        cfg (DictConfig): the recipe config, overrides applied.
+        recipe (str): one of :data:`RECIPES`.
+        nproc (int): ranks (FSDP2) for a distributed recipe. Default: ``1``
+        seq_len (int | None): tokens per sample; ``None``: the tokenizer's
+            ``max_seq_len``, or 2048 when that is null. Default: ``None``
+        config_name (str): how the report names the config. Default: ``""``
+
+    Returns:
+        Estimate: both modes' peaks and what they are made of.
+
+    Raises:
+        ValueError: for a recipe the estimate does not reproduce, or ``nproc > 1``
+            with a single-device recipe.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"recipe {recipe!r} is not one the estimate reproduces: {sorted(RECIPES)}"
+        )
+    if nproc > 1 and not RECIPES[recipe]:
+        raise ValueError(f"{recipe} runs on one device: --nproc must be 1")
+    length, length_note = _seq_len(cfg, seq_len)
+    from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
+
+    results = {}
+    setups = {}
+    group = _fake_process_group(nproc) if RECIPES[recipe] else contextlib.nullcontext()
+    est_notes: list[str] = []
+    with group:
+        for in_bwd in (False, True):
+            mode_cfg = OmegaConf.merge(
+                cfg, {"optimizer_in_bwd": in_bwd, "gradient_accumulation_steps": 1}
+            )
+            if not in_bwd:
+                mode_cfg.pop("optimizer_in_bwd_bucket_cap_mb", None)
+            estimator = _Estimator(mode_cfg, recipe, nproc, length)
+            results[in_bwd], setups[in_bwd] = estimator.run(in_bwd)
+            est_notes = estimator.notes
+    setup = setups[False]
+    params = list(setup.model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    state = [
+        v
+        for s in setup.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    state_bytes = sum(
+        s.nbytes() for s in {id(s): s for t in state for s in _storages(t)}.values()
+    )
+    cls = setup.optimizer.__class__
+    paged = 0
+    if getattr(setup.optimizer, "is_paged", False):
+        # bitsandbytes pages the moments of parameters of 1e5 elements or more.
+        for p, s in setup.optimizer.state.items():
+            if _local(p).numel() >= 1e5:
+                paged += sum(
+                    s[k].untyped_storage().nbytes()
+                    for k in ("state1", "state2")
+                    if isinstance(s.get(k), torch.Tensor)
+                )
+    notes = list(est_notes)
+    if int(cfg.get("gradient_accumulation_steps", 1)) > 1:
+        notes.append(
+            "gradient_accumulation_steps is set to 1 in both modes (in-backward "
+            "cannot accumulate; plain peaks the same for every batch of a step)"
+        )
+    bucket = cfg.get("optimizer_in_bwd_bucket_cap_mb", None)
+    return Estimate(
+        config=config_name,
+        recipe=recipe,
+        nproc=nproc,
+        dtype=str(cfg.get("dtype", "fp32")),
+        optimizer=f"{cls.__module__}.{cls.__name__}",
+        optimizer_note=_optimizer_note(cls),
+        batch_size=int(cfg.batch_size),
+        seq_len=length,
+        seq_len_note=length_note,
+        activation_checkpointing=bool(
+            cfg.get("enable_activation_checkpointing", False)
+        ),
+        clip_grad_norm=cfg.get("clip_grad_norm", None),
+        bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket is None else bucket,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in trainable),
+        param_bytes=sum(_local_bytes(p) for p in params),
+        gradient_bytes=sum(_local_bytes(p) for p in trainable),
+        optimizer_state_bytes=state_bytes,
+        paged_state_bytes=paged,
+        plain=results[False],
+        in_backward=results[True],
+        notes=notes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchtune.training.memory_estimate``: see the module docstring."""
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtune.training.memory_estimate",
+        description=(
+            "Estimate the per-rank peak memory of a training step, plain and with "
+            "optimizer_in_bwd, for a config and the overrides you give tune run. "
+            "Nothing model-sized is allocated."
+        ),
+    )
+    parser.add_argument("--config", required=True, help="shipped name or YAML path")
+    parser.add_argument(
+        "--recipe", help="recipe name; default: the one the shipped config is for"
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (FSDP2)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample")
+    parser.add_argument("--json", type=Path, help="also write the estimate here")
+    args, overrides = parser.parse_known_args(argv)
+    path, recipe = _config_path(args.config)
+    recipe = args.recipe or recipe
+    if recipe is None:
+        parser.error("--recipe is needed for a config file that is not shipped")
+    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
+        ["--config", str(path)]
+    )
+    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
+    est = estimate(
+        cfg,
+        recipe=recipe,
+        nproc=args.nproc,
+        seq_len=args.seq_len,
+        config_name=args.config,
+    )
+    print(format_report(est))
+    if args.json is not None:
+        args.json.write_text(json.dumps(est.to_dict(), indent=1))
+    return 0
+
+
+__all__ = ["Estimate", "ModeEstimate", "Peak", "estimate", "fits", "format_report"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
