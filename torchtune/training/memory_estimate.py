@@ -867,6 +867,8 @@ def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
             "_update",
             tagged(OptimizerInBackward._update, "update in backward"),
         ),
+        # Fake tensors have no values to check: every step is taken as finite.
+        (OptimizerInBackward, "_finite_on_every_rank", lambda self, value: True),
         (_fsdp_param, "alloc_storage", alloc_storage),
         (_fsdp_param, "free_storage", free_storage),
         (_fsdp_param_group, "alloc_storage", alloc_storage),
@@ -977,7 +979,7 @@ def estimate(
     if nproc > 1 and not RECIPES[recipe]:
         raise ValueError(f"{recipe} runs on one device: --nproc must be 1")
     length, length_note = _seq_len(cfg, seq_len)
-    from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
+    from torchtune.training.optimizer_in_backward import DEFAULT_BUCKET_CAP_MB
 
     results = {}
     setups = {}

@@ -469,10 +469,10 @@ class OptimizerInBackward(Optimizer):
             self._grad_norms[param] = norms + self._grad_norms.get(param, [])
         return norm, clip_coefficient(self.max_norm, norm)
 
-    def _finite_on_every_rank(self, loss: torch.Tensor) -> bool:
-        """Whether ``loss`` is finite on every rank: a sharded (DTensor) model's ranks
-        must all update, or none."""
-        finite = torch.isfinite(loss.detach()).to(torch.int32)
+    def _finite_on_every_rank(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` (a loss, a norm) is finite on every rank: a sharded
+        (DTensor) model's ranks must all update, or none."""
+        finite = torch.isfinite(value.detach()).to(torch.int32)
         sharded = any(isinstance(p, DTensor) for p in self._group_of)
         if sharded and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -618,7 +618,7 @@ class OptimizerInBackward(Optimizer):
                 norm, self._clip_coef = self._clip_coefficient(
                     lambda: loss.backward(retain_graph=True)
                 )
-                if not torch.isfinite(norm):  # the same global norm on every rank
+                if not self._finite_on_every_rank(norm):
                     return
                 if before_update_pass is not None:
                     before_update_pass()
