@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-from torchtune.training.checkpointing._checkpoint_manager import file_checksum
+from torchtune.training.checkpointing._step_format import (
+    file_checksum,
+)
 
 
 def _timed(fn, repeats: int) -> float:

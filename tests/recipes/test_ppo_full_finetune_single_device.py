@@ -72,7 +72,9 @@ from tests.recipes.utils import (
     tiny_config,
 )
 from torchtune import training
-from torchtune.training.checkpointing._checkpoint_manager import export_manifest
+from torchtune.training.checkpointing._step_format import (
+    export_manifest,
+)
 
 pytestmark = pytest.mark.integration_test
 

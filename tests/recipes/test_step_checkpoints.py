@@ -62,10 +62,12 @@ from tests.torchtune.distributed_launcher import (
     preloaded_context,
     start_child,
 )
-from torchtune.training.checkpointing._checkpoint_manager import (
+from torchtune.training.checkpointing._run_folder import (
+    read_run_file,
+)
+from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     export_manifest,
-    read_run_file,
     step_of,
     verify,
 )

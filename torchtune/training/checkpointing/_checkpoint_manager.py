@@ -1,44 +1,26 @@
 """Saving and resuming a run: :class:`CheckpointManager` and :class:`TrainingProgress`.
 
-A run's resumable state is a *step checkpoint*, the folder ``output_dir/step_{N}/``:
-
-- ``model_optimizer.pt`` (one process) or the sharded ``model_optimizer/`` folder of
-  ``torch.distributed.checkpoint`` (several): the trainable weights, buffers and the
-  optimizer state (frozen weights are the base checkpoint's, read first);
-- ``recipe_state.pt``: the progress, the optimizer class, and what shaped the run's
-  trajectory (the settings a resume must match);
-- ``rank_{r}.pt``: each process's dataloader position and RNG state;
-- ``manifest.json``, written last: the size and CRC-32 of every file, and the run id.
-
-It is written into ``.step_{N}.partial/`` and renamed once whole, and verified, every
-byte, before anything of it is loaded. The epoch exports (``epoch_{N}/``, the weights
-users take away, written by the configured checkpointer) get a manifest of their own,
-``.torchtune_manifest.json``, so a torn or damaged export is found and rewritten.
-
-``torchtune_run.json`` names the run ``output_dir`` holds, and ``torchtune_run.lock``
-the process training it. A finished run leaves what torchtune 0.6.1 left (its exports
-and logs) and small metadata: its step checkpoints are deleted once the final export
-is whole, unless ``checkpointer.keep_last_n_checkpoints`` asks to keep them. A new run,
-or a resume that branches, deletes the resumable state it must not continue (saying
-so, with its size, before it does), unless ``keep_previous_runs`` asks to move it into
-``previous_runs/``; exports stay until the run replaces them, as in 0.6.1.
+A run's resumable state is a *step checkpoint*, ``output_dir/step_{N}/``, written into
+``.step_{N}.partial/`` and renamed once whole, and verified, every byte, before
+anything of it is loaded (its files and their manifest: :mod:`._step_format`). After
+each epoch the configured checkpointer exports ``epoch_{N}/``, the weights users take
+away, with a manifest beside it, so that a torn export, or one another run wrote, is
+found and rewritten. The manager decides what a resume continues from, refuses one
+that would not continue the same run (the trajectory), and writes and prunes step
+checkpoints; the output folder's own rules (one live run, what earlier runs left) are
+:mod:`._run_folder`'s. A finished run leaves what torchtune 0.6.1 left, plus small
+metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpoints.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
-import pickle
-import re
 import shutil
-import socket
 import time
 import weakref
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +41,48 @@ from torchtune.training._distributed import (
     load_from_full_optimizer_state_dict,
 )
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.checkpointing._run_folder import (
+    _RESUMABLE,
+    _RUN_OUTPUTS,
+    PREVIOUS_RUNS,
+    RUN_FILE,
+    _check_lock,
+    _check_outside,
+    _finish_moves,
+    _release_lock,
+    _set_aside,
+    _take_lock,
+    _write_run_file,
+    check_writable,
+    read_run_file,
+)
+from torchtune.training.checkpointing._step_format import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    MODEL_OPTIMIZER_DCP,
+    MODEL_OPTIMIZER_FILE,
+    RECIPE_STATE,
+    CheckpointError,
+    _all_ranks,
+    _barrier,
+    _delete,
+    _fsync_dir,
+    _load,
+    _manifest_checksum,
+    _on_rank_zero,
+    _rank,
+    _read_json,
+    _save_file,
+    _sharded,
+    _size,
+    _step_dirs,
+    _warn,
+    _world_size,
+    export_manifest,
+    file_checksum,
+    step_of,
+    verify,
+)
 from torchtune.training.checkpointing._utils import (
     ADAPTER_CONFIG,
     ADAPTER_KEY,
@@ -72,11 +96,6 @@ from torchtune.training.optimizer_in_backward import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 2
-RECIPE_STATE, RUN_FILE = "recipe_state.pt", "torchtune_run.json"
-LOCK_FILE, PREVIOUS_RUNS = "torchtune_run.lock", "previous_runs"
-MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
 # The config values that decide what a resumed run computes from its checkpoint on:
 # its step count, data order, precision, clipping and learning rates (``epochs`` or
 # PPO's ``num_steps`` too, which set a schedule's length).
@@ -95,19 +114,8 @@ TRAJECTORY_KEYS = (
 # The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
 # smaller one): a reordered or edited dataset is caught unless every one of them stays.
 FINGERPRINT_SAMPLES = 4096
-# What a run leaves that a later run could mistake for its own, and of that, what a
-# resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
-_RUN_OUTPUTS = re.compile(
-    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|\.epoch_\d+\.manifest\.json"
-    r"|recipe_state|torchtune_run\.json"
-)
-_RESUMABLE = re.compile(r"step_\d+|\.step_\d+\.partial|dist_epoch_\d+|recipe_state")
 # The trainable parameters and the buffers: frozen weights are the base checkpoint's.
 _TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed, or an output folder that cannot be used."""
 
 
 @dataclass
@@ -132,340 +140,6 @@ class TrainingProgress:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.epochs_run = state_dict[EPOCHS_KEY]
         self.global_step = state_dict["global_step"]
-
-
-# -- processes and files -------------------------------------------------------------
-
-
-def _sharded() -> bool:
-    """A ``torch.distributed`` run, whose models are sharded (FSDP2), one process too."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _sharded() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _sharded() else 1
-
-
-def _barrier() -> None:
-    if _world_size() > 1:
-        dist.barrier()
-
-
-def _all_ranks(items: list[Any]) -> list[Any]:
-    """Every rank's ``items``, concatenated in rank order (call it on every rank)."""
-    if _world_size() == 1:
-        return items
-    parts: list[Any] = [None] * _world_size()
-    dist.all_gather_object(parts, items)
-    return [item for part in parts for item in part]
-
-
-def _on_rank_zero(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0, the others waiting; every rank gets its result, or raises
-    what it raised."""
-    outcome: list[Any] = [None, None]
-    try:
-        outcome[0] = fn() if _rank() == 0 else None
-    except Exception as e:  # re-raised on every rank below
-        outcome[1] = e
-    if _world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]
-
-
-def _warn(message: str) -> None:
-    utils.log_rank_zero(log, message, level=logging.WARNING)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _load(path: Path) -> Any:
-    """A step checkpoint file, which holds tensors and plain values only: anything
-    else is refused rather than unpickled, which could run code."""
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise CheckpointError(
-            f"{path} holds a pickled {found[1] if found else 'object'}, which loading "
-            "could run: refused (a step checkpoint holds tensors and plain values "
-            "only). Resume another one (checkpointer.recipe_checkpoint=step_N), or "
-            "resume_from_checkpoint=False."
-        ) from e
-
-
-def _size(paths: Sequence[Path]) -> str:
-    """The bytes of the files in ``paths`` (files or folders), for a message."""
-    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))]
-    total = sum(f.stat().st_size for f in files if f.is_file())
-    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
-
-
-def _delete(paths: Sequence[Path]) -> None:
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``{}`` if it is missing or unreadable."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def file_checksum(path: str | Path) -> str:
-    """The CRC-32 of a file, as 8 hex digits: it catches any changed byte and any
-    truncation (damage, not forgery). The file is read in place through ``mmap``."""
-    crc = 0
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size:  # an empty file cannot be mapped
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                crc = zlib.crc32(mapped)
-    return f"{crc:08x}"
-
-
-def export_manifest(folder: str | Path) -> Path:
-    """Where the manifest of the epoch export ``folder`` is: beside it, not in it, so
-    that uploading the folder (e.g. ``huggingface_hub.upload_folder``) or copying it
-    for inference takes the weights only."""
-    folder = Path(folder)
-    return folder.parent / f".{folder.name}.manifest.json"
-
-
-def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    """The CRC-32 of a manifest's own entries (all but ``manifest_crc32``): a changed
-    run id, step, version or file entry shows as damage."""
-    entries = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
-    return f"{zlib.crc32(json.dumps(entries, sort_keys=True).encode()):08x}"
-
-
-def _intact(manifest: Mapping[str, Any]) -> bool:
-    """Whether a manifest's entries are as written (one of an earlier build, which
-    has no checksum of its own, is taken as it is)."""
-    saved = manifest.get("manifest_crc32")
-    return saved is None or saved == _manifest_checksum(manifest)
-
-
-def verify(
-    folder: str | Path,
-    manifest: str | Path | None = None,
-    required: Sequence[str] = (),
-) -> dict[str, Any]:
-    """Check that every file of ``folder`` that its manifest lists (``manifest``,
-    default: ``folder/manifest.json``) is there with the size and CRC-32 it had when
-    written, the manifest itself too, and that it lists the ``required`` files;
-    call it on every rank of a distributed run, which share the reading.
-
-    Returns:
-        dict[str, Any]: the manifest.
-
-    Raises:
-        CheckpointError: if the manifest is missing (the save did not finish),
-            damaged or of another version, or a file is missing or damaged.
-    """
-    path = Path(manifest) if manifest else Path(folder) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(
-            f"{folder} is not whole: it has no {path.name}, written last"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-        version, files = manifest.get("version", 1), manifest["files"]
-        if not _intact(manifest):
-            raise ValueError("its entries changed since it was written")
-        if version not in (1, MANIFEST_VERSION):
-            raise ValueError(f"version {version!r} is no manifest version")
-        entries = files.values() if version == MANIFEST_VERSION else []
-        if any((type(e["size"]), type(e["crc32"])) != (int, str) for e in entries):
-            raise TypeError("its file list is not a manifest's")
-    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is damaged ({e})") from e
-    if version != MANIFEST_VERSION:
-        raise CheckpointError(
-            f"{path} is of manifest version {version}, which this build cannot verify: "
-            "resume with the build that wrote it, or resume_from_checkpoint=False."
-        )
-    problems = [f"{path} lists no {n}" for n in required if n not in files]
-    for n in sorted(files)[_rank() :: _world_size()]:
-        path, size = Path(folder) / n, files[n]["size"]
-        if not path.is_file():
-            problems.append(f"{path} is missing")
-        elif (actual := path.stat().st_size) != size:
-            problems.append(f"{path} is damaged: {actual} bytes, {size} when written")
-        elif file_checksum(path) != files[n]["crc32"]:
-            problems.append(f"{path} is damaged: its bytes changed since it was saved")
-    if problems := _all_ranks(problems):
-        raise CheckpointError("; ".join(problems))
-    return manifest
-
-
-def step_of(path: Path, kind: str = "step") -> int | None:
-    """``N`` of a folder named ``{kind}_{N}``, else ``None``."""
-    match = re.fullmatch(rf"{kind}_(\d+)", path.name)
-    return int(match.group(1)) if match else None
-
-
-def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
-    """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
-    those of that run (or of no recorded run)."""
-    steps = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None]
-    manifests = {p: _read_json(p / MANIFEST) for p in steps}
-    # A damaged manifest's run id cannot be trusted: verify() reports it.
-    own = [
-        p
-        for p, manifest in manifests.items()
-        if manifest.get("run_id") in (run_id, None) or not _intact(manifest)
-    ]
-    return sorted(own if run_id else steps, key=step_of, reverse=True)
-
-
-def read_run_file(folder: Path) -> str | None:
-    return _read_json(folder / RUN_FILE).get("run_id")
-
-
-def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
-    """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
-    (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
-    os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
-    return run_id
-
-
-def _set_aside(
-    entries: list[Path], label: str, reason: str, copies: Sequence[Path] = ()
-) -> None:
-    """Move ``entries`` (and copy ``copies``, which stay in use) into
-    ``previous_runs/{label}/`` of their folders, never into an earlier move's."""
-    for folder in sorted({e.parent for e in [*entries, *copies]}):
-        target, suffix = folder / PREVIOUS_RUNS / label, 1
-        while target.exists():
-            suffix += 1
-            target = folder / PREVIOUS_RUNS / f"{label}.{suffix}"
-        target.mkdir(parents=True)
-        moved = sorted(e.name for e in entries if e.parent == folder)
-        copied = sorted(e.name for e in copies if e.parent == folder)
-        for name in copied:
-            copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
-            copy(folder / name, target / name)
-        # What is left to move, for the next start to finish if this process dies.
-        journal = _move_journal(target)
-        journal.write_text(json.dumps({"target": target.name, "names": moved}))
-        for name in moved:
-            os.replace(folder / name, target / name)
-        _fsync_dir(folder)
-        journal.unlink()
-        also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
-        _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
-
-
-def _move_journal(target: Path) -> Path:
-    return target.parent / f".{target.name}.moving.json"
-
-
-def _finish_moves(folder: Path, first: bool) -> None:
-    """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
-    of what it was moving joins what it moved. Only the ``first`` process (rank 0,
-    which found no live run holding the folder) moves; the others wait for it, as
-    there is no process group yet to wait with."""
-    journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
-    if not first:
-        deadline = time.monotonic() + 120
-        while any(journal.exists() for journal in journals):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"{journals[0]} was not finished by rank 0 within 120 s: start "
-                    "again."
-                )
-            time.sleep(0.1)
-        return
-    for journal in journals:
-        move = _read_json(journal)
-        target = folder / PREVIOUS_RUNS / str(move.get("target"))
-        left = [n for n in move.get("names", []) if (folder / n).exists()]
-        for name in left:
-            os.replace(folder / name, target / name)
-        _fsync_dir(folder)
-        journal.unlink()
-        _warn(
-            f"Finished moving {', '.join(left) or 'nothing'} to {target}, a move an "
-            "earlier process stopped midway"
-        )
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # e.g. a name longer than the file system allows
-        return False
-
-
-def check_writable(key: str, path: str | Path) -> None:
-    """Refuse a folder this process cannot write: ``path``, or the nearest existing
-    folder above it, where it would be made.
-
-    Raises:
-        PermissionError: naming ``key`` and ``path``.
-        ValueError: if a folder name is longer than the file system allows.
-    """
-    path = existing = Path(path).absolute()
-    while not _exists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise PermissionError(
-            f"{key}={path} cannot be made: {existing} is a file, not a folder. Set "
-            f"{key} to a folder this run can write."
-        )
-    try:
-        name_max = os.pathconf(existing, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        name_max = 255
-    for part in path.relative_to(existing).parts:  # the folders it would make
-        if len(os.fsencode(part)) > name_max:
-            raise ValueError(
-                f"{key}={path} cannot be made: its folder name {part[:40]}... is "
-                f"{len(os.fsencode(part))} bytes, more than the {name_max} this file "
-                f"system allows. Set {key} to a folder with shorter names."
-            )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(
-            f"{key}={path} cannot be written: this process has no write permission "
-            f"in {existing}, so no checkpoint could be saved. Set {key} to a folder "
-            f"this run can write, or give it write permission (chmod u+w {existing})."
-        )
-
-
-def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
-    """Refuse an output folder equal to or inside the folder of a base checkpoint."""
-    base_path, out_path = base.resolve(), out.resolve()
-    if out_path == base_path or base_path in out_path.parents:
-        raise ValueError(
-            f"{out_key}={out} is inside {base_key}={base}: the run would write its "
-            "checkpoints and exports among the base model's files (and every epoch "
-            f"export copies that folder's files). Set {out_key} to a folder outside it."
-        )
 
 
 def _trajectory(cfg: DictConfig, length: str) -> dict[str, Any]:
@@ -525,96 +199,6 @@ def _described(steps: Sequence[Path]) -> str:
             f"{step.name} ({'mid-epoch' if epoch is None else f'end of epoch {epoch}'})"
         )
     return ", ".join(named) or "none"
-
-
-# -- the one-run lock ----------------------------------------------------------------
-
-# The locks this process holds, by lock file: a process runs one recipe at a time, so
-# a new run here takes over the lock of an earlier one (a test's, or one that raised).
-_HELD: dict[Path, _Lock] = {}
-
-
-@dataclass(eq=False)
-class _Lock:
-    """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
-    when the process ends, however it ends, so it is never stale."""
-
-    path: Path
-    fd: int
-
-
-def _owner_of(path: Path) -> str:
-    owner = _read_json(path)
-    if not owner:
-        return "a run whose lock file does not say which"
-    return (
-        f"process {owner.get('pid')} on host {owner.get('host')}, started "
-        f"{owner.get('started')}"
-    )
-
-
-def _in_use(folder: Path) -> CheckpointError:
-    return CheckpointError(
-        f"output_dir={folder} is in use by another run ({_owner_of(folder / LOCK_FILE)})"
-        ": two runs would overwrite each other's checkpoints. Wait for it to finish, "
-        "stop it, or use another output_dir."
-    )
-
-
-def _check_lock(folder: Path) -> None:
-    """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
-    atomically, later)."""
-    path = (folder / LOCK_FILE).absolute()
-    if path in _HELD or not path.is_file():
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(folder) from None
-    finally:
-        os.close(fd)  # which releases the shared lock
-
-
-def _take_lock(folder: Path) -> _Lock:
-    """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
-    live owner's lock is never taken over, whatever its file holds."""
-    path = (folder / LOCK_FILE).absolute()
-    if (earlier := _HELD.pop(path, None)) is not None:
-        lock = _Lock(path, earlier.fd)
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise _in_use(folder) from None
-            # The owner before us deletes the file as it releases it: a lock on a
-            # deleted file locks nothing, so try again on the one now there.
-            if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-            os.close(fd)
-        lock = _Lock(path, fd)
-        if path.stat().st_size:  # a run that held it ended without deleting it
-            _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
-    owner = {"pid": os.getpid(), "host": socket.gethostname()}
-    owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    os.ftruncate(lock.fd, 0)
-    os.pwrite(lock.fd, json.dumps(owner).encode(), 0)
-    _HELD[path] = lock
-    return lock
-
-
-def _release_lock(lock: _Lock) -> None:
-    """Delete the lock file and release the lock, unless a later run of this process
-    took it over."""
-    if _HELD.get(lock.path) is not lock:
-        return
-    del _HELD[lock.path]
-    lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
-    os.close(lock.fd)
 
 
 # -- what a checkpoint holds ---------------------------------------------------------
@@ -1501,14 +1085,8 @@ class CheckpointManager:
 
 
 __all__ = [
-    "CheckpointError",
+    "TRAJECTORY_KEYS",
     "CheckpointManager",
     "CheckpointOptions",
     "TrainingProgress",
-    "check_writable",
-    "export_manifest",
-    "file_checksum",
-    "read_run_file",
-    "step_of",
-    "verify",
 ]

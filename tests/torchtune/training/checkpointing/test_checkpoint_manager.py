@@ -1,6 +1,7 @@
-"""Tests for torchtune/training/checkpointing/_checkpoint_manager.py: saving a run and
-resuming it exactly, that no crash, damaged file or second run makes a checkpoint
-unusable or lost, and the refusals that keep a resume on the run's trajectory.
+"""Tests for torchtune/training/checkpointing/ (_checkpoint_manager.py, _run_folder.py,
+_step_format.py): saving a run and resuming it exactly, that no crash, damaged file or
+second run makes a checkpoint unusable or lost, and the refusals that keep a resume on
+the run's trajectory.
 
 Each test drives :class:`CheckpointManager` the way a recipe does (``from_config``,
 ``load_base_checkpoint``, ``load``, ``save`` after every optimizer step and
@@ -57,32 +58,36 @@ from torchtune import training
 from torchtune.config._utils import _get_component_from_path
 from torchtune.modules import peft
 from torchtune.training import OptimizerInBackward
-from torchtune.training.checkpointing import _checkpoint_manager as checkpoint_manager
+from torchtune.training.checkpointing import _run_folder as run_folder
 from torchtune.training.checkpointing._checkpoint_manager import (
     FINGERPRINT_SAMPLES,
-    LOCK_FILE,
-    MANIFEST,
-    MODEL_OPTIMIZER_FILE,
-    PREVIOUS_RUNS,
-    RECIPE_STATE,
-    RUN_FILE,
     TRAJECTORY_KEYS,
-    CheckpointError,
     CheckpointManager,
     TrainingProgress,
     _dataset_identity,
-    _manifest_checksum,
     _named_epoch,
-    _on_rank_zero,
+)
+from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.checkpointing._run_folder import (
+    LOCK_FILE,
+    PREVIOUS_RUNS,
+    RUN_FILE,
     _release_lock,
     _take_lock,
+    read_run_file,
+)
+from torchtune.training.checkpointing._step_format import (
+    MANIFEST,
+    MODEL_OPTIMIZER_FILE,
+    RECIPE_STATE,
+    CheckpointError,
+    _manifest_checksum,
+    _on_rank_zero,
     export_manifest,
     file_checksum,
-    read_run_file,
     step_of,
     verify,
 )
-from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
 
 BITWISE = {"rtol": 0, "atol": 0}
 EXPORT_FILE = "model-00001-of-00001.bin"
@@ -1631,7 +1636,7 @@ def test_the_lock_is_held_while_training_and_released_after_the_last_save(
     with pytest.raises(CheckpointError, match="in use by another run"):
         # Another process's view: it does not hold this process's lock.
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(checkpoint_manager, "_HELD", {})
+            m.setattr(run_folder, "_HELD", {})
             CheckpointManager.from_config(cfg)
     run.progress.epochs_run += 1
     run.manager.save(epoch_end=True)
@@ -2128,10 +2133,10 @@ def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
         moves.append(target)
         replace(source, target)
 
-    monkeypatch.setattr(checkpoint_manager.os, "replace", dies_after_one_move)
+    monkeypatch.setattr(run_folder.os, "replace", dies_after_one_move)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, stop_after=1)
-    monkeypatch.setattr(checkpoint_manager.os, "replace", replace)
+    monkeypatch.setattr(run_folder.os, "replace", replace)
     aside = out / PREVIOUS_RUNS / f"run_{earlier}"
     assert len(list(aside.iterdir())) == 1  # the rest is still in out
     with caplog.at_level(logging.WARNING):

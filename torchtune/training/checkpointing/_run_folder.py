@@ -1,0 +1,262 @@
+"""One run per ``output_dir``: its name, its lock, and what earlier runs left.
+
+``torchtune_run.json`` names the run the folder holds; ``torchtune_run.lock`` is held
+(an exclusive ``flock``, released by the kernel when the process dies) by the
+process training it. An earlier run's files are deleted or, when asked, moved into
+``previous_runs/``; a move records what it moves first, so that the next start
+finishes a move a killed process left midway.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtune.training.checkpointing._step_format import (
+    CheckpointError,
+    _fsync_dir,
+    _read_json,
+    _warn,
+)
+
+RUN_FILE, LOCK_FILE = "torchtune_run.json", "torchtune_run.lock"
+PREVIOUS_RUNS = "previous_runs"
+
+# What a run leaves that a later run could mistake for its own, and of that, what a
+# resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
+_RUN_OUTPUTS = re.compile(
+    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|\.epoch_\d+\.manifest\.json"
+    r"|recipe_state|torchtune_run\.json"
+)
+_RESUMABLE = re.compile(r"step_\d+|\.step_\d+\.partial|dist_epoch_\d+|recipe_state")
+
+
+def read_run_file(folder: Path) -> str | None:
+    return _read_json(folder / RUN_FILE).get("run_id")
+
+
+def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
+    """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
+    (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
+    os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
+    return run_id
+
+
+def _set_aside(
+    entries: list[Path], label: str, reason: str, copies: Sequence[Path] = ()
+) -> None:
+    """Move ``entries`` (and copy ``copies``, which stay in use) into
+    ``previous_runs/{label}/`` of their folders, never into an earlier move's."""
+    for folder in sorted({e.parent for e in [*entries, *copies]}):
+        target, suffix = folder / PREVIOUS_RUNS / label, 1
+        while target.exists():
+            suffix += 1
+            target = folder / PREVIOUS_RUNS / f"{label}.{suffix}"
+        target.mkdir(parents=True)
+        moved = sorted(e.name for e in entries if e.parent == folder)
+        copied = sorted(e.name for e in copies if e.parent == folder)
+        for name in copied:
+            copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
+            copy(folder / name, target / name)
+        # What is left to move, for the next start to finish if this process dies.
+        journal = _move_journal(target)
+        journal.write_text(json.dumps({"target": target.name, "names": moved}))
+        for name in moved:
+            os.replace(folder / name, target / name)
+        _fsync_dir(folder)
+        journal.unlink()
+        also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
+        _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
+
+
+def _move_journal(target: Path) -> Path:
+    return target.parent / f".{target.name}.moving.json"
+
+
+def _finish_moves(folder: Path, first: bool) -> None:
+    """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
+    of what it was moving joins what it moved. Only the ``first`` process (rank 0,
+    which found no live run holding the folder) moves; the others wait for it, as
+    there is no process group yet to wait with."""
+    journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
+    if not first:
+        deadline = time.monotonic() + 120
+        while any(journal.exists() for journal in journals):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"{journals[0]} was not finished by rank 0 within 120 s: start "
+                    "again."
+                )
+            time.sleep(0.1)
+        return
+    for journal in journals:
+        move = _read_json(journal)
+        target = folder / PREVIOUS_RUNS / str(move.get("target"))
+        left = [n for n in move.get("names", []) if (folder / n).exists()]
+        for name in left:
+            os.replace(folder / name, target / name)
+        _fsync_dir(folder)
+        journal.unlink()
+        _warn(
+            f"Finished moving {', '.join(left) or 'nothing'} to {target}, a move an "
+            "earlier process stopped midway"
+        )
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # e.g. a name longer than the file system allows
+        return False
+
+
+def check_writable(key: str, path: str | Path) -> None:
+    """Refuse a folder this process cannot write: ``path``, or the nearest existing
+    folder above it, where it would be made.
+
+    Raises:
+        PermissionError: naming ``key`` and ``path``.
+        ValueError: if a folder name is longer than the file system allows.
+    """
+    path = existing = Path(path).absolute()
+    while not _exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PermissionError(
+            f"{key}={path} cannot be made: {existing} is a file, not a folder. Set "
+            f"{key} to a folder this run can write."
+        )
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in path.relative_to(existing).parts:  # the folders it would make
+        if len(os.fsencode(part)) > name_max:
+            raise ValueError(
+                f"{key}={path} cannot be made: its folder name {part[:40]}... is "
+                f"{len(os.fsencode(part))} bytes, more than the {name_max} this file "
+                f"system allows. Set {key} to a folder with shorter names."
+            )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"{key}={path} cannot be written: this process has no write permission "
+            f"in {existing}, so no checkpoint could be saved. Set {key} to a folder "
+            f"this run can write, or give it write permission (chmod u+w {existing})."
+        )
+
+
+def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
+    """Refuse an output folder equal to or inside the folder of a base checkpoint."""
+    base_path, out_path = base.resolve(), out.resolve()
+    if out_path == base_path or base_path in out_path.parents:
+        raise ValueError(
+            f"{out_key}={out} is inside {base_key}={base}: the run would write its "
+            "checkpoints and exports among the base model's files (and every epoch "
+            f"export copies that folder's files). Set {out_key} to a folder outside it."
+        )
+
+
+# The locks this process holds, by lock file: a process runs one recipe at a time, so
+# a new run here takes over the lock of an earlier one (a test's, or one that raised).
+_HELD: dict[Path, _Lock] = {}
+
+
+@dataclass(eq=False)
+class _Lock:
+    """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
+    when the process ends, however it ends, so it is never stale."""
+
+    path: Path
+    fd: int
+
+
+def _owner_of(path: Path) -> str:
+    owner = _read_json(path)
+    if not owner:
+        return "a run whose lock file does not say which"
+    return (
+        f"process {owner.get('pid')} on host {owner.get('host')}, started "
+        f"{owner.get('started')}"
+    )
+
+
+def _in_use(folder: Path) -> CheckpointError:
+    return CheckpointError(
+        f"output_dir={folder} is in use by another run ({_owner_of(folder / LOCK_FILE)})"
+        ": two runs would overwrite each other's checkpoints. Wait for it to finish, "
+        "stop it, or use another output_dir."
+    )
+
+
+def _check_lock(folder: Path) -> None:
+    """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
+    atomically, later)."""
+    path = (folder / LOCK_FILE).absolute()
+    if path in _HELD or not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(folder) from None
+    finally:
+        os.close(fd)  # which releases the shared lock
+
+
+def _take_lock(folder: Path) -> _Lock:
+    """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
+    live owner's lock is never taken over, whatever its file holds."""
+    path = (folder / LOCK_FILE).absolute()
+    if (earlier := _HELD.pop(path, None)) is not None:
+        lock = _Lock(path, earlier.fd)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _in_use(folder) from None
+            # The owner before us deletes the file as it releases it: a lock on a
+            # deleted file locks nothing, so try again on the one now there.
+            if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        lock = _Lock(path, fd)
+        if path.stat().st_size:  # a run that held it ended without deleting it
+            _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
+    owner = {"pid": os.getpid(), "host": socket.gethostname()}
+    owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    os.ftruncate(lock.fd, 0)
+    os.pwrite(lock.fd, json.dumps(owner).encode(), 0)
+    _HELD[path] = lock
+    return lock
+
+
+def _release_lock(lock: _Lock) -> None:
+    """Delete the lock file and release the lock, unless a later run of this process
+    took it over."""
+    if _HELD.get(lock.path) is not lock:
+        return
+    del _HELD[lock.path]
+    lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
+    os.close(lock.fd)
+
+
+__all__ = [
+    "LOCK_FILE",
+    "PREVIOUS_RUNS",
+    "RUN_FILE",
+    "check_writable",
+    "read_run_file",
+]
