@@ -549,6 +549,7 @@ class CheckpointManager:
         *,
         steps_per_epoch: int,
         exporters: Mapping[str, Any] | None = None,
+        states: Mapping[str, Any] | None = None,
     ) -> None:
         """Hand over what the run saves and, resuming, put it back where it was.
 
@@ -572,6 +573,11 @@ class CheckpointManager:
             steps_per_epoch (int): the optimizer steps of an epoch.
             exporters (Mapping[str, Any] | None): the checkpointer that exports each
                 model of a mapping, where not the configured one. Default: ``None``
+            states (Mapping[str, Any] | None): anything else the run must resume
+                with (an EMA of the weights, a sampler of one's own), by name: each
+                with ``state_dict()`` and ``load_state_dict()``, saved per process
+                with every step checkpoint (tensors and plain values only) and
+                restored with the rest. Default: ``None``
 
         Raises:
             CheckpointError: if no checkpoint to resume is whole, it does not match
@@ -583,6 +589,7 @@ class CheckpointManager:
         self._models = dict(model) if self._named else {MODEL_KEY: model}
         self._optimizer, self._dataloader = optimizer, dataloader
         self._progress, self._steps_per_epoch = progress, steps_per_epoch
+        self._states = dict(states or {})
         exporters = {n: self._checkpointer for n in self._models} | (exporters or {})
         self._exporters = exporters
         self._export_roots = sorted({Path(e._output_dir) for e in exporters.values()})
@@ -799,6 +806,15 @@ class CheckpointManager:
         rank_state = _load(folder / rank_file)
         if rank_state[DATALOADER_KEY]:
             self._dataloader.load_state_dict(rank_state[DATALOADER_KEY])
+        saved = rank_state.get("states", {})
+        if missing := sorted(set(self._states) - set(saved)):
+            raise CheckpointError(
+                f"{folder} holds no state for {missing} (it holds {sorted(saved)}): it "
+                "was saved by a run that did not pass them to load(states=...). Resume "
+                "with the recipe that saved it, or resume_from_checkpoint=False."
+            )
+        for name, stateful in self._states.items():
+            stateful.load_state_dict(saved[name])
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
@@ -980,6 +996,7 @@ class CheckpointManager:
             rng["cuda"] = torch.cuda.get_rng_state()
         loader = self._dataloader.state_dict() if mid_epoch else None
         rank_state = {DATALOADER_KEY: loader, "rng": rng}
+        rank_state["states"] = {n: s.state_dict() for n, s in self._states.items()}
         _save_file(rank_state, partial / f"rank_{_rank()}.pt")
         if _rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}

@@ -220,6 +220,26 @@ class Run:
     progress: TrainingProgress
     resumed_at: int
     """``progress.global_step`` right after ``load``: where the run started."""
+    average: WeightAverage | None = None
+
+
+class WeightAverage:
+    """An exponential moving average of a model's weights: state of a recipe's own
+    that the manager saves and restores through ``load(states=...)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.average = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def update(self) -> None:
+        for name, value in self.model.state_dict().items():
+            self.average[name].mul_(0.9).add_(value, alpha=0.1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"average": self.average}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.average = {k: v.clone() for k, v in state_dict["average"].items()}
 
 
 def train(
@@ -230,6 +250,7 @@ def train(
     dataset: Dataset | None = None,
     build: Callable[[dict[str, Any]], nn.Module] = base_model,
     lr_lambda: Callable[[int], float] | None = None,
+    average: bool = False,
 ) -> Run:
     """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
@@ -243,8 +264,17 @@ def train(
     steps_per_epoch = len(loader) // cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = min(steps_per_epoch, cfg.get("max_steps_per_epoch") or 10**9)
     progress = TrainingProgress(total_epochs=cfg.epochs)
-    manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
+    states = {"average": WeightAverage(model)} if average else {}
+    manager.load(
+        model,
+        optimizer,
+        loader,
+        progress,
+        steps_per_epoch=steps_per_epoch,
+        states=states,
+    )
     run = Run(manager, model, optimizer, progress, progress.global_step)
+    run.average = states.get("average")
     scheduler = None
     if lr_lambda is not None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -259,6 +289,8 @@ def train(
         ):
             model(batch).square().mean().backward()
             optimizer.step()
+            if run.average is not None:
+                run.average.update()
             optimizer.zero_grad()
             if scheduler is not None:
                 scheduler.step()
@@ -2148,3 +2180,23 @@ def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
     assert sorted(p.name for p in (out / PREVIOUS_RUNS).iterdir()) == [aside.name]
     for name, data in a_files.items():
         assert data is None or (aside / name).read_bytes() == data, name
+
+
+def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
+    tmp_path: Path,
+) -> None:
+    # A weight average the library knows nothing of, handed to load(states=...):
+    # killed after step 7 (newest checkpoint: step_6), the resumed run ends with
+    # the uninterrupted run's average, bitwise.
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7, average=True)
+    run = resume(cfg, average=True)
+    assert run.resumed_at == 6
+    expected = train(make_config(tmp_path / "uninterrupted"), average=True)
+    torch.testing.assert_close(run.average.average, expected.average.average, **BITWISE)
+    assert_same_weights(run.model, expected.model)
+    # A checkpoint saved without it cannot restore it: refused, naming it.
+    plain = make_config(tmp_path / "plain")
+    train(plain, stop_after=7)
+    with pytest.raises(CheckpointError, match=r"holds no state for \['average'\]"):
+        resume(plain, average=True)
