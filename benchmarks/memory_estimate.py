@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torchtune.training.memory_estimate import CATEGORIES
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 GB = 10**9
@@ -262,23 +264,29 @@ def _check(
     _save(results)
 
 
-def check_1b(args: argparse.Namespace) -> None:
+def _prepare(
+    args: argparse.Namespace, name: str, model: str, processes: int
+) -> tuple[Any, Path, list[str]]:
+    """A measured check's folder, with its data (enough samples for every process's
+    steps) and randomly initialized checkpoint of ``model`` (``"1b"``, or
+    ``"tiny"`` for :data:`FSDP_MODEL`): the shipped-config helpers, the folder, and
+    the overrides that point the config at them and at a ``DiskLogger`` there."""
     helpers = _shipped_helpers()
     from tests.assets.make_assets import DEFAULT_OUT, ensure_assets
 
-    work = Path(args.work_dir) / "check_1b"
+    work = Path(args.work_dir) / name
     work.mkdir(parents=True, exist_ok=True)
     assets = ensure_assets(DEFAULT_OUT)
     ns = argparse.Namespace(
-        model="1b", seq_len=args.seq_len, device="cpu", steps=args.steps
+        model=model, seq_len=args.seq_len, device="cpu", steps=args.steps
     )
     data = work / "data.json"
-    helpers.write_data(
-        data, records=args.batch_size * (args.steps + 2), seq_len=args.seq_len
-    )
+    records = processes * args.batch_size * (args.steps + 2)
+    helpers.write_data(data, records=records, seq_len=args.seq_len)
     ckpt = work / "checkpoint"
     if not (ckpt / helpers.CHECKPOINT_FILE).exists():
-        helpers.write_checkpoint(helpers.model_section("1b"), "cpu", ckpt)
+        section = helpers.model_section("1b") if model == "1b" else dict(FSDP_MODEL)
+        helpers.write_checkpoint(section, "cpu", ckpt)
     overrides = [
         *helpers.overrides(ns, assets, data, ckpt),
         f"batch_size={args.batch_size}",
@@ -286,6 +294,11 @@ def check_1b(args: argparse.Namespace) -> None:
         "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
         f"metric_logger.log_dir={work / 'out' / 'logs'}",
     ]
+    return helpers, work, overrides
+
+
+def check_1b(args: argparse.Namespace) -> None:
+    helpers, work, overrides = _prepare(args, "check_1b", "1b", processes=1)
     _check(
         "llama3_2/1B_full_single_device",
         "full_finetune_single_device",
@@ -297,40 +310,18 @@ def check_1b(args: argparse.Namespace) -> None:
 
 
 def check_fsdp(args: argparse.Namespace) -> None:
-    helpers = _shipped_helpers()
-    from tests.assets.make_assets import DEFAULT_OUT, ensure_assets
-
-    work = Path(args.work_dir) / "check_fsdp"
-    work.mkdir(parents=True, exist_ok=True)
-    assets = ensure_assets(DEFAULT_OUT)
-    ns = argparse.Namespace(
-        model="tiny", seq_len=args.seq_len, device="cpu", steps=args.steps
-    )
-    data = work / "data.json"
-    helpers.write_data(
-        data, records=2 * args.batch_size * (args.steps + 2), seq_len=args.seq_len
-    )
-    ckpt = work / "checkpoint"
-    if not (ckpt / helpers.CHECKPOINT_FILE).exists():
-        helpers.write_checkpoint(dict(FSDP_MODEL), "cpu", ckpt)
+    _, work, prepared = _prepare(args, "check_fsdp", "tiny", processes=2)
     from tests.recipes.utils import format_override
 
-    overrides = [
-        o
-        for o in helpers.overrides(ns, assets, data, ckpt)
-        if not o.startswith("model.")
-    ]
+    # The 265M model instead of the helpers' own.
+    overrides = [o for o in prepared if not o.startswith("model.")]
     overrides += [format_override(f"model.{k}", v) for k, v in FSDP_MODEL.items()]
     overrides += [
-        f"batch_size={args.batch_size}",
         "gradient_accumulation_steps=1",
         "optimizer.fused=False",
         f"dtype={args.dtype}",
         f"enable_activation_checkpointing={args.ac}",
         "checkpointer.model_type=LLAMA3_2",
-        f"output_dir={work / 'out'}",
-        "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
-        f"metric_logger.log_dir={work / 'out' / 'logs'}",
     ]
     ac = "AC" if args.ac else "no AC"
     _check(
@@ -430,15 +421,7 @@ def markdown(results: dict[str, Any]) -> str:
         "for the 1B model's 525 MB embedding that is the largest temporary.",
     ]
     lines += ["", "## Breakdown at each peak (GiB per rank, estimated)", ""]
-    cats = (
-        "parameters",
-        "buffers",
-        "unsharded parameters",
-        "gradients",
-        "optimizer state",
-        "activations",
-        "temporaries",
-    )
+    cats = CATEGORIES
     lines.append("| config | mode | peak in | " + " | ".join(cats) + " |")
     lines.append("|---|---|---|" + "---:|" * len(cats))
     for config, est in results.get("table", {}).items():
