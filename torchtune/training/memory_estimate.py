@@ -868,7 +868,7 @@ def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
             tagged(OptimizerInBackward._update, "update in backward"),
         ),
         # Fake tensors have no values to check: every step is taken as finite.
-        (OptimizerInBackward, "_finite_on_every_rank", lambda self, value: True),
+        (OptimizerInBackward, "_finite", lambda self, value, on_every_rank: True),
         (_fsdp_param, "alloc_storage", alloc_storage),
         (_fsdp_param, "free_storage", free_storage),
         (_fsdp_param_group, "alloc_storage", alloc_storage),

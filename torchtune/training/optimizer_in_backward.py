@@ -469,12 +469,14 @@ class OptimizerInBackward(Optimizer):
             self._grad_norms[param] = norms + self._grad_norms.get(param, [])
         return norm, clip_coefficient(self.max_norm, norm)
 
-    def _finite_on_every_rank(self, value: torch.Tensor) -> bool:
-        """Whether ``value`` (a loss, a norm) is finite on every rank: a sharded
-        (DTensor) model's ranks must all update, or none."""
+    def _finite(self, value: torch.Tensor, *, on_every_rank: bool) -> bool:
+        """Whether ``value`` is finite; ``on_every_rank`` for a value that differs
+        between ranks (a loss): a sharded (DTensor) model's ranks must all update,
+        or none. A global norm is the same on every rank already."""
         finite = torch.isfinite(value.detach()).to(torch.int32)
         sharded = any(isinstance(p, DTensor) for p in self._group_of)
-        if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if on_every_rank and sharded and distributed:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite)
 
@@ -609,7 +611,7 @@ class OptimizerInBackward(Optimizer):
             raise RuntimeError("OptimizerInBackward.backward() is already running")
         self._grad_scale = grad_scale
         try:
-            if not self._finite_on_every_rank(loss):
+            if not self._finite(loss, on_every_rank=True):
                 self._phase = "measure"
                 loss.backward()
                 return
@@ -618,7 +620,7 @@ class OptimizerInBackward(Optimizer):
                 norm, self._clip_coef = self._clip_coefficient(
                     lambda: loss.backward(retain_graph=True)
                 )
-                if not self._finite_on_every_rank(norm):
+                if not self._finite(norm, on_every_rank=False):
                     return
                 if before_update_pass is not None:
                     before_update_pass()
