@@ -647,48 +647,59 @@ class CheckpointManager:
             self._release_output_dir()
 
     def _start_run(self) -> str:
-        """Name the new run, and clear what an earlier run left: its resumable state,
-        which this run must not continue, is deleted, and its exports stay until this
-        run's epochs replace them, as in 0.6.1; with ``keep_previous_runs``, all of it
-        is moved to ``previous_runs/`` (a copy of what this run reads stays)."""
+        """Name the new run, after clearing what an earlier run left in its folders
+        (:meth:`_clear_earlier_run`, or with ``keep_previous_runs``
+        :meth:`_set_earlier_run_aside`)."""
         found = []
         for root in {self._out, self._export_dir, *self._export_roots}:
             found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
-        if any(e.name != RUN_FILE for e in found) and self.options.keep_previous_runs:
-            keep = [k.absolute() for k in self.options.keep]
-            read = [
-                e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)
-            ]
-            newest = time.gmtime(max(e.stat().st_mtime for e in found))
-            earlier = read_run_file(self._out)
-            earlier = earlier or time.strftime("before-%Y%m%d-%H%M%S", newest)
-            reason = f"{self._out} held an earlier run's checkpoints, which this run "
-            reason += "must neither overwrite nor resume (to resume: move them back)"
-            moved = [e for e in found if e not in read]
-            _set_aside(moved, f"run_{earlier}", reason, copies=read)
-        elif any(e.name != RUN_FILE for e in found):
-            resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
-            exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
-            message = [f"{self._out} holds an earlier run's files."]
-            if resumable:
-                names = ", ".join(sorted(e.name for e in resumable))
-                message.append(
-                    f"Deleting its resumable state ({names}: {_size(resumable)}), "
-                    "which this new run must not continue."
-                )
-            if exports:
-                message.append(
-                    f"Its exports ({', '.join(exports)}) stay until this run's epochs "
-                    "replace them."
-                )
-            message.append(
-                "To keep an earlier run's files, set keep_previous_runs=True (moved "
-                f"to {self._out / PREVIOUS_RUNS}), or use another output_dir."
-            )
-            _warn(" ".join(message))
-            _delete(resumable)
+        if any(e.name != RUN_FILE for e in found):
+            if self.options.keep_previous_runs:
+                self._set_earlier_run_aside(found)
+            else:
+                self._clear_earlier_run(found)
         run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
         return _write_run_file(self._out, run_id)
+
+    def _clear_earlier_run(self, found: list[Path]) -> None:
+        """Delete the resumable state of the earlier run that left ``found``, which
+        this run must not continue, saying so first; its exports stay until this
+        run's epochs replace them, as in 0.6.1."""
+        resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
+        exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
+        message = [f"{self._out} holds an earlier run's files."]
+        if resumable:
+            names = ", ".join(sorted(e.name for e in resumable))
+            message.append(
+                f"Deleting its resumable state ({names}: {_size(resumable)}), "
+                "which this new run must not continue."
+            )
+        if exports:
+            message.append(
+                f"Its exports ({', '.join(exports)}) stay until this run's epochs "
+                "replace them."
+            )
+        message.append(
+            "To keep an earlier run's files, set keep_previous_runs=True (moved "
+            f"to {self._out / PREVIOUS_RUNS}), or use another output_dir."
+        )
+        _warn(" ".join(message))
+        _delete(resumable)
+
+    def _set_earlier_run_aside(self, found: list[Path]) -> None:
+        """Move everything the earlier run left (``found``) into ``previous_runs/``,
+        but for what this run reads, which stays in place with a copy set aside."""
+        keep = [k.absolute() for k in self.options.keep]
+        read = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
+        newest = time.gmtime(max(e.stat().st_mtime for e in found))
+        earlier = read_run_file(self._out)
+        earlier = earlier or time.strftime("before-%Y%m%d-%H%M%S", newest)
+        reason = (
+            f"{self._out} held an earlier run's checkpoints, which this run must "
+            "neither overwrite nor resume (to resume: move them back)"
+        )
+        moved = [e for e in found if e not in read]
+        _set_aside(moved, f"run_{earlier}", reason, copies=read)
 
     def _required_files(self) -> list[str]:
         """What every step checkpoint of this run's layout lists (the files of ranks
@@ -831,8 +842,10 @@ class CheckpointManager:
             for root in self._export_roots:
                 epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
                 later += [p for p, e in epochs if e is not None and e >= done]
-            reason = f"Resuming from {folder.name}: the later checkpoints of this run "
-            reason += "(damaged, or of the timeline this resume branches from) go aside"
+            reason = (
+                f"Resuming from {folder.name}: the later checkpoints of this run "
+                "(damaged, or of the timeline this resume branches from) go aside"
+            )
             _set_aside(later, f"run_{self._run_id}-after-{folder.name}", reason)
         elif later:
             _warn(
