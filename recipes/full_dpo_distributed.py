@@ -120,7 +120,9 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
         # The policy's checkpoints; the reference is read once and never saved.
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()

@@ -95,7 +95,9 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg, distributed=True)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
         self._tp_dim = cfg.get("tensor_parallel_dim", 1)
         self._tp_plan = config.instantiate(cfg.get("tensor_parallel_plan", None))
         if self._tp_dim > 1 and self._tp_plan is None:

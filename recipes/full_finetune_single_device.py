@@ -88,7 +88,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
         self.seed = training.set_seed(
             seed=cfg.seed, debug_mode=cfg.get("cudnn_deterministic_mode", None)

@@ -22,6 +22,7 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.modules.peft import (
     get_adapter_params,
+    get_lora_module_names,
     set_trainable_params,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
@@ -144,7 +145,10 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg, distributed=True)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg),
+            adapter_config=self._adapter_config(cfg.model),
+        )
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
@@ -156,6 +160,20 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # Where training stands; a resumed run takes it from the checkpoint.
         self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
+
+    def _adapter_config(self, cfg_model: DictConfig) -> dict[str, Any]:
+        """The PEFT config saved beside the adapter in every export
+        (``adapter_config.json``), so that Hugging Face PEFT can load it."""
+        return {
+            "r": cfg_model.lora_rank,
+            "lora_alpha": cfg_model.lora_alpha,
+            "target_modules": get_lora_module_names(
+                list(cfg_model.lora_attn_modules),
+                cfg_model.get("apply_lora_to_mlp", False),
+                cfg_model.get("apply_lora_to_output", False),
+            ),
+            "peft_type": "LORA",
+        }
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and

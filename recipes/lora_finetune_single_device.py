@@ -21,6 +21,7 @@ from torchtune.data import padded_collate_packed
 from torchtune.datasets import ConcatDataset, PackedDataset
 from torchtune.modules.peft import (
     get_adapter_params,
+    get_lora_module_names,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
@@ -108,7 +109,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._opts = training.RecipeOptions.from_config(cfg)
         self._device, self._dtype = self._opts.device, self._opts.dtype
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg),
+            adapter_config=self._adapter_config(cfg.model),
+        )
         self._collate_fn = cfg.get("collate_fn", "torchtune.data.padded_collate_sft")
 
         self.seed = training.set_seed(
@@ -116,6 +120,20 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         )
         # Where training stands; a resumed run takes it from the checkpoint.
         self.progress = training.TrainingProgress(total_epochs=cfg.epochs)
+
+    def _adapter_config(self, cfg_model: DictConfig) -> dict[str, Any]:
+        """The PEFT config saved beside the adapter in every export
+        (``adapter_config.json``), so that Hugging Face PEFT can load it."""
+        return {
+            "r": cfg_model.lora_rank,
+            "lora_alpha": cfg_model.lora_alpha,
+            "target_modules": get_lora_module_names(
+                list(cfg_model.lora_attn_modules),
+                cfg_model.get("apply_lora_to_mlp", False),
+                cfg_model.get("apply_lora_to_output", False),
+            ),
+            "peft_type": "LORA",
+        }
 
     def setup(self, cfg: DictConfig) -> None:
         """Build the model, tokenizer, optimizer, loss, data, LR scheduler and

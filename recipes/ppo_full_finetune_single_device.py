@@ -180,7 +180,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._optimizer_in_bwd = self._opts.optimizer_in_bwd
         # The policy's checkpointer and the step checkpoints; the other three models
         # have checkpointers of their own.
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
         self._gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self.batch_size = cfg.batch_size
         self._forward_batch_size = cfg.forward_batch_size
@@ -308,7 +310,9 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
             self._dataloader,
             self.progress,
             steps_per_epoch=batches_per_epoch,
-            exporters={"value": self._value_checkpointer},
+            exporters={
+                "value": (self._value_checkpointer, cfg.value_checkpointer.output_dir)
+            },
         )
         # Logs and the config copy are written once every check has passed and
         # output_dir is this run's (load() took its lock).

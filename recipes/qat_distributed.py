@@ -126,7 +126,9 @@ class QATRecipeDistributed(FTRecipeInterface):
                 "fake_quant_after_n_steps must be null or an integer >= 0, got "
                 f"{self._fake_quant_after_n_steps!r}."
             )
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torchtune import training
 from torchtune.models.llama2 import llama2
 from torchtune.training import *
-from torchtune.training import CheckpointManager, TrainingProgress
+from torchtune.training import CheckpointManager, CheckpointOptions, TrainingProgress
 from torchtune.training.optim_in_bwd_legacy_state_dict import (
     convert_legacy_optim_in_bwd_state_dict,
 )

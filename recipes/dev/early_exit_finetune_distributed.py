@@ -149,7 +149,9 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             raise ValueError(
                 "Tensor parallelism is currently incompatible with fused optimizer."
             )
-        self._checkpoint = training.CheckpointManager.from_config(cfg)
+        self._checkpoint = training.CheckpointManager(
+            training.CheckpointOptions.from_config(cfg)
+        )
 
         torch.distributed.init_process_group(self._opts.process_group_backend)
         self.world_size, self.rank = utils.get_world_size_and_rank()

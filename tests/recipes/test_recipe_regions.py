@@ -24,6 +24,7 @@ SHARED = [
     ("cleanup", SINGLE_DEVICE_SFT),
     ("cleanup", DISTRIBUTED),
     ("_loss_step", [*SINGLE_DEVICE_SFT, "lora_finetune_distributed"]),
+    ("_adapter_config", ["lora_finetune_single_device", "lora_finetune_distributed"]),
 ]
 
 

@@ -57,6 +57,7 @@ from torchtune.training.checkpointing import (
 )
 from torchtune.training.checkpointing._checkpoint_manager import (
     CheckpointManager,
+    CheckpointOptions,
     TrainingProgress,
 )
 from torchtune.training.gradients import scale_and_clip_grads_
@@ -153,6 +154,7 @@ __all__ = [
     "update_state_dict_for_classifier",
     # saving and resuming
     "CheckpointManager",
+    "CheckpointOptions",
     "TrainingProgress",
     # training loop
     "StepLogger",

@@ -561,7 +561,7 @@ def train_with_manager(
     an asynchronous save in flight complete, as a run stopped by a signal does).
     Returns the model and the step it started from."""
     width = OPTIMIZERS[optimizer_name][2]
-    manager = training.CheckpointManager.from_config(cfg)
+    manager = training.CheckpointManager(training.CheckpointOptions.from_config(cfg))
     state = manager.load_base_checkpoint()
     model = build_model("fsdp", seed=1, width=width)  # the base replaces its weights
     training.load_from_full_model_state_dict(

@@ -263,8 +263,8 @@ class _FinalEpochNotes(logging.Filter):
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    """What :class:`CheckpointManager` is told by the config (see
-    :meth:`CheckpointManager.from_config` for the keys)."""
+    """The checkpointing options of a run, read from its config by
+    :meth:`from_config`; :class:`CheckpointManager` is built from them."""
 
     output_dir: Path
     checkpointer: Any
@@ -280,16 +280,65 @@ class CheckpointOptions:
     optimizer_component: str | None
     trajectory: Mapping[str, Any]
     length: tuple[str, Any]
-    adapter_config: dict[str, Any] | None
     adapter_only: bool
     keep: tuple[Path, ...]
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CheckpointOptions:
+        """Read the options from a recipe config: ``output_dir`` (default: the
+        checkpointer's), ``checkpointer`` (and its ``recipe_checkpoint`` and
+        ``keep_last_n_checkpoints``), ``device``, ``resume_from_checkpoint``,
+        ``resume_allow_changes``, ``save_every_n_steps``,
+        ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
+        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``),
+        ``save_adapter_weights_only``, ``keep_previous_runs``, and what every
+        checkpointer section reads (kept in place when earlier runs' files are moved
+        aside, even an earlier run's export)."""
+        checkpointer = cfg.checkpointer.copy()
+        keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
+        output_dir = Path(cfg.get("output_dir") or checkpointer.output_dir)
+        read = []
+        for key, section in cfg.items():
+            if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
+                root = Path(section.checkpoint_dir)
+                # Where this checkpointer writes: its own output_dir, or output_dir.
+                own = section.get("output_dir")
+                out_key = f"{key}.output_dir" if own else "output_dir"
+                out = Path(own or output_dir)
+                _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
+                files = section.get("checkpoint_files")
+                names = [] if isinstance(files, str | Mapping) else list(files or [])
+                names += [section.get("adapter_checkpoint")]
+                read += [root, *(root / str(n) for n in names if n)]
+        length = "epochs" if "epochs" in cfg else "num_steps"
+        resume = cfg.get("resume_from_checkpoint", False)
+        return cls(
+            output_dir=output_dir,
+            checkpointer=checkpointer,
+            device=utils.get_device(device=cfg.device),
+            resume=resume,
+            recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
+            every_n_steps=cfg.get("save_every_n_steps", None),
+            keep_last_n=keep_last_n,
+            keep_previous_runs=cfg.get("keep_previous_runs", False),
+            named_epoch=_named_epoch(checkpointer) if resume else None,
+            async_save=cfg.get("enable_async_checkpointing", False),
+            allow_changes=cfg.get("resume_allow_changes", False),
+            optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
+            trajectory=_trajectory(cfg, length),
+            length=(length, cfg.get(length, None)),
+            adapter_only=cfg.get("save_adapter_weights_only", False),
+            keep=tuple(read),
+        )
 
 
 class CheckpointManager:
     """Saves a run and resumes it, exactly: the one object a recipe asks.
 
-    A recipe builds it first, with :meth:`from_config` (bad options and a resume
-    that cannot work are refused then, before anything is built or written), reads
+    A recipe builds it first, from :meth:`CheckpointOptions.from_config` (bad
+    options and a resume that cannot work are refused then, before anything is built
+    or written); a LoRA recipe also gives the adapter's PEFT config, which every
+    export carries and which turns on the merged export. The recipe then reads
     the weights to start from with :meth:`load_base_checkpoint`, builds its model,
     optimizer and data, and hands them over with :meth:`load`, which puts a resumed
     run back where it was. In the loop, :meth:`save` after every optimizer step and
@@ -299,9 +348,18 @@ class CheckpointManager:
     newest whole step checkpoint (or the one ``checkpointer.recipe_checkpoint``
     names, which starts a branch), or from a torchtune 0.6.1 epoch checkpoint.
 
+    Args:
+        options (CheckpointOptions): what the config asks (see
+            :meth:`CheckpointOptions.from_config`).
+        adapter_config (Mapping[str, Any] | None): a LoRA model's PEFT adapter config
+            (``r``, ``lora_alpha``, ``target_modules``, ``peft_type``): each export
+            then holds the adapter and this config and, unless
+            ``save_adapter_weights_only``, the weights with the adapter merged in.
+            Default: ``None`` (the model has no adapter).
+
     Example (a recipe's use; ``docs/source/step_checkpoints.rst`` runs one)::
 
-        manager = CheckpointManager.from_config(cfg)  # in __init__
+        manager = CheckpointManager(CheckpointOptions.from_config(cfg))  # __init__
         model.load_state_dict(manager.load_base_checkpoint()[MODEL_KEY])
         progress = TrainingProgress(total_epochs=cfg.epochs)
         manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
@@ -313,7 +371,12 @@ class CheckpointManager:
             manager.save(epoch_end=True)
     """
 
-    def __init__(self, options: CheckpointOptions) -> None:
+    def __init__(
+        self,
+        options: CheckpointOptions,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> None:
         for key, value, null in (
             ("save_every_n_steps", options.every_n_steps, "save at epoch ends only"),
             ("checkpointer.keep_last_n_checkpoints", options.keep_last_n, "keep all"),
@@ -335,6 +398,7 @@ class CheckpointManager:
                 "use an HF, Meta or torchtune checkpointer."
             )
         self.options, self._out = options, Path(options.output_dir)
+        self.adapter_config = None if adapter_config is None else dict(adapter_config)
         self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
         check_writable("checkpointer.output_dir", self._export_dir)
@@ -348,64 +412,6 @@ class CheckpointManager:
         self._steps, self._legacy = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
         self._release_output_dir: Callable[[], Any] = lambda: None
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> CheckpointManager:
-        """Read the options from a recipe config: ``output_dir`` (default: the
-        checkpointer's), ``checkpointer`` (and its ``recipe_checkpoint`` and
-        ``keep_last_n_checkpoints``), ``device``, ``resume_from_checkpoint``,
-        ``resume_allow_changes``, ``save_every_n_steps``,
-        ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
-        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``), for a LoRA model
-        its adapter and ``save_adapter_weights_only``, ``keep_previous_runs``, and
-        what every checkpointer section reads (kept in place when earlier runs' files
-        are moved aside, even an earlier run's export)."""
-        checkpointer = cfg.checkpointer.copy()
-        keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
-        model, adapter = cfg.get("model", None) or {}, None
-        if "lora_rank" in model:
-            modules = peft.get_lora_module_names(
-                list(model.lora_attn_modules),
-                model.get("apply_lora_to_mlp", False),
-                model.get("apply_lora_to_output", False),
-            )
-            adapter = {"r": model.lora_rank, "lora_alpha": model.lora_alpha}
-            adapter |= {"target_modules": modules, "peft_type": "LORA"}
-        read, output_dir = [], Path(cfg.get("output_dir") or checkpointer.output_dir)
-        for key, section in cfg.items():
-            if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
-                root = Path(section.checkpoint_dir)
-                # Where this checkpointer writes: its own output_dir, or output_dir.
-                own = section.get("output_dir")
-                out_key = f"{key}.output_dir" if own else "output_dir"
-                out = Path(own or output_dir)
-                _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
-                files = section.get("checkpoint_files")
-                names = [] if isinstance(files, str | Mapping) else list(files or [])
-                names += [section.get("adapter_checkpoint")]
-                read += [root, *(root / str(n) for n in names if n)]
-        length = "epochs" if "epochs" in cfg else "num_steps"
-        resume = cfg.get("resume_from_checkpoint", False)
-        options = CheckpointOptions(
-            output_dir=output_dir,
-            checkpointer=checkpointer,
-            device=utils.get_device(device=cfg.device),
-            resume=resume,
-            recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
-            every_n_steps=cfg.get("save_every_n_steps", None),
-            keep_last_n=keep_last_n,
-            keep_previous_runs=cfg.get("keep_previous_runs", False),
-            named_epoch=_named_epoch(checkpointer) if resume else None,
-            async_save=cfg.get("enable_async_checkpointing", False),
-            allow_changes=cfg.get("resume_allow_changes", False),
-            optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
-            trajectory=_trajectory(cfg, length),
-            length=(length, cfg.get(length, None)),
-            adapter_config=adapter,
-            adapter_only=cfg.get("save_adapter_weights_only", False),
-            keep=tuple(read),
-        )
-        return cls(options)
 
     # -- choosing what a resume continues from ----------------------------------------
 
@@ -532,7 +538,7 @@ class CheckpointManager:
             return state
         weights = (MODEL_KEY, ADAPTER_KEY)
         self._legacy_state = {k: state.pop(k) for k in list(state) if k not in weights}
-        if self.options.adapter_config and ADAPTER_KEY not in state:
+        if self.adapter_config and ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
                 "checkpointer.adapter_checkpoint, or resume from an output_dir whose "
@@ -548,7 +554,7 @@ class CheckpointManager:
         progress: Any,
         *,
         steps_per_epoch: int,
-        exporters: Mapping[str, Any] | None = None,
+        exporters: Mapping[str, tuple[Any, Path | str]] | None = None,
         states: Mapping[str, Any] | None = None,
     ) -> None:
         """Hand over what the run saves and, resuming, put it back where it was.
@@ -571,8 +577,10 @@ class CheckpointManager:
                 ``load_state_dict`` and the attributes ``epochs_run``,
                 ``total_epochs`` and ``global_step`` (a :class:`TrainingProgress`).
             steps_per_epoch (int): the optimizer steps of an epoch.
-            exporters (Mapping[str, Any] | None): the checkpointer that exports each
-                model of a mapping, where not the configured one. Default: ``None``
+            exporters (Mapping[str, tuple[Any, Path | str]] | None): for a model of
+                a mapping that its own checkpointer exports (not the configured
+                one): that checkpointer and the folder it writes to, its
+                ``output_dir``. Default: ``None``
             states (Mapping[str, Any] | None): anything else the run must resume
                 with (an EMA of the weights, a sampler of one's own), by name: each
                 with ``state_dict()`` and ``load_state_dict()``, saved per process
@@ -590,9 +598,10 @@ class CheckpointManager:
         self._optimizer, self._dataloader = optimizer, dataloader
         self._progress, self._steps_per_epoch = progress, steps_per_epoch
         self._states = dict(states or {})
-        exporters = {n: self._checkpointer for n in self._models} | (exporters or {})
-        self._exporters = exporters
-        self._export_roots = sorted({Path(e._output_dir) for e in exporters.values()})
+        configured = (self._checkpointer, self._export_dir)
+        exporters = {name: configured for name in self._models} | dict(exporters or {})
+        self._exporters = {name: pair[0] for name, pair in exporters.items()}
+        self._export_roots = sorted({Path(pair[1]) for pair in exporters.values()})
         dataset = dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
@@ -1073,7 +1082,7 @@ class CheckpointManager:
         then its manifest. The checkpointers' "final epoch" notes are shown for the
         ``final`` epoch only."""
         folders = [root / f"epoch_{epoch}" for root in self._export_roots]
-        step, adapter = self._progress.global_step, self.options.adapter_config
+        step, adapter = self._progress.global_step, self.adapter_config
         adapter_only = self.options.adapter_only and adapter is not None
         for name, model in self._models.items():
             if _sharded():

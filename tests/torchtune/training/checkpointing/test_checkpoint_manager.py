@@ -3,8 +3,8 @@ _step_format.py): saving a run and resuming it exactly, that no crash, damaged f
 second run makes a checkpoint unusable or lost, and the refusals that keep a resume on
 the run's trajectory.
 
-Each test drives :class:`CheckpointManager` the way a recipe does (``from_config``,
-``load_base_checkpoint``, ``load``, ``save`` after every optimizer step and
+Each test drives :class:`CheckpointManager` the way a recipe does (built from the
+config's options, ``load_base_checkpoint``, ``load``, ``save`` after every optimizer step and
 ``save(epoch_end=True)`` after every epoch) over a tiny model, a map-style dataset of
 8 samples and a ``StatefulDataLoader`` (batch size 2: 4 optimizer steps an epoch, 2
 epochs), with a ``FullModelTorchTuneCheckpointer`` reading a base checkpoint saved
@@ -63,6 +63,7 @@ from torchtune.training.checkpointing._checkpoint_manager import (
     FINGERPRINT_SAMPLES,
     TRAJECTORY_KEYS,
     CheckpointManager,
+    CheckpointOptions,
     TrainingProgress,
     _dataset_identity,
     _named_epoch,
@@ -242,6 +243,15 @@ class WeightAverage:
         self.average = {k: v.clone() for k, v in state_dict["average"].items()}
 
 
+def build_manager(
+    cfg: DictConfig, adapter_config: dict[str, Any] | None = None
+) -> CheckpointManager:
+    """What a recipe's ``__init__`` does: the options from its config and, for a
+    LoRA model, the adapter's PEFT config."""
+    options = CheckpointOptions.from_config(cfg)
+    return CheckpointManager(options, adapter_config=adapter_config)
+
+
 def train(
     cfg: DictConfig,
     *,
@@ -251,12 +261,13 @@ def train(
     build: Callable[[dict[str, Any]], nn.Module] = base_model,
     lr_lambda: Callable[[int], float] | None = None,
     average: bool = False,
+    adapter_config: dict[str, Any] | None = None,
 ) -> Run:
     """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
     of an epoch's last step). ``lr_lambda``: a ``LambdaLR`` schedule, built after
     ``load`` as the recipes build theirs."""
-    manager = CheckpointManager.from_config(cfg)
+    manager = build_manager(cfg, adapter_config)
     model = build(manager.load_base_checkpoint())
     optimizer = make_optimizer(model, cfg, in_backward)
     loader = make_loader(dataset or Samples(), cfg.batch_size)
@@ -425,7 +436,7 @@ def test_a_resume_loads_the_base_weights_through_the_checkpointer(
     tmp_path: Path,
 ) -> None:
     cfg = make_config(tmp_path)
-    manager = CheckpointManager.from_config(cfg)
+    manager = build_manager(cfg)
     loaded = manager.load_base_checkpoint()
     assert set(loaded) == {training.MODEL_KEY}
     torch.testing.assert_close(
@@ -434,9 +445,7 @@ def test_a_resume_loads_the_base_weights_through_the_checkpointer(
     train(cfg, stop_after=5)
     # Resuming a step checkpoint, the checkpointer reads the base again (its trained
     # weights come from the step checkpoint, in load()).
-    manager = CheckpointManager.from_config(
-        OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
-    )
+    manager = build_manager(OmegaConf.merge(cfg, {"resume_from_checkpoint": True}))
     loaded = manager.load_base_checkpoint()
     assert set(loaded) == {training.MODEL_KEY}
     torch.testing.assert_close(
@@ -1060,7 +1069,7 @@ def test_a_named_step_checkpoint_that_does_not_exist_lists_those_there(
         r".*step_9, which does not exist. The step checkpoints in .* are "
         r"\['step_4', 'step_3'\]: name one of them",
     ):
-        CheckpointManager.from_config(named)
+        build_manager(named)
 
 
 def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
@@ -1073,17 +1082,17 @@ def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
         "epoch checkpoint.{} Set resume_from_checkpoint=False to start."
     )
     with pytest.raises(CheckpointError) as refused:
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     assert str(refused.value) == refusal.format("")
     # 0.6.1's asynchronous checkpoint is resumed with enable_async_checkpointing only.
     (out / "dist_epoch_0").mkdir(parents=True)
     (out / "dist_epoch_0" / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError) as refused:
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     assert str(refused.value) == refusal.format("")
     (out / PREVIOUS_RUNS).mkdir(parents=True)
     with pytest.raises(CheckpointError) as refused:
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     hint = f" Earlier runs' checkpoints are in {out / PREVIOUS_RUNS}: move one back to resume it."
     assert str(refused.value) == refusal.format(hint)
 
@@ -1096,7 +1105,7 @@ def test_a_named_0_6_1_recipe_state_that_does_not_exist_is_refused(
         tmp_path, resume_from_checkpoint=True, checkpointer={"recipe_checkpoint": named}
     )
     with pytest.raises(CheckpointError) as refused:
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     assert str(refused.value) == (
         f"checkpointer.recipe_checkpoint={named}: {tmp_path / 'out' / named} does "
         "not exist. Name the run's recipe_state.pt, or leave it unset."
@@ -1187,7 +1196,7 @@ def test_another_optimizer_class_is_refused_when_the_manager_is_built(
     resuming = OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
     # The same class under another path resumes.
     resuming.optimizer._component_ = "torch.optim.adamw.AdamW"
-    CheckpointManager.from_config(resuming)
+    build_manager(resuming)
     resuming.optimizer._component_ = "torch.optim.SGD"
     with pytest.raises(
         ValueError,
@@ -1196,7 +1205,7 @@ def test_another_optimizer_class_is_refused_when_the_manager_is_built(
         r"saved by torch.optim.AdamW\. Set optimizer._component_=torch.optim.AdamW "
         r"to resume, or resume_from_checkpoint=False to start anew\.$",
     ):
-        CheckpointManager.from_config(resuming)
+        build_manager(resuming)
 
 
 def test_a_checkpoint_of_an_optimizer_class_that_no_longer_imports_is_refused(
@@ -1209,9 +1218,7 @@ def test_a_checkpoint_of_an_optimizer_class_that_no_longer_imports_is_refused(
     gone = "torch.optim.RemovedOptimizer"
     rewrite(step_4, RECIPE_STATE, {**recipe_state, "optimizer_component": gone})
     with pytest.raises(ValueError, match=f"its optimizer state was saved by {gone}"):
-        CheckpointManager.from_config(
-            OmegaConf.merge(cfg, {"resume_from_checkpoint": True})
-        )
+        build_manager(OmegaConf.merge(cfg, {"resume_from_checkpoint": True}))
 
 
 def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_back_to(
@@ -1435,7 +1442,7 @@ def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_writte
     tmp_path: Path,
 ) -> None:
     cfg = make_config(tmp_path)
-    manager = CheckpointManager.from_config(cfg)
+    manager = build_manager(cfg)
     model = base_model(manager.load_base_checkpoint())
     loader = make_loader(Samples(1), batch_size=2)  # no full batch
     before = snapshot(tmp_path)
@@ -1469,7 +1476,7 @@ def test_invalid_options_are_refused_naming_the_key(
     with pytest.raises(
         ValueError, match=f"^{re.escape(named)} must be a positive integer or null"
     ):
-        CheckpointManager.from_config(make_config(tmp_path, **options))
+        build_manager(make_config(tmp_path, **options))
 
 
 def test_a_distributed_checkpointer_is_refused_as_the_configured_checkpointer(
@@ -1482,7 +1489,7 @@ def test_a_distributed_checkpointer_is_refused_as_the_configured_checkpointer(
         "output_dir": str(tmp_path / "out"),
     }
     with pytest.raises(ValueError, match="reads no weights to start from"):
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
@@ -1491,7 +1498,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
     cfg = make_config(tmp_path)
     cfg.output_dir = str(tmp_path / "new" / "nested")  # made later: fine
     cfg.checkpointer.output_dir = str(tmp_path / "ckpt")
-    CheckpointManager.from_config(cfg)
+    build_manager(cfg)
     (tmp_path / "a_file").write_text("")
     cfg.checkpointer.output_dir = str(tmp_path / "a_file" / "out")
     with pytest.raises(
@@ -1499,7 +1506,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
         match=f"^checkpointer.output_dir={tmp_path}/a_file/out cannot be made: "
         f"{tmp_path}/a_file is a file",
     ):
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     # As a user sees a folder that may be written but not entered (no x bit; root
     # may enter any folder, so permissions cannot show it here).
     real_access = os.access
@@ -1519,7 +1526,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
             PermissionError,
             match=f"^checkpointer.output_dir={closed}/out cannot be written: ",
         ):
-            CheckpointManager.from_config(cfg)
+            build_manager(cfg)
     # As a user without write permission in tmp_path sees it (root may write
     # anywhere, so permissions cannot show it here).
     monkeypatch.setattr(
@@ -1533,7 +1540,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_naming_its_key(
         match=f"^output_dir={tmp_path}/new/nested cannot be written: this process has "
         f"no write permission in {tmp_path}",
     ):
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
 
 
 # -- the one-run lock ------------------------------------------------------------------
@@ -1573,7 +1580,7 @@ def test_a_live_runs_lock_refuses_the_run_whatever_its_file_says(
         else:
             lock.write_bytes(b"\x00\xff not json")
             named = "a run whose lock file does not say which"
-        for attempt in (CheckpointManager.from_config, train):
+        for attempt in (build_manager, train):
             with pytest.raises(CheckpointError, match=re.escape(named)):
                 attempt(cfg)
         assert sorted(p.name for p in lock.parent.iterdir()) == [LOCK_FILE]
@@ -1632,7 +1639,7 @@ def judge_lock_on_two_hosts(out_dir: Path) -> None:
     if rank == 1:
         socket.gethostname = lambda: "node-1"  # this child process only
     try:
-        CheckpointManager.from_config(OmegaConf.load(out_dir / "config.yaml"))
+        build_manager(OmegaConf.load(out_dir / "config.yaml"))
         outcome = "accepted"
     except CheckpointError as e:
         outcome = f"refused: {e}"
@@ -1660,16 +1667,16 @@ def test_the_lock_is_held_while_training_and_released_after_the_last_save(
 ) -> None:
     cfg = make_config(tmp_path)
     lock = tmp_path / "out" / LOCK_FILE
-    manager = CheckpointManager.from_config(cfg)
+    manager = build_manager(cfg)
     manager.load_base_checkpoint()
-    assert not lock.exists()  # from_config and the base checkpoint take nothing
+    assert not lock.exists()  # building it and the base checkpoint take nothing
     run = train(cfg, stop_after=8)  # before its epoch-end save
     assert_held_by_this_process(lock)
     with pytest.raises(CheckpointError, match="in use by another run"):
         # Another process's view: it does not hold this process's lock.
         with pytest.MonkeyPatch.context() as m:
             m.setattr(run_folder, "_HELD", {})
-            CheckpointManager.from_config(cfg)
+            build_manager(cfg)
     run.progress.epochs_run += 1
     run.manager.save(epoch_end=True)
     assert not lock.exists()
@@ -1686,12 +1693,16 @@ def lora_config(tmp_path: Path, dora: bool, adapter_only: bool) -> DictConfig:
         base=base,
         epochs=1,
         save_adapter_weights_only=adapter_only,
-        model={
-            "lora_rank": 2,
-            "lora_alpha": 4.0,
-            "lora_attn_modules": ["q_proj"],  # the mlp and output: not adapted
-        },
     )
+
+
+# What the LoRA recipes give the manager for TinyLoRA: q_proj adapted, rank 2.
+LORA_ADAPTER = {
+    "r": 2,
+    "lora_alpha": 4.0,
+    "target_modules": ["q_proj"],
+    "peft_type": "LORA",
+}
 
 
 def lora_model(dora: bool) -> Callable[[dict[str, Any]], nn.Module]:
@@ -1715,13 +1726,8 @@ def test_a_lora_export_merges_into_copies_and_leaves_the_live_weights(
     tmp_path: Path, dora: bool, adapter_only: bool
 ) -> None:
     cfg = lora_config(tmp_path, dora, adapter_only)
-    run = train(cfg, stop_after=4, build=lora_model(dora))  # before the epoch's end
-    assert run.manager.options.adapter_config == {
-        "r": 2,
-        "lora_alpha": 4.0,
-        "target_modules": ["q_proj"],
-        "peft_type": "LORA",
-    }
+    # Killed before the epoch's end.
+    run = train(cfg, stop_after=4, build=lora_model(dora), adapter_config=LORA_ADAPTER)
     live = {k: v.clone() for k, v in run.model.state_dict().items()}
     lora_a, lora_b = live["q_proj.lora_a.weight"], live["q_proj.lora_b.weight"]
     assert lora_b.abs().sum() > 0  # trained: merging changes the weight
@@ -1766,14 +1772,15 @@ def test_a_lora_resume_of_a_0_6_1_epoch_checkpoint_without_adapter_is_refused(
     )
     (out / "recipe_state").mkdir()
     torch.save({training.EPOCHS_KEY: 1}, out / "recipe_state" / "recipe_state.pt")
-    manager = CheckpointManager.from_config(
+    manager = build_manager(
         OmegaConf.merge(
             cfg,
             {
                 "resume_from_checkpoint": True,
                 "checkpointer": {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]},
             },
-        )
+        ),
+        LORA_ADAPTER,
     )
     with pytest.raises(
         ValueError,
@@ -1884,7 +1891,7 @@ def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_sta
         resume_from_checkpoint=True,
         checkpointer={"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]},
     )
-    manager = CheckpointManager.from_config(cfg)
+    manager = build_manager(cfg)
     policy, value = base_model(manager.load_base_checkpoint()), make_model(seed=6)
     optimizer = make_optimizer(nn.ModuleList([policy, value]), cfg, in_backward=True)
     progress = TrainingProgress(total_epochs=2)
@@ -1951,7 +1958,7 @@ def test_checkpoint_files_naming_an_epoch_whose_state_is_gone_are_refused_first(
     tmp_path: Path,
 ) -> None:
     # Pruned to the newest (step_6, mid-epoch 1): epoch 0's end is gone. The refusal
-    # comes from from_config, before anything is built or written, naming what can
+    # comes when the manager is built, before anything is built or written, naming what can
     # be resumed.
     train(
         make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1}), stop_after=7
@@ -1970,7 +1977,7 @@ def test_checkpoint_files_naming_an_epoch_whose_state_is_gone_are_refused_first(
             "or set it back to the base model's files to resume from the newest."
         ),
     ):
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     assert snapshot(out) == before
 
 
@@ -2098,7 +2105,7 @@ def test_an_output_dir_in_a_base_checkpoint_folder_is_refused_first(
             "would write its checkpoints and exports among the base model's files"
         ),
     ):
-        CheckpointManager.from_config(cfg)
+        build_manager(cfg)
     assert sorted(p.name for p in base.iterdir()) == ["model.pt"]
 
 
@@ -2111,7 +2118,7 @@ def test_a_folder_name_longer_than_the_file_system_allows_is_refused(
         match=r"output_dir=.* cannot be made: its folder name x{40}\.\.\. is 300 bytes, "
         r"more than the 255 this file system allows",
     ):
-        CheckpointManager.from_config(make_config(tmp_path, output_dir=str(out)))
+        build_manager(make_config(tmp_path, output_dir=str(out)))
 
 
 @pytest.mark.parametrize(
