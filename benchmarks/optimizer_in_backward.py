@@ -281,7 +281,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         optimizer, state_holders = _build_mode(mode, model, make_optimizer)
         params = [p for p in model.parameters() if p.requires_grad]
         if hasattr(optimizer, "_buckets"):
-            buckets = [bucket.params for bucket in optimizer._buckets()]
+            buckets = [bucket.params for bucket in optimizer._buckets]
         else:
             buckets = [[p] for p in params]
         runs[mode] = {

@@ -265,6 +265,8 @@ class OptimizerInBackward(Optimizer):
         self._optimizer_kwargs = optimizer_kwargs
         #: The largest global gradient norm :meth:`backward` clips to; ``None``: none.
         self.max_norm = max_norm
+        # The buckets in the order they were made, and the one of each parameter.
+        self._buckets: list[_Bucket] = []
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
         # Each trainable parameter's post-accumulate-grad hook, to remove it when a
         # newer instance takes the parameter over.
@@ -332,6 +334,7 @@ class OptimizerInBackward(Optimizer):
         inner = self._optimizer_cls(params, **self._optimizer_kwargs)
         inner.state = _BucketState(self, params)
         bucket = _Bucket(params, inner)
+        self._buckets.append(bucket)
         for param in params:
             self._bucket_of[param] = bucket
             if param.requires_grad:
@@ -371,6 +374,8 @@ class OptimizerInBackward(Optimizer):
         # (the deprecated API's is the user's own per-parameter optimizer).
         if bucket.params:
             bucket.optimizer.param_groups[0]["params"] = list(bucket.params)
+        else:
+            self._buckets.remove(bucket)
 
     def _index_groups(self) -> None:
         # Parameter -> the group that holds it: a scan of the groups in every hook
@@ -378,9 +383,6 @@ class OptimizerInBackward(Optimizer):
         self._group_of = {
             p: group for group in self.param_groups for p in group["params"]
         }
-
-    def _buckets(self) -> list[_Bucket]:
-        return list({id(b): b for b in self._bucket_of.values()}.values())
 
     # -- the update ------------------------------------------------------------------
 
@@ -423,7 +425,7 @@ class OptimizerInBackward(Optimizer):
         """At the end of backward: update the buckets whose gradients did not all
         arrive."""
         self._flush_task = None
-        for bucket in self._buckets():
+        for bucket in self._buckets:
             if bucket.ready:
                 self._update(bucket)
 
@@ -567,7 +569,7 @@ class OptimizerInBackward(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._grad_norms = {}
         # A backward pass that raised may have left buckets half counted.
-        for bucket in self._buckets():
+        for bucket in self._buckets:
             bucket.ready.clear()
 
     def backward(

@@ -286,7 +286,7 @@ def fsdp_training_with_steplr_matches_plain_bitwise(tmp: Path) -> None:
             bucket_cap_mb=bucket_cap_mb,
             **ADAMW_KWARGS,
         )
-        sizes = [len(b.params) for b in in_bwd._buckets()]
+        sizes = [len(b.params) for b in in_bwd._buckets]
         assert sizes == {0: [1] * 6, unit_mb: [2] * 3, None: [6]}[bucket_cap_mb]
         in_bwd_norms: list[torch.Tensor] = []
         train_ranks(

@@ -241,7 +241,7 @@ def test_in_backward_gives_the_plain_parameters_state_and_grad_norm_on_cuda(
     optimizer = build(
         torch.optim.AdamW, ADAMW[impl], model, True, BUCKETINGS[bucketing]
     )
-    n_buckets, n_params = len(optimizer._buckets()), len(list(model.parameters()))
+    n_buckets, n_params = len(optimizer._buckets), len(list(model.parameters()))
     if bucketing == "per_parameter":
         assert n_buckets == n_params
     else:  # some buckets hold several parameters: one kernel call updates them all

@@ -103,7 +103,7 @@ def plain_and_in_backward(
 
 def bucket_sizes(optimizer: OptimizerInBackward) -> list[int]:
     """How many parameters each bucket holds, in parameter order."""
-    return [len(bucket.params) for bucket in optimizer._buckets()]
+    return [len(bucket.params) for bucket in optimizer._buckets]
 
 
 # Bucket caps. make_model's parameters hold 192, 32, 256, 32, 96 and 12 bytes.
@@ -653,7 +653,7 @@ def test_buckets_hold_consecutive_params_up_to_the_cap_in_mib_of_gradients(
     params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in numels]
     optimizer = OptimizerInBackward(params, torch.optim.SGD, lr=0.1, bucket_cap_mb=cap)
     assert bucket_sizes(optimizer) == expected
-    flat = [p for bucket in optimizer._buckets() for p in bucket.params]
+    flat = [p for bucket in optimizer._buckets for p in bucket.params]
     assert all(a is b for a, b in zip(flat, params, strict=True))
 
 
@@ -798,7 +798,7 @@ def test_after_a_backward_pass_that_raised_zero_grad_starts_clean() -> None:
         with pytest.raises(RuntimeError, match="failed in backward"):
             failing_loss(net).backward()
         optimizer.zero_grad(set_to_none=True)
-    assert [len(b.ready) for b in in_bwd._buckets()] == [0]
+    assert [len(b.ready) for b in in_bwd._buckets] == [0]
     for step in range(3):
         loss_fn(reference, step).backward()
         plain.step()
@@ -929,7 +929,7 @@ def test_a_buckets_state_is_a_live_view_of_the_owners_state() -> None:
     model = make_model()
     optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
     params = list(model.parameters())
-    (bucket,) = optimizer._buckets()
+    (bucket,) = optimizer._buckets
     view = bucket.optimizer.state
     assert isinstance(view, _BucketState)
     assert len(view) == 0 and list(view) == [] and params[0] not in view
@@ -959,7 +959,7 @@ def test_a_buckets_state_refuses_tensors_of_other_buckets() -> None:
         model.parameters(), torch.optim.AdamW, bucket_cap_mb=0
     )
     loss_fn(model, 0).backward()
-    first, second = optimizer._buckets()[:2]
+    first, second = optimizer._buckets[:2]
     other = second.params[0]
     equal_but_other = first.params[0].detach().clone()
     view = first.optimizer.state
@@ -1477,7 +1477,7 @@ def test_every_family_in_backward_gives_the_plain_parameters_and_state_dict(
     dtype = DTYPES[dtype_name]
     model = make_wide_model(dtype)
     optimizer = build(name, True, model, FAMILY_BUCKETINGS[bucketing])
-    assert len(optimizer._buckets()) == (1 if bucketing == "one_bucket" else 3)
+    assert len(optimizer._buckets) == (1 if bucketing == "one_bucket" else 3)
     train_wide(model, optimizer, range(STEPS), dtype)
     plain_model, plain_state = plain_run(name, dtype_name)
 
