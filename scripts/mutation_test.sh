@@ -5,7 +5,7 @@
 # (optim_in_bwd_legacy_state_dict.py) and the checkpoint manager
 # (torchtune/training/checkpointing/_checkpoint_manager.py), against the unit tests
 # (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
-# See "Mutation testing" in CONTRIBUTING.md.
+# See "Mutation testing" in CONTRIBUTING.md; scores in benchmarks/results/mutation_testing.md.
 #
 #   bash scripts/mutation_test.sh [optimizer_in_backward] [deprecated] [legacy_state_dict]
 #                                 [checkpoint_manager]         (default: all four)
