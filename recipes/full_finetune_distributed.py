@@ -219,7 +219,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             device_mesh=device_mesh,
             tp_plan=self._tp_plan,
         )
-        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._opts.enable_activation_offloading
         )
         return model
@@ -278,6 +278,22 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
             rank=self.dp_rank,
         )
 
+    def _loss_step(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the mean loss over the batch's target tokens, and their count."""
+        # Position t predicts token t + 1 (a batch without targets: see the helper).
+        labels, num_targets = training.next_token_labels(
+            batch.pop("labels"), self._loss_fn.ignore_index
+        )
+        with self._activations_handling_ctx:
+            logits = self._model(**batch)
+        # A chunked output loss takes the list of logit chunks as it is.
+        if not isinstance(logits, list):
+            logits = logits.reshape(-1, logits.size(-1))
+            labels = labels.reshape(-1)
+        return self._loss_fn(logits, labels), num_targets
+
     def train(self) -> None:
         """
         The training loop. Each step sums ``token-mean loss * tokens`` over its
@@ -286,14 +302,17 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
         optimizer (it updates during backward), after accumulation otherwise.
         """
         training.cleanup_before_training()
+        if self._opts.compile["model"]:
+            utils.log_rank_zero(
+                log, "The model compiles in its first forward: expect a slow step 1."
+            )
         gradient_accumulation_steps = self._opts.gradient_accumulation_steps
         self._optimizer.zero_grad(set_to_none=True)
-        # Summed over the step's batches; all-reduced over ranks once per step.
+        # This rank's totals over the current step's batches.
         # A step without any target divides them by 1 (clamp): its loss and
         # gradients are exactly zero.
         running_loss = torch.zeros((), device=self._device)
         num_tokens = torch.zeros((), dtype=torch.long, device=self._device)
-
         self._profiler.start()
         for curr_epoch in range(self.progress.epochs_run, self.progress.total_epochs):
             # The data order depends only on the seed and the epoch.
@@ -310,22 +329,11 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 gradient_accumulation_steps=gradient_accumulation_steps,
             ):
                 utils.batch_to_device(batch, self._device)
-                # Position t predicts token t + 1 (a batch without targets: see the
-                # helper).
-                labels, current_num_tokens = training.next_token_labels(
-                    batch.pop("labels"), self._loss_fn.ignore_index
-                )
-                num_tokens += current_num_tokens
-                with self.activations_handling_ctx:
-                    logits = self._model(**batch)
-                if not isinstance(logits, list):
-                    labels = labels.reshape(-1)
-                    logits = logits.reshape(-1, logits.size(-1))
-                # The loss fn averages over this batch's tokens; undo it so batches and
-                # ranks can be summed and divided by the total once.
-                loss = self._loss_fn(logits, labels) * current_num_tokens
-                del logits  # frees the logits before backward's peak
+                loss, batch_tokens = self._loss_step(batch)
+                # Token sums, so batches and ranks add up and divide by the total once.
+                loss = loss * batch_tokens
                 running_loss += loss.detach()
+                num_tokens += batch_tokens
                 if self._optimizer_in_bwd:
                     # One batch per step: its global token count is the step's. The
                     # optimizer scales, clips and applies each gradient in backward.
@@ -335,12 +343,13 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                     )
                 else:
                     loss.backward()
+                del loss
                 if (idx + 1) % gradient_accumulation_steps != 0:
                     continue
 
                 if self._optimizer_in_bwd:
-                    # Updates already happened; the optimizer measured the gradients
-                    # it used (a collective: every rank reads it).
+                    # The update already happened; backward measured the gradients
+                    # (a collective: every rank reads it).
                     grad_norm = self._optimizer.grad_norm
                 else:
                     torch.distributed.all_reduce(num_tokens)
@@ -374,7 +383,7 @@ class FullFinetuneRecipeDistributed(FTRecipeInterface):
                 self._profiler.step()
 
             self.progress.epochs_run += 1
-            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            # The epoch's step checkpoint, then its export (epoch_{N}).
             self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 

@@ -193,7 +193,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _setup_data(
         self, cfg_dataset: DictConfig | ListConfig, shuffle: bool, batch_size: int
     ) -> StatefulDataLoader:
-        """Build the map-style dataset (a list is concatenated) and its loader."""
+        """Build the loader over one map-style dataset or the concatenation of a list."""
         if isinstance(cfg_dataset, ListConfig):
             ds = ConcatDataset(
                 [config.instantiate(c, self._tokenizer) for c in cfg_dataset]
@@ -304,7 +304,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                 self._profiler.step()
 
             self.progress.epochs_run += 1
-            # The epoch's step checkpoint, then its weights (epoch_{N}).
+            # The epoch's step checkpoint, then its export (epoch_{N}).
             self._checkpoint.save(epoch_end=True)
         self._profiler.stop()
 

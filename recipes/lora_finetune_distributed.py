@@ -342,7 +342,12 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         return self._loss_fn(logits, labels), num_targets
 
     def train(self) -> None:
-        """Train for the remaining epochs, saving a checkpoint after each one."""
+        """
+        The training loop. Each step sums ``token-mean loss * tokens`` over its
+        batches and multiplies the gradients by ``world_size / global token count``
+        (FSDP averages them over ranks): inside backward with an in-backward
+        optimizer (it updates during backward), after accumulation otherwise.
+        """
         training.cleanup_before_training()
         if self._opts.compile["model"]:
             utils.log_rank_zero(

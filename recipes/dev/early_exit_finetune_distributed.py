@@ -275,7 +275,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
             device_mesh=device_mesh,
             tp_plan=self._tp_plan,
         )
-        self.activations_handling_ctx = training.get_act_offloading_ctx_manager(
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             model, self._opts.enable_activation_offloading
         )
         if self._cfg_early_exit_loss and isinstance(model, FSDPModule):
@@ -476,7 +476,7 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                     batch.pop("labels"), self._loss_fn.ignore_index
                 )
                 num_tokens += current_num_tokens
-                with self.activations_handling_ctx:
+                with self._activations_handling_ctx:
                     outputs = self._model(**batch)
                 logits, hidden_states = self._exit_hidden_states(outputs)
                 if not isinstance(logits, list):
