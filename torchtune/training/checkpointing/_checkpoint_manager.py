@@ -869,8 +869,13 @@ class CheckpointManager:
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
         checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
-        run_id = lambda: read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"  # noqa: E731
-        self._run_id = _on_rank_zero(lambda: _write_run_file(self._out, run_id()))
+
+        def name_the_run() -> str:
+            # The run the folder names, or a new name for a 0.6.1 run it never had.
+            run_id = read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
+            return _write_run_file(self._out, run_id)
+
+        self._run_id = _on_rank_zero(name_the_run)
         models, optimizer = list(self._models.values()), self._optimizer
         if self._legacy == "dcp":
             (model,) = models

@@ -1177,7 +1177,10 @@ def test_a_step_checkpoint_of_another_model_is_refused_naming_five_entries_each(
 
     cfg = make_config(tmp_path, base=model().state_dict())
     train(cfg, stop_after=5, build=build)
-    renamed = lambda state: nn.Sequential(OrderedDict(inner=build(state)))  # noqa: E731
+
+    def renamed(state: dict[str, Any]) -> nn.Module:
+        return nn.Sequential(OrderedDict(inner=build(state)))
+
     with pytest.raises(CheckpointError) as refused:
         resume(cfg, build=renamed)
     assert str(refused.value) == (
