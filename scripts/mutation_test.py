@@ -157,10 +157,6 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             '"params"][ -1]), hyper)',
         )
     },
-    (_MANAGER, "_export", "core/ReplaceContinueWithBreak", "break"): (
-        "a distributed run exports one model (several are one process's, PPO's), "
-        "and for the last one break and continue both end the loop"
-    ),
     (_MANAGER, "load", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
         "every caller passes the first four by position and the rest by keyword, "
         "which both signatures accept"
@@ -171,15 +167,6 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/ReplaceBinaryOperator_Mul_Div",
         "def _write_step(self, /, mid_epoch: bool, wait: bool = False) -> None:",
     ): "both callers pass mid_epoch and wait by keyword, which both signatures accept",
-    **{
-        (_MANAGER, "_write_manifest", "core/NumberReplacer", line): (
-            "the manifest's indentation, which JSON readers ignore"
-        )
-        for line in (
-            "text = json.dumps(manifest, indent= 2)",
-            "text = json.dumps(manifest, indent= 0)",
-        )
-    },
     (
         _MANAGER,
         "_restore",

@@ -5,7 +5,7 @@ A run's resumable state is a *step checkpoint*, ``output_dir/step_{N}/``, writte
 anything of it is loaded (its files and their manifest: :mod:`._step_format`). After
 each epoch the configured checkpointer exports ``epoch_{N}/``, the weights users take
 away, with a manifest beside it, so that a torn export, or one another run wrote, is
-found and rewritten. The manager decides what a resume continues from, refuses one
+found and rewritten (:mod:`._export`). The manager decides what a resume continues from, refuses one
 that would not continue the same run (the trajectory), and writes and prunes step
 checkpoints; the output folder's own rules (one live run, what earlier runs left) are
 :mod:`._run_folder`'s. A finished run leaves what torchtune 0.6.1 left, plus small
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import time
@@ -34,13 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchtune import config, utils
 from torchtune.config._utils import _get_component_from_path as _component
-from torchtune.modules import peft
 from torchtune.training import optim_in_bwd_legacy_state_dict as legacy_format
 from torchtune.training._distributed import (
-    gather_cpu_state_dict,
     load_from_full_optimizer_state_dict,
 )
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
+from torchtune.training.checkpointing._export import (
+    export_state,
+    not_this_runs_export,
+    save_export,
+)
 from torchtune.training.checkpointing._run_folder import (
     _RESUMABLE,
     _RUN_OUTPUTS,
@@ -58,17 +60,14 @@ from torchtune.training.checkpointing._run_folder import (
 )
 from torchtune.training.checkpointing._step_format import (
     MANIFEST,
-    MANIFEST_VERSION,
     MODEL_OPTIMIZER_DCP,
     MODEL_OPTIMIZER_FILE,
     RECIPE_STATE,
     CheckpointError,
-    _all_ranks,
     _barrier,
     _delete,
     _fsync_dir,
     _load,
-    _manifest_checksum,
     _on_rank_zero,
     _rank,
     _read_json,
@@ -79,12 +78,11 @@ from torchtune.training.checkpointing._step_format import (
     _warn,
     _world_size,
     export_manifest,
-    file_checksum,
     step_of,
     verify,
+    write_manifest,
 )
 from torchtune.training.checkpointing._utils import (
-    ADAPTER_CONFIG,
     ADAPTER_KEY,
     DATALOADER_KEY,
     EPOCHS_KEY,
@@ -237,25 +235,6 @@ def _dataset_identity(dataset: Any) -> dict[str, Any]:
         sample = json.dumps(dataset[i], sort_keys=True, default=jsonable)
         digest.update(f"{i}:{sample}\n".encode())
     return {"dataset_length": n, "dataset_hash": digest.hexdigest()[:16]}
-
-
-class _FinalEpochNotes(logging.Filter):
-    """Drops the notes torchtune's checkpointers log when they save without recipe
-    state, which 0.6.1's recipes do at the final epoch only ("Saving final epoch
-    checkpoint." and what follows it), unless this export is the final one."""
-
-    NOTES = (
-        "Saving final epoch checkpoint",
-        "The full model checkpoint, including all weights",
-        "Please note that you have set adapter_only=True",
-    )
-
-    def __init__(self, final: bool) -> None:
-        super().__init__()
-        self.final = final
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.final or not str(record.msg).startswith(self.NOTES)
 
 
 # -- the manager ---------------------------------------------------------------------
@@ -625,19 +604,15 @@ class CheckpointManager:
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             return
         self._restore(folder, recipe_state)
-        epoch, problems = progress.epochs_run - 1, []
+        epoch = progress.epochs_run - 1
         done = progress.epochs_run >= progress.total_epochs
+        problems = []
         for root in self._export_roots if recipe_state.get("epoch_end") else []:
-            export = root / f"epoch_{epoch}"
-            try:
-                manifest = verify(export, export_manifest(export))
-            except CheckpointError as e:
-                problems.append(str(e))
-                continue
-            # An export of another run, or of a timeline this run branched from.
-            written_at = (manifest.get("run_id"), manifest.get("step"))
-            if written_at != (self._run_id, progress.global_step):
-                problems.append(f"{export} holds the weights of run {written_at[0]}")
+            problem = not_this_runs_export(
+                root / f"epoch_{epoch}", run_id=self._run_id, step=progress.global_step
+            )
+            if problem is not None:
+                problems.append(problem)
         if problems:
             _warn(
                 f"The export of epoch {epoch} is not this checkpoint's "
@@ -1037,22 +1012,6 @@ class CheckpointManager:
         if future is None:
             self._finish_pending()
 
-    def _write_manifest(self, root: Path, path: Path, step: int) -> None:
-        """Write the manifest ``path`` of ``root``, saved at ``step``: the size and
-        CRC-32 of each of its files (the ranks of a distributed run share the
-        reading)."""
-        files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
-        files = [p for p in files if p != path][_rank() :: _world_size()]
-        mine = [
-            (p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files
-        ]
-        files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
-        manifest = {"version": MANIFEST_VERSION, "run_id": self._run_id, "step": step}
-        manifest["files"] = files
-        manifest["manifest_crc32"] = _manifest_checksum(manifest)
-        text = json.dumps(manifest, indent=1)
-        _on_rank_zero(lambda: path.write_text(text))
-
     def _finish_pending(self) -> None:
         """Complete the last step checkpoint: checksums, manifest, rename, prune."""
         if self._pending is None:
@@ -1061,7 +1020,7 @@ class CheckpointManager:
         if future is not None:
             future.result()
         _barrier()
-        self._write_manifest(partial, partial / MANIFEST, step)
+        write_manifest(partial, partial / MANIFEST, run_id=self._run_id, step=step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
@@ -1082,43 +1041,33 @@ class CheckpointManager:
         _on_rank_zero(publish)
 
     def _export(self, epoch: int, *, final: bool) -> None:
-        """Write ``epoch_{epoch}`` through each model's checkpointer (LoRA: the
-        adapter, its PEFT config and, unless ``adapter_only``, the merged weights),
-        then its manifest. The checkpointers' "final epoch" notes are shown for the
-        ``final`` epoch only."""
-        folders = [root / f"epoch_{epoch}" for root in self._export_roots]
-        step, adapter = self._progress.global_step, self.adapter_config
-        adapter_only = self.options.adapter_only and adapter is not None
+        """Write ``epoch_{epoch}`` through each model's checkpointer, then its
+        manifest (see :mod:`._export`)."""
+        adapter_only = self.options.adapter_only and self.adapter_config is not None
         for name, model in self._models.items():
-            if _sharded():
-                args = (model, _rank() == 0, self.options.device, adapter_only)
-                state = gather_cpu_state_dict(*args)
-            else:
-                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            if _rank() != 0:
-                continue
-            export = {MODEL_KEY: state}
-            if adapter is not None:
-                export = {ADAPTER_KEY: peft.get_adapter_state_dict(state)}
-                # A copy: the HF checkpointer rewrites the config it saves.
-                export[ADAPTER_CONFIG] = dict(adapter)
-            if adapter is not None and not adapter_only:
-                # Merged into copies: a CPU state dict may hold the model's own tensors.
-                for k in [k for k in state if k.endswith("lora_a.weight")]:
-                    base = k.removesuffix("lora_a.weight") + "weight"
-                    state[base] = state[base].clone()
-                rank, alpha = adapter["r"], adapter["lora_alpha"]
-                merged = peft.get_merged_lora_ckpt(state, rank, alpha)
-                export[MODEL_KEY] = merged
-            exporter, only_final = self._exporters[name], _FinalEpochNotes(final)
-            log.addFilter(only_final)  # the logger every torchtune module shares
-            try:
-                exporter.save_checkpoint(export, epoch=epoch, adapter_only=adapter_only)
-            finally:
-                log.removeFilter(only_final)
+            state = export_state(
+                model,
+                device=self.options.device,
+                adapter_config=self.adapter_config,
+                adapter_only=adapter_only,
+            )
+            if state is not None:  # rank 0
+                save_export(
+                    self._exporters[name],
+                    state,
+                    epoch=epoch,
+                    adapter_only=adapter_only,
+                    final=final,
+                )
         _barrier()
-        for folder in folders:
-            self._write_manifest(folder, export_manifest(folder), step)
+        for root in self._export_roots:
+            folder = root / f"epoch_{epoch}"
+            write_manifest(
+                folder,
+                export_manifest(folder),
+                run_id=self._run_id,
+                step=self._progress.global_step,
+            )
 
     def close(self) -> None:
         """Complete a step checkpoint still being written in the background and

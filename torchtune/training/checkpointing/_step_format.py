@@ -172,6 +172,21 @@ def _intact(manifest: Mapping[str, Any]) -> bool:
     return saved is None or saved == _manifest_checksum(manifest)
 
 
+def write_manifest(root: Path, path: Path, *, run_id: str | None, step: int) -> None:
+    """Write the manifest ``path`` of the folder ``root``, saved by run ``run_id`` at
+    ``step``: the size and CRC-32 of each of its files (the ranks of a distributed run
+    share the reading), and a CRC-32 of these entries. Call it on every rank."""
+    files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
+    files = [p for p in files if p != path][_rank() :: _world_size()]
+    mine = [(p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files]
+    files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
+    manifest = {"version": MANIFEST_VERSION, "run_id": run_id, "step": step}
+    manifest["files"] = files
+    manifest["manifest_crc32"] = _manifest_checksum(manifest)
+    text = json.dumps(manifest, indent=1)
+    _on_rank_zero(lambda: path.write_text(text))
+
+
 def verify(
     folder: str | Path,
     manifest: str | Path | None = None,
@@ -256,4 +271,5 @@ __all__ = [
     "file_checksum",
     "step_of",
     "verify",
+    "write_manifest",
 ]
