@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,8 +43,6 @@ from torchtune.training.checkpointing._export import (
     save_export,
 )
 from torchtune.training.checkpointing._run_folder import (
-    _RESUMABLE,
-    _RUN_OUTPUTS,
     PREVIOUS_RUNS,
     RUN_FILE,
     _check_lock,
@@ -55,8 +52,10 @@ from torchtune.training.checkpointing._run_folder import (
     _set_aside,
     _take_lock,
     _write_run_file,
+    branch_at,
     check_writable,
     read_run_file,
+    start_run,
 )
 from torchtune.training.checkpointing._step_format import (
     MANIFEST,
@@ -600,7 +599,15 @@ class CheckpointManager:
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._legacy is None:
-            self._run_id = _on_rank_zero(self._start_run)
+            folders = {self._out, self._export_dir, *self._export_roots}
+            self._run_id = _on_rank_zero(
+                lambda: start_run(
+                    self._out,
+                    folders,
+                    keep_previous_runs=self.options.keep_previous_runs,
+                    read=self.options.keep,
+                )
+            )
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             return
         self._restore(folder, recipe_state)
@@ -629,61 +636,6 @@ class CheckpointManager:
             if folder is not None:
                 _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
-
-    def _start_run(self) -> str:
-        """Name the new run, after clearing what an earlier run left in its folders
-        (:meth:`_clear_earlier_run`, or with ``keep_previous_runs``
-        :meth:`_set_earlier_run_aside`)."""
-        found = []
-        for root in {self._out, self._export_dir, *self._export_roots}:
-            found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
-        if any(e.name != RUN_FILE for e in found):
-            if self.options.keep_previous_runs:
-                self._set_earlier_run_aside(found)
-            else:
-                self._clear_earlier_run(found)
-        run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
-        return _write_run_file(self._out, run_id)
-
-    def _clear_earlier_run(self, found: list[Path]) -> None:
-        """Delete the resumable state of the earlier run that left ``found``, which
-        this run must not continue, saying so first; its exports stay until this
-        run's epochs replace them, as in 0.6.1."""
-        resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
-        exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
-        message = [f"{self._out} holds an earlier run's files."]
-        if resumable:
-            names = ", ".join(sorted(e.name for e in resumable))
-            message.append(
-                f"Deleting its resumable state ({names}: {_size(resumable)}), "
-                "which this new run must not continue."
-            )
-        if exports:
-            message.append(
-                f"Its exports ({', '.join(exports)}) stay until this run's epochs "
-                "replace them."
-            )
-        message.append(
-            "To keep an earlier run's files, set keep_previous_runs=True (moved "
-            f"to {self._out / PREVIOUS_RUNS}), or use another output_dir."
-        )
-        _warn(" ".join(message))
-        _delete(resumable)
-
-    def _set_earlier_run_aside(self, found: list[Path]) -> None:
-        """Move everything the earlier run left (``found``) into ``previous_runs/``,
-        but for what this run reads, which stays in place with a copy set aside."""
-        keep = [k.absolute() for k in self.options.keep]
-        read = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
-        newest = time.gmtime(max(e.stat().st_mtime for e in found))
-        earlier = read_run_file(self._out)
-        earlier = earlier or time.strftime("before-%Y%m%d-%H%M%S", newest)
-        reason = (
-            f"{self._out} held an earlier run's checkpoints, which this run must "
-            "neither overwrite nor resume (to resume: move them back)"
-        )
-        moved = [e for e in found if e not in read]
-        _set_aside(moved, f"run_{earlier}", reason, copies=read)
 
     def _required_files(self) -> list[str]:
         """What every step checkpoint of this run's layout lists (the files of ranks
@@ -813,33 +765,16 @@ class CheckpointManager:
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
-        _on_rank_zero(lambda: self._branch(folder))
+        _on_rank_zero(
+            lambda: branch_at(
+                folder,
+                run_id=self._run_id,
+                epochs_done=self._progress.epochs_run,
+                export_roots=self._export_roots,
+                keep_previous_runs=self.options.keep_previous_runs,
+            )
+        )
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
-
-    def _branch(self, folder: Path) -> None:
-        """Resuming before the newest checkpoints branches: the old timeline's later
-        step checkpoints are deleted (with ``keep_previous_runs``, moved aside with
-        the later exports), so that pruning and later resumes see this branch only."""
-        later = [p for p in _step_dirs(self._out) if step_of(p) > step_of(folder)]
-        if later and self.options.keep_previous_runs:
-            done = self._progress.epochs_run
-            for root in self._export_roots:
-                epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
-                later += [p for p, e in epochs if e is not None and e >= done]
-            reason = (
-                f"Resuming from {folder.name}: the later checkpoints of this run "
-                "(damaged, or of the timeline this resume branches from) go aside"
-            )
-            _set_aside(later, f"run_{self._run_id}-after-{folder.name}", reason)
-        elif later:
-            _warn(
-                f"Resuming from {folder.name}: deleting this run's later step checkpoints "
-                f"({', '.join(p.name for p in later)}: {_size(later)}), damaged or of the "
-                "timeline this resume branches from, so that later resumes continue "
-                "this branch. To keep them, set keep_previous_runs=True (moved to "
-                f"{self._out / PREVIOUS_RUNS})."
-            )
-            _delete(later)
 
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the

@@ -1,10 +1,12 @@
-"""One run per ``output_dir``: its name, its lock, and what earlier runs left.
+"""One run per ``output_dir``: its name, its lock, and what earlier runs and
+earlier timelines left.
 
 ``torchtune_run.json`` names the run the folder holds; ``torchtune_run.lock`` is held
 (an exclusive ``flock``, released by the kernel when the process dies) by the
-process training it. An earlier run's files are deleted or, when asked, moved into
-``previous_runs/``; a move records what it moves first, so that the next start
-finishes a move a killed process left midway.
+process training it. A new run deletes an earlier run's resumable state, and a resume
+that branches from an older step checkpoint deletes the later ones, or, when asked
+(``keep_previous_runs``), moves them into ``previous_runs/``; a move records what it
+moves first, so that the next start finishes a move a killed process left midway.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
+    _delete,
     _fsync_dir,
     _read_json,
+    _size,
+    _step_dirs,
     _warn,
+    step_of,
 )
 
 RUN_FILE, LOCK_FILE = "torchtune_run.json", "torchtune_run.lock"
@@ -253,10 +259,113 @@ def _release_lock(lock: _Lock) -> None:
     os.close(lock.fd)
 
 
+# -- a new run, and a resume that branches ----------------------------------------
+
+
+def start_run(
+    out: Path,
+    folders: Iterable[Path],
+    *,
+    keep_previous_runs: bool,
+    read: Sequence[Path],
+) -> str:
+    """Name a new run in ``out``, after clearing what an earlier run left in
+    ``folders`` (the output and export folders): its resumable state is deleted or,
+    with ``keep_previous_runs``, all of it is moved into ``previous_runs/``, but for
+    what this run ``read``s, which stays in place with a copy set aside."""
+    found = []
+    for root in set(folders):
+        found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
+    if any(e.name != RUN_FILE for e in found):
+        if keep_previous_runs:
+            _set_earlier_run_aside(out, found, read)
+        else:
+            _clear_earlier_run(out, found)
+    run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
+    return _write_run_file(out, run_id)
+
+
+def _clear_earlier_run(out: Path, found: list[Path]) -> None:
+    """Delete the resumable state of the earlier run that left ``found``, which
+    this run must not continue, saying so first; its exports stay until this run's
+    epochs replace them, as in 0.6.1."""
+    resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
+    exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
+    message = [f"{out} holds an earlier run's files."]
+    if resumable:
+        names = ", ".join(sorted(e.name for e in resumable))
+        message.append(
+            f"Deleting its resumable state ({names}: {_size(resumable)}), "
+            "which this new run must not continue."
+        )
+    if exports:
+        message.append(
+            f"Its exports ({', '.join(exports)}) stay until this run's epochs "
+            "replace them."
+        )
+    message.append(
+        "To keep an earlier run's files, set keep_previous_runs=True (moved "
+        f"to {out / PREVIOUS_RUNS}), or use another output_dir."
+    )
+    _warn(" ".join(message))
+    _delete(resumable)
+
+
+def _set_earlier_run_aside(out: Path, found: list[Path], read: Sequence[Path]) -> None:
+    """Move everything the earlier run left (``found``) into ``previous_runs/``,
+    but for what this run reads, which stays in place with a copy set aside."""
+    keep = [k.absolute() for k in read]
+    kept = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
+    newest = time.gmtime(max(e.stat().st_mtime for e in found))
+    earlier = read_run_file(out) or time.strftime("before-%Y%m%d-%H%M%S", newest)
+    reason = (
+        f"{out} held an earlier run's checkpoints, which this run must "
+        "neither overwrite nor resume (to resume: move them back)"
+    )
+    moved = [e for e in found if e not in kept]
+    _set_aside(moved, f"run_{earlier}", reason, copies=kept)
+
+
+def branch_at(
+    folder: Path,
+    *,
+    run_id: str | None,
+    epochs_done: int,
+    export_roots: Sequence[Path],
+    keep_previous_runs: bool,
+) -> None:
+    """Resuming from the step checkpoint ``folder`` when later ones exist branches:
+    the old timeline's later step checkpoints are deleted (with
+    ``keep_previous_runs``, moved aside with the exports of the epochs after
+    ``epochs_done``), so that pruning and later resumes see this branch only."""
+    out = folder.parent
+    later = [p for p in _step_dirs(out) if step_of(p) > step_of(folder)]
+    if later and keep_previous_runs:
+        for root in export_roots:
+            epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
+            later += [p for p, e in epochs if e is not None and e >= epochs_done]
+        reason = (
+            f"Resuming from {folder.name}: the later checkpoints of this run "
+            "(damaged, or of the timeline this resume branches from) go aside"
+        )
+        _set_aside(later, f"run_{run_id}-after-{folder.name}", reason)
+    elif later:
+        _warn(
+            f"Resuming from {folder.name}: deleting this run's later step checkpoints "
+            f"({', '.join(p.name for p in later)}: {_size(later)}), damaged or of the "
+            "timeline this resume branches from, so that later resumes continue "
+            "this branch. To keep them, set keep_previous_runs=True (moved to "
+            f"{out / PREVIOUS_RUNS})."
+        )
+        _delete(later)
+
+
 __all__ = [
     "LOCK_FILE",
     "PREVIOUS_RUNS",
     "RUN_FILE",
+    "branch_at",
     "check_writable",
     "read_run_file",
+    "start_run",
 ]
