@@ -611,10 +611,17 @@ class CheckpointManager:
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             return
         self._restore(folder, recipe_state)
+        self._after_resume(folder, epoch_end=bool(recipe_state.get("epoch_end")))
+
+    def _after_resume(self, folder: Path | None, *, epoch_end: bool) -> None:
+        """Once a resume is restored: rewrite the resumed epoch's export if it is not
+        this checkpoint's (torn, or another run's), and at the end of training say
+        there is nothing left to do and finish the run."""
+        progress = self._progress
         epoch = progress.epochs_run - 1
         done = progress.epochs_run >= progress.total_epochs
         problems = []
-        for root in self._export_roots if recipe_state.get("epoch_end") else []:
+        for root in self._export_roots if epoch_end else []:
             problem = not_this_runs_export(
                 root / f"epoch_{epoch}", run_id=self._run_id, step=progress.global_step
             )
