@@ -25,15 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tests.helpers import BITWISE, loss_fn, make_model, train, weights_of
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
-    BITWISE,
     freeze_first_layer,
-    loss_fn,
-    make_model,
     reference_after_6_steps,
-    snapshot,
-    train,
 )
 from torchtune.training import (
     OptimizerInBackward,
@@ -92,10 +88,10 @@ def with_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def unwrapped_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+def unwrapped_weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name.replace(_CHECKPOINT_PREFIX, ""): value
-        for name, value in snapshot(model).items()
+        for name, value in weights_of(model).items()
     }
 
 
@@ -168,7 +164,7 @@ def test_name_keyed_form_loads_with_set_optimizer_state_dict_and_resumes_bitwise
     )
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -187,7 +183,7 @@ def test_name_keyed_form_drops_the_activation_checkpointing_prefix() -> None:
     set_optimizer_state_dict(model, optimizer, converted)
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        unwrapped_snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        unwrapped_weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -220,7 +216,7 @@ def test_index_form_loads_with_load_state_dict_and_resumes_bitwise(
     assert len(optimizer.state) == 6
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -247,7 +243,7 @@ def test_index_form_matches_names_with_or_without_the_prefix_on_either_side(
     )
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        unwrapped_snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        unwrapped_weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -270,9 +266,9 @@ def test_index_form_gives_params_named_none_no_state(build: str) -> None:
     assert not any(p in optimizer.state for p in policy.parameters())
     train(value, optimizer, range(3, 6))
     torch.testing.assert_close(
-        snapshot(value), snapshot(reference_after_6_steps()), **BITWISE
+        weights_of(value), weights_of(reference_after_6_steps()), **BITWISE
     )
-    torch.testing.assert_close(snapshot(policy), snapshot(make_model(seed=1)))
+    torch.testing.assert_close(weights_of(policy), weights_of(make_model(seed=1)))
 
 
 def test_index_form_names_the_missing_and_the_extra_params() -> None:
@@ -313,7 +309,7 @@ def test_index_form_takes_frozen_params_with_or_without_an_entry(
     train(model, optimizer, range(3, 6))
     reference = freeze_first_layer(make_model())
     train(reference, cls(reference.parameters(), **kwargs), range(6))
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    torch.testing.assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_index_form_takes_the_hyperparameters_of_the_first_saved_param() -> None:
