@@ -64,11 +64,11 @@ from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.assets.make_ppo_assets import PPOAssets, ensure_ppo_assets
+from tests.helpers import snapshot_files
 from tests.recipes.utils import (
     TuneRun,
     TuneRunError,
     run_tune_in_process,
-    snapshot_files,
     tiny_config,
 )
 from torchtune import training

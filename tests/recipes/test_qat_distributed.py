@@ -61,6 +61,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import snapshot_files
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
@@ -69,7 +70,6 @@ from tests.recipes.utils import (
     run_tune_forked,
     run_tune_in_process,
     series,
-    snapshot_files,
     tiny_config,
     tolerances,
 )

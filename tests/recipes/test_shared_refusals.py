@@ -26,7 +26,8 @@ import torch
 from omegaconf import OmegaConf
 
 import torchtune
-from tests.recipes.utils import held_by_another_process, snapshot_files, tiny_config
+from tests.helpers import snapshot_files
+from tests.recipes.utils import held_by_another_process, tiny_config
 
 pytestmark = pytest.mark.integration_test
 

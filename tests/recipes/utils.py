@@ -21,7 +21,6 @@ interpreter start or imports per run); both read the metrics back the same way.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 import re
@@ -867,19 +866,6 @@ def full_optimizer_state(
             g | {"params": [names[i] for i in g["params"]]}
             for g in saved["param_groups"]
         ],
-    }
-
-
-def snapshot_files(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root``: its content hash and modification time, to show that
-    a refused run left a folder's checkpoints untouched."""
-    return {
-        str(p.relative_to(root)): (
-            hashlib.sha256(p.read_bytes()).hexdigest(),
-            p.stat().st_mtime_ns,
-        )
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
     }
 
 
