@@ -1,13 +1,7 @@
-"""Shared pytest setup: the ``integration_test`` marker and the tiny test assets.
+"""Shared pytest setup: the tiny test assets.
 
-Every test runs by default; ``-m "not integration_test"`` skips the recipe runs.
-
-Under pytest-xdist with ``--dist loadgroup`` (as ``scripts/test.sh`` runs the suite),
-each test module is one unit of work, so its module-scoped runs are made once; the
-modules whose tests share a session-scoped multi-process run are one unit together,
-so that run is made once too. The units that train (recipe runs, the shared
-multi-process run) are handed out first and the quick unit tests fill in after them,
-so that no worker is left with a long unit at the end.
+Every test runs by default; ``-m "not integration_test"`` (the marker is registered
+in ``pyproject.toml``) skips the recipe runs.
 
 The asset fixtures are session-scoped. The first one used generates
 ``tests/assets/generated/`` (about 10 s, most of it importing torchtune) unless it is
@@ -30,50 +24,6 @@ from tests.assets.make_assets import DEFAULT_OUT, TinyAssets, ensure_assets
 # steps in several processes (this one and the recipes' subprocesses, which inherit
 # the environment), so they keep that cache off.
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Register the markers used in this test suite."""
-    config.addinivalue_line(
-        "markers",
-        "integration_test: runs a recipe end to end in a subprocess (tune run)",
-    )
-
-
-# Session-scoped fixtures that start processes and are shared by several modules.
-_SHARED_SESSION_RUNS = ("optimizer_in_backward_distributed_run",)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
-    """Under ``--dist loadgroup``: group the tests into units of work and order the
-    units (module docstring). Before pytest-xdist's own hook, which reads the
-    groups."""
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    shared = {
-        item.path: name
-        for item in items
-        for name in _SHARED_SESSION_RUNS
-        if name in getattr(item, "fixturenames", ())
-    }
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        group = shared.get(item.path) or item.path.relative_to(config.rootpath)
-        groups.setdefault(str(group), []).append(item)
-
-    def trains(group: list[pytest.Item]) -> bool:
-        return any(
-            item.path in shared or item.get_closest_marker("integration_test")
-            for item in group
-        )
-
-    ordered = sorted(groups.items(), key=lambda g: not trains(g[1]))  # stable
-    items[:] = []
-    for name, group in ordered:
-        for item in group:
-            item.add_marker(pytest.mark.xdist_group(name))
-        items.extend(group)
 
 
 @pytest.fixture(scope="session")

@@ -38,11 +38,10 @@ from typing import Any
 import torch
 
 from tests.recipes.utils import (
-    REPO_ROOT,
-    _override_list,
     _subprocess_env,
+    forked_tune_main,
     read_disk_log,
-    run_outputs,
+    tune_argv,
 )
 from tests.torchtune.distributed_launcher import (
     kill_child,
@@ -137,14 +136,10 @@ def install(kill_point: str) -> None:
         raise ValueError(f"unknown kill point {kill_point!r}")
 
 
-def _run(kill_point: str, tune_args: list[str]) -> None:
-    """In the forked process: ``tune *tune_args``, dying at ``kill_point``."""
-    os.chdir(REPO_ROOT)
+def _run(kill_point: str, argv: list[str]) -> None:
+    """In the forked process: ``tune`` on ``argv``, dying at ``kill_point``."""
     install(kill_point)
-    from torchtune._cli.tune import main as tune_main
-
-    sys.argv = ["tune", *tune_args]
-    tune_main()
+    forked_tune_main(argv)
 
 
 @dataclass
@@ -181,19 +176,12 @@ def start(
     log_dir = output_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / log_name
-    tune_args = [
-        "run",
-        recipe,
-        "--config",
-        str(config),
-        *_override_list(overrides),
-        *run_outputs(output_dir, log_file),
-    ]
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
     output = log_dir / f"{log_file.stem}.out"
     process = start_child(
         preloaded_context(),
         _run,
-        (kill_point, tune_args),
+        (kill_point, argv),
         _subprocess_env(output_dir, None),
         output,
         replace_env=True,

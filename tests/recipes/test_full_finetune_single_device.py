@@ -2,11 +2,10 @@
 
 Every run here is a ``tune run`` of the tiny Llama2 on CPU (see
 ``tests/recipes/configs/tiny_full_single_device.yaml``); runs are module-scoped and
-shared between tests. One run goes through ``run_tune`` (a fresh ``tune``
-process); the other seven call the same ``tune`` entry point in this process, which
-parses the same command line and runs the same recipe file, without paying ~15 s of
-imports each. A resume in this process that matches the subprocess run bitwise also
-shows the two ways of running agree.
+shared between tests. Each calls the ``tune`` entry point in this process
+(``run_tune_in_process``), which parses the same command line and runs the same
+recipe file as ``tune run`` in a process of its own, without paying ~15 s of imports
+each (``tests/recipes/test_harness_smoke.py`` shows the two train alike, bitwise).
 
 Every comparison names the exact steps it compares and checks that both runs
 logged those steps; the final weights are compared too (they hold the last step's
@@ -48,6 +47,7 @@ import pytest
 import torch
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
     assert_same_steps,
@@ -55,7 +55,6 @@ from tests.recipes.utils import (
     assert_steps,
     assert_weights_close,
     load_weights,
-    run_tune,
     run_tune_in_process,
     series,
     tiny_config,
@@ -69,10 +68,9 @@ STEPS_PER_EPOCH = 3
 ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
 EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": {"loss": EXACT, "grad_norm": EXACT, "weights": EXACT},
+    "adamw_cosine_warmup": {"loss": BITWISE, "grad_norm": BITWISE, "weights": BITWISE},
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 1.0e-7
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.5e-7
@@ -114,11 +112,10 @@ def adamw_runs(
         "checkpointer.keep_last_n_checkpoints": 2,
     }
     return {
-        "plain": run_tune(
-            RECIPE,
+        "plain": tune_run_here(
             CONFIG,
             overrides | _mode_overrides(False),
-            output_dir=tmp_path_factory.mktemp("adamw_plain"),
+            tmp_path_factory.mktemp("adamw_plain"),
         ),
         "bwd": tune_run_here(
             CONFIG,
@@ -266,7 +263,7 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
     tolerances = ACROSS_MODES[optimizer]
     assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
+    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
     # Both modes log the norm of the same normalized gradients (in-backward: the one
     # the optimizer recorded during backward, read before step(); were no update made
     # inside backward, it would be 0).
@@ -307,12 +304,12 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     # The resumed run starts at the step after epoch 0, on the scheduler's position.
     assert_steps(uninterrupted, ALL_STEPS)
     steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
+    assert_series_close(resumed, uninterrupted, "lr", steps, **BITWISE)
     # Bitwise in either mode (module docstring).
-    assert_series_close(resumed, uninterrupted, "loss", steps, **EXACT)
+    assert_series_close(resumed, uninterrupted, "loss", steps, **BITWISE)
     # And it ends with the uninterrupted run's weights, after all three updates.
     assert_weights_close(
-        _final_weights(resumed), _final_weights(uninterrupted), **EXACT
+        _final_weights(resumed), _final_weights(uninterrupted), **BITWISE
     )
 
 
@@ -323,10 +320,10 @@ def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint(
     plain = adamw_runs["plain"]
     assert_steps(plain, ALL_STEPS)
     steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, plain, "lr", steps, **EXACT)
+    assert_series_close(resumed, plain, "lr", steps, **BITWISE)
     # Saved by a plain run, resumed in either mode: bitwise (module docstring).
-    assert_series_close(resumed, plain, "loss", steps, **EXACT)
-    assert_weights_close(_final_weights(resumed), _final_weights(plain), **EXACT)
+    assert_series_close(resumed, plain, "loss", steps, **BITWISE)
+    assert_weights_close(_final_weights(resumed), _final_weights(plain), **BITWISE)
 
 
 def test_final_checkpoint_is_in_hf_format_and_loads_back(
@@ -404,13 +401,13 @@ def test_bf16_in_backward_trains_as_plain_bitwise(
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
     steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **EXACT)
+    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
+    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
+    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
     final = _final_weights(bwd)
     assert all(w.dtype == torch.bfloat16 for w in final.values())
-    assert_weights_close(final, _final_weights(plain), **EXACT)
+    assert_weights_close(final, _final_weights(plain), **BITWISE)
 
 
 def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
@@ -422,7 +419,7 @@ def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
     # bf16 weights and optimizer state are saved and loaded as they are: the same
     # kernels on the same values.
     for metric in ("loss", "lr", "grad_norm"):
-        assert_series_close(resumed, uninterrupted, metric, steps, **EXACT)
+        assert_series_close(resumed, uninterrupted, metric, steps, **BITWISE)
     assert_weights_close(
-        _final_weights(resumed), _final_weights(uninterrupted), **EXACT
+        _final_weights(resumed), _final_weights(uninterrupted), **BITWISE
     )

@@ -9,6 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRunError,
     assert_series_close,
@@ -19,6 +20,7 @@ from tests.recipes.utils import (
     read_disk_log,
     run_tune,
     run_tune_forked,
+    run_tune_in_process,
     tiny_config,
     tiny_overrides,
 )
@@ -86,27 +88,36 @@ def test_tiny_config_is_well_formed_and_matches_the_tiny_assets(
 
 
 @pytest.mark.integration_test
-def test_full_finetune_single_device_logs_three_finite_losses(
+def test_a_run_in_process_trains_as_tune_run_in_a_process_of_its_own_bitwise(
     tiny_assets: TinyAssets, tmp_path: Path
 ) -> None:
-    run = run_tune(
+    """Most single-device recipe runs are ``run_tune_in_process``: the same command
+    line through ``tune run`` in a subprocess trains the same, bitwise."""
+    recipe, config = (
         "full_finetune_single_device",
         tiny_config("tiny_full_single_device"),
-        {
-            "assets_dir": tiny_assets.root,
-            "max_steps_per_epoch": 3,
-            "optimizer_in_bwd": False,
-        },
-        output_dir=tmp_path,
-        timeout=180,
     )
-    assert list(run.metrics) == [1, 2, 3]
-    assert len(run.losses) == 3
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "max_steps_per_epoch": 3,
+        "optimizer_in_bwd": False,
+    }
+    run = run_tune(recipe, config, overrides, output_dir=tmp_path / "subprocess")
+    steps = assert_steps(run, [1, 2, 3])
     assert all(math.isfinite(loss) for loss in run.losses)
     # Near the uniform loss of the untrained model, ln(vocab_size).
     assert abs(run.losses[0] - math.log(tiny_assets.vocab_size)) < 0.2
-    assert all("lr" in values for values in run.metrics.values())
     assert (run.output_dir / "epoch_0" / "model.safetensors.index.json").is_file()
+    here = run_tune_in_process(recipe, config, overrides, tmp_path / "in_process")
+    assert_steps(here, steps)
+    for name in ("loss", "grad_norm", "lr"):
+        assert_series_close(here, run, name, steps, **BITWISE)
+    shard = "epoch_0/model-00001-of-00001.safetensors"
+    assert_weights_close(
+        load_weights(here.output_dir / shard),
+        load_weights(run.output_dir / shard),
+        **BITWISE,
+    )
 
 
 @pytest.mark.integration_test
@@ -143,13 +154,12 @@ def test_forked_ranks_train_as_torchrun_ranks_bitwise(
     steps = assert_steps(torchrun, [1, 2])
     assert_steps(forked, steps)
     for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(forked, torchrun, name, steps, rtol=0.0, atol=0.0)
+        assert_series_close(forked, torchrun, name, steps, **BITWISE)
     shard = "epoch_0/model-00001-of-00001.safetensors"
     assert_weights_close(
         load_weights(forked.output_dir / shard),
         load_weights(torchrun.output_dir / shard),
-        rtol=0.0,
-        atol=0.0,
+        **BITWISE,
     )
 
 

@@ -2,10 +2,10 @@
 uninterrupted, checkpoints load back, and saving leaves the model alone.
 
 The runs are real ``tune run`` command lines of the tiny LoRA Llama2 on CPU (see
-``tests/recipes/configs/tiny_lora_single_device.yaml``). One goes through a
-subprocess, to prove ``tune run lora_finetune_single_device`` end to end; the others
-run the same command line in this process (``tune_run_here``), which saves the ~10 s
-of imports each subprocess pays. Runs are module-scoped and shared between tests.
+``tests/recipes/configs/tiny_lora_single_device.yaml``), run in this process
+(``tune_run_here``), which saves the ~10 s of imports a subprocess pays
+(``tests/recipes/test_harness_smoke.py`` shows the two train alike, bitwise). Runs
+are module-scoped and shared between tests.
 
 Every comparison names the exact steps it compares and checks that both runs
 logged those steps; the final adapters are compared too (they hold the last step's
@@ -54,6 +54,7 @@ import torch
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
     assert_same_steps,
@@ -63,7 +64,6 @@ from tests.recipes.utils import (
     format_override,
     load_recipe_class,
     load_weights,
-    run_tune,
     run_tune_in_process,
     series,
     tiny_config,
@@ -77,10 +77,9 @@ STEPS_PER_EPOCH = 3
 ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
 EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": {"loss": EXACT, "grad_norm": EXACT, "adapter": EXACT},
+    "adamw_cosine_warmup": {"loss": BITWISE, "grad_norm": BITWISE, "adapter": BITWISE},
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.2e-7
@@ -169,7 +168,7 @@ def adamw_runs(
 ) -> dict[str, TuneRun]:
     """Two epochs of AdamW + cosine warmup (the tiny config's), in each mode.
 
-    The plain run saves merged weights too (in a subprocess); the in-backward run
+    The plain run saves merged weights too; the in-backward run
     saves the adapter only, so the in-backward resumes start from adapter-only
     checkpoints. Both keep epoch 0's step checkpoint, for the resumes.
     """
@@ -180,11 +179,10 @@ def adamw_runs(
         **KEEP_EPOCH_STEPS,
     }
     return {
-        "plain": run_tune(
-            RECIPE,
+        "plain": tune_run_here(
             CONFIG,
             overrides | _mode_overrides(False),
-            output_dir=tmp_path_factory.mktemp("adamw_plain"),
+            tmp_path_factory.mktemp("adamw_plain"),
         ),
         "bwd": tune_run_here(
             CONFIG,
@@ -289,7 +287,7 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
     tolerances = ACROSS_MODES[optimizer]
     assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
+    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
     # Both modes log the norm of the same normalized gradients (in-backward: the one
     # the optimizer recorded during backward, read before step(): 0 had no update
     # run inside backward).
@@ -341,13 +339,13 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     # The resumed run starts at the step after epoch 0, on the scheduler's position.
     assert_steps(uninterrupted, ALL_STEPS)
     steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
+    assert_series_close(resumed, uninterrupted, "lr", steps, **BITWISE)
     # The first step's forward runs on the same weights whatever the mode.
-    assert_series_close(resumed, uninterrupted, "loss", steps[:1], **EXACT)
+    assert_series_close(resumed, uninterrupted, "loss", steps[:1], **BITWISE)
     # Bitwise in either mode (module docstring).
-    assert_series_close(resumed, uninterrupted, "loss", steps, **EXACT)
+    assert_series_close(resumed, uninterrupted, "loss", steps, **BITWISE)
     # And it ends with the uninterrupted run's adapter, after all three updates.
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
+    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **BITWISE)
 
 
 def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
@@ -444,7 +442,7 @@ def test_adapter_only_checkpoint_loads_back(
         num_kv_heads=kwargs["num_kv_heads"],
         dim=kwargs["embed_dim"],
     )
-    assert_close(load_file(final / "adapter_model.safetensors"), peft, **EXACT)
+    assert_close(load_file(final / "adapter_model.safetensors"), peft, **BITWISE)
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["r"] == LORA_KWARGS["lora_rank"]
     assert config["lora_alpha"] == LORA_KWARGS["lora_alpha"]
@@ -632,8 +630,8 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
     # The norm in-backward logs was recorded as the hooks updated the parameters,
     # before step(): it is the plain run's norm only if every update ran in backward.
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **EXACT)
+    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
+    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
     num_layers = (
         QLORA_MODEL_KWARGS["num_layers"]
         if variant == "qlora"
@@ -645,7 +643,7 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
         lora_b = [v for k, v in adapter.items() if "lora_b" in k]
         assert len(lora_b) == _num_lora_b(num_layers), sorted(adapter)
         assert all(v.abs().max() > 0 for v in lora_b)
-    assert_weights_close(adapters["bwd"], adapters["plain"], **EXACT)
+    assert_weights_close(adapters["bwd"], adapters["plain"], **BITWISE)
 
 
 BF16_STEPS_PER_EPOCH = 2
@@ -692,13 +690,13 @@ def test_bf16_in_backward_trains_as_plain_bitwise(
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
     steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
     assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **EXACT)
+    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
+    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
+    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
     adapter = _adapter(bwd, 1)
     assert all(w.dtype == torch.bfloat16 for w in adapter.values())
-    assert_weights_close(adapter, _adapter(plain, 1), **EXACT)
+    assert_weights_close(adapter, _adapter(plain, 1), **BITWISE)
 
 
 def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
@@ -710,8 +708,8 @@ def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
     # The bf16 adapter and optimizer state are saved and loaded as they are: the
     # same kernels on the same values.
     for metric in ("loss", "lr", "grad_norm"):
-        assert_series_close(resumed, uninterrupted, metric, steps, **EXACT)
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
+        assert_series_close(resumed, uninterrupted, metric, steps, **BITWISE)
+    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **BITWISE)
 
 
 def test_resume_from_an_epoch_checkpoint_without_its_adapter_is_refused(

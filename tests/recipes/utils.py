@@ -463,12 +463,19 @@ def read_disk_log(path: Path | str) -> dict[int, dict[str, float]]:
     return metrics
 
 
-def _next_log_name(log_dir: Path) -> str:
-    """The first ``metrics_<k>.txt`` not yet in ``log_dir``."""
+def _new_log_file(output_dir: Path, *, reserve: bool = True) -> Path:
+    """The first ``output_dir/logs/metrics_<k>.txt`` not yet there: a run's own
+    ``DiskLogger`` file. ``reserve`` creates it (and ``logs/``) now, so that two runs
+    started back to back never share one; a run in this process needs no
+    reservation, and a refused one must leave no ``logs/`` behind."""
+    log_dir = output_dir / "logs"
     k = 0
     while (log_dir / f"metrics_{k}.txt").exists():
         k += 1
-    return f"metrics_{k}.txt"
+    if reserve:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / f"metrics_{k}.txt").touch()
+    return log_dir / f"metrics_{k}.txt"
 
 
 def _subprocess_env(
@@ -498,12 +505,21 @@ def run_outputs(output_dir: Path, log_file: Path) -> list[str]:
 
 def _logged_run(
     output_dir: Path, log_file: Path, command: list[str], output: str, wall_s: float
-) -> TuneRun | None:
-    """The run as its ``DiskLogger`` file ``log_file`` tells it; ``None`` if it
-    logged no metrics (or no file)."""
+) -> TuneRun:
+    """The run as its ``DiskLogger`` file ``log_file`` tells it.
+
+    Raises:
+        TuneRunError: if it logged no metrics (or no file), so that two runs that
+            logged nothing can never compare equal.
+    """
     metrics = read_disk_log(log_file) if log_file.is_file() else {}
     if not metrics:
-        return None
+        raise TuneRunError(
+            f"the run ended without an error but logged no metrics to {log_file}",
+            command,
+            0,
+            output,
+        )
     return TuneRun(
         losses=[v["loss"] for _, v in sorted(metrics.items()) if "loss" in v],
         metrics=dict(sorted(metrics.items())),
@@ -562,11 +578,7 @@ def run_tune(
     if distributed is None:
         distributed = nproc > 1 or "distributed" in recipe
     output_dir = Path(output_dir).resolve()
-    log_dir = output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = log_dir / _next_log_name(log_dir)
-    # Reserve the name now, so two runs started back to back never share a file.
-    log_file.touch()
+    log_file = _new_log_file(output_dir)
 
     command = [sys.executable, "-m", "torchtune._cli.tune", "run"]
     if distributed:
@@ -613,16 +625,7 @@ def run_tune(
             proc.returncode,
             output,
         )
-
-    run = _logged_run(output_dir, log_file, command, output, wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
-            command,
-            proc.returncode,
-            output,
-        )
-    return run
+    return _logged_run(output_dir, log_file, command, output, wall_s)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -679,41 +682,31 @@ def run_tune_forked(
         free_port,
         kill_child,
         preloaded_context,
+        rank_env,
         start_child,
     )
 
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     output_dir = Path(output_dir).resolve()
-    log_dir = output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = log_dir / _next_log_name(log_dir)
-    log_file.touch()
-    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += run_outputs(output_dir, log_file)
+    log_file = _new_log_file(output_dir)
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
     context = preloaded_context()
     base_env = _subprocess_env(output_dir, env)
-    port = str(free_port())
-    rank_logs = [log_dir / f"{log_file.stem}_rank{rank}.out" for rank in range(nproc)]
+    port = free_port()
+    rank_logs = [
+        log_file.with_name(f"{log_file.stem}_rank{r}.out") for r in range(nproc)
+    ]
     start = time.perf_counter()
     ranks = []
     try:
         for rank in range(nproc):
-            rank_env = base_env | {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "OMP_NUM_THREADS": "1",
-            }
             ranks.append(
                 start_child(
                     context,
-                    _tune_rank,
-                    (argv, str(REPO_ROOT)),
-                    rank_env,
+                    forked_tune_main,
+                    (argv,),
+                    base_env | rank_env(rank, nproc, port),
                     rank_logs[rank],
                     replace_env=True,
                 )
@@ -747,24 +740,42 @@ def run_tune_forked(
             next(c for c in codes if c),
             output,
         )
-    run = _logged_run(output_dir, log_file, command, output, wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
-            command,
-            0,
-            output,
-        )
-    return run
+    return _logged_run(output_dir, log_file, command, output, wall_s)
 
 
-def _tune_rank(argv: list[str], cwd: str) -> None:
-    """One rank of :func:`run_tune_forked`: ``tune``'s entry point on ``argv``."""
-    from torchtune._cli.tune import main as tune_main
+def tune_argv(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None,
+    output_dir: Path,
+    log_file: Path,
+) -> list[str]:
+    """``tune run RECIPE --config CONFIG overrides`` with the overrides every runner
+    adds (:func:`run_outputs`), as ``sys.argv`` (starting with ``tune``)."""
+    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
+    return argv + run_outputs(output_dir, log_file)
 
-    os.chdir(cwd)
-    sys.argv = list(argv)
-    tune_main()
+
+def tune_main(argv: list[str]) -> None:
+    """``tune``'s entry point on ``argv`` in this process (the test process itself,
+    or a process forked for a run: :func:`forked_tune_main`)."""
+    from torchtune._cli.tune import main
+
+    saved, sys.argv = sys.argv, list(argv)
+    try:
+        main()
+    except SystemExit as e:  # a recipe file ends with sys.exit(recipe_main())
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved
+
+
+def forked_tune_main(argv: list[str]) -> None:
+    """:func:`tune_main` in a forked process, from the repository root, as
+    ``run_tune`` runs its subprocess."""
+    os.chdir(REPO_ROOT)
+    tune_main(argv)
 
 
 def run_tune_in_process(
@@ -785,31 +796,12 @@ def run_tune_in_process(
         TuneRunError: if the run logs no metrics (as :func:`run_tune`), so that two
             runs that logged nothing can never compare equal.
     """
-    from torchtune._cli.tune import main as tune_main
-
-    log_dir = Path(output_dir) / "logs"
-    log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
-    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += run_outputs(output_dir, log_file)
-    saved_argv, sys.argv = sys.argv, argv
+    output_dir = Path(output_dir)
+    log_file = _new_log_file(output_dir, reserve=False)
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
     start = time.perf_counter()
-    try:
-        tune_main()
-    except SystemExit as e:  # a recipe file ends with sys.exit(recipe_main())
-        if e.code not in (None, 0):
-            raise
-    finally:
-        sys.argv = saved_argv
-    wall_s = time.perf_counter() - start
-    run = _logged_run(Path(output_dir), log_file, argv, "", wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} returned but logged no metrics to {log_file}",
-            argv,
-            0,
-            "",
-        )
-    return run
+    tune_main(argv)
+    return _logged_run(output_dir, log_file, argv, "", time.perf_counter() - start)
 
 
 def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> TuneRun:
@@ -818,14 +810,12 @@ def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> Tune
     configs' ``output_dir/logs/metrics.txt``) and its ``output_dir``.
 
     Raises:
-        AssertionError: if the file logs no metrics, so that two runs that logged
+        TuneRunError: if the file logs no metrics, so that two runs that logged
             nothing can never compare equal.
     """
     output_dir = Path(output_dir)
     log_file = Path(log_file) if log_file else output_dir / "logs" / "metrics.txt"
-    run = _logged_run(output_dir, log_file, [], "", 0.0)
-    assert run, f"{log_file} logs no metrics"
-    return run
+    return _logged_run(output_dir, log_file, [], "", 0.0)
 
 
 def load_recipe_class(recipe: str, class_name: str) -> type:
