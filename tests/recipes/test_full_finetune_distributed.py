@@ -32,8 +32,7 @@ from an epoch-0 or epoch-1 checkpoint.
 
 The multi-process runs are ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: each rank a real process, with what torchrun gives it, without
-an interpreter start and imports per run); the 1-process runs with a partly frozen
-model or from 0.6.1's format go through ``tune``'s entry point in this process.
+an interpreter start and imports per run), the 1-process runs too.
 
 Tolerances, from the arithmetic; each set is about ten times the largest difference
 measured on this project's x86 CPU (``assert_series_close`` and
@@ -89,6 +88,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     TuneRun,
@@ -102,13 +102,11 @@ from tests.recipes.utils import (
     load_weights,
     read_run,
     run_tune_forked,
-    run_tune_in_process,
     series,
     tiny_config,
     tolerances,
 )
 from tests.torchtune.distributed_launcher import (
-    free_port,
     run_distributed,
     write_report,
 )
@@ -121,7 +119,6 @@ EPOCHS, STEPS = 3, 2  # every run is configured for 3 epochs of 2 steps
 ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # Tolerances for the loss, the grad norm and the final weights (module docstring):
 # rtol for the loss and the grad norm, atol for the weights (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; weights absolute] difference.
@@ -178,37 +175,10 @@ def _resume(
     return run
 
 
-def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
-    """``_train`` on one process, in this process: no interpreter start and no
-    imports to pay, so a few seconds a run. ``tune run`` without ``--nproc_per_node``
-    runs the recipe in its own process; the environment gives it what torchrun gives
-    a rank. One thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``).
-    """
-    base = {
-        "assets_dir": assets.root,
-        "epochs": EPOCHS,
-        "max_steps_per_epoch": STEPS,
-        "clip_grad_norm": CLIP,
-        # 1 process x 8 = 2 processes x 4: the same samples per step.
-        "batch_size": 8,
-        **KEEP_EPOCH_STEPS,
-    }
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            mp.setenv("HF_HUB_OFFLINE", "1")
-            mp.setenv("HF_DATASETS_OFFLINE", "1")
-            mp.setenv("HF_DATASETS_CACHE", str(out / ".hf_datasets_cache"))
-            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
-    finally:
-        if torch.distributed.is_initialized():  # the run failed before its cleanup
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(threads)
+def _train_one(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
+    """``_train`` on one process: 1 process x 8 = 2 processes x 4, the same samples
+    per step."""
+    return _train(out, assets, nproc=1, batch_size=8, **overrides)
 
 
 def _steps_after(epoch: int) -> range:
@@ -398,56 +368,38 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
 EPOCH_1_WEIGHTS = f"epoch_1/{SHARD}"
 
 
-def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+@pytest.mark.parametrize("mode", ["bwd", "plain"])
+def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, mode: str
 ) -> None:
-    # 0.6.1's distributed configs turn activation checkpointing on, which puts its
-    # wrapper in the saved names; the resumed run has it on too. Recomputing the
-    # forward in backward runs the same kernels on the same values, so the run
-    # stays bitwise equal to the uninterrupted one.
-    out = runs_dir / "in_bwd_from_0_6_1"
+    bwd = mode == "bwd"
+    out = runs_dir / f"{mode}_from_0_6_1"
     _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
-    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=True)
-    resumed = _train(
+    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=bwd)
+    if bwd:
+        # 0.6.1's distributed configs turn activation checkpointing on, which puts
+        # its wrapper in the saved names; the resumed run has it on too.
+        # Recomputing the forward in backward runs the same kernels on the same
+        # values, so the run stays bitwise equal to the uninterrupted one.
+        train, more, tol = _train, {"enable_activation_checkpointing": True}, SAME
+    else:
+        # On one process (to keep it cheap) against the 2-process
+        # reference: across modes and layouts (module docstring). Moments that
+        # failed to load would restart Adam's bias correction and move the loss by
+        # far more.
+        train, more, tol = _train_one, {}, RESUMED_ACROSS_MODES_AND_LAYOUTS
+    resumed = train(
         out,
         tiny_assets,
         resume_from_checkpoint=True,
-        optimizer_in_bwd=True,
-        enable_activation_checkpointing=True,
+        optimizer_in_bwd=bwd,
+        **more,
         **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
     )
-    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
     assert_same_training(
         resumed,
         in_bwd,
-        SAME,
-        _steps_after(1),
-        reference_steps=ALL_STEPS,
-        final_weights=_final_weights,
-    )
-
-
-def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
-) -> None:
-    # On one process (in this process, to keep it cheap) against the 2-process
-    # reference: across modes and layouts (module docstring). Moments that failed
-    # to load would restart Adam's bias correction and move the loss by far more.
-    out = runs_dir / "plain_from_0_6_1"
-    _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
-    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
-    resumed = _train_here(
-        out,
-        tiny_assets,
-        resume_from_checkpoint=True,
-        optimizer_in_bwd=False,
-        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
-    )
-    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
-    assert_same_training(
-        resumed,
-        in_bwd,
-        RESUMED_ACROSS_MODES_AND_LAYOUTS,
+        tol,
         _steps_after(1),
         reference_steps=ALL_STEPS,
         final_weights=_final_weights,
@@ -466,8 +418,8 @@ PARTLY_FROZEN = {
 
 @pytest.fixture(scope="module")
 def frozen_in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
-    """In-backward, one process (in this process), the FROZEN modules frozen."""
-    return _train_here(
+    """In-backward, one process, the FROZEN modules frozen."""
+    return _train_one(
         runs_dir / "frozen_in_bwd", tiny_assets, optimizer_in_bwd=True, **PARTLY_FROZEN
     )
 
@@ -520,7 +472,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
             shutil.copytree(source / part, out / part)
         shutil.copy(source / "torchtune_run.json", out / "torchtune_run.json")
         resume = {}
-    resumed = _train_here(
+    resumed = _train_one(
         out,
         tiny_assets,
         resume_from_checkpoint=True,
@@ -573,7 +525,7 @@ def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
     assert_series_close(
         in_bwd_2d, in_bwd, "loss", steps, **RESUMED_ACROSS_LAYOUTS_2D["loss"]
     )
-    assert_series_close(in_bwd_2d, in_bwd, "lr", steps, **EXACT)
+    assert_series_close(in_bwd_2d, in_bwd, "lr", steps, **BITWISE)
     # The full checkpoint gathers the FSDP x TP shards into the same weights.
     assert_weights_close(
         _final_weights(in_bwd_2d),
@@ -678,22 +630,22 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
     resumed = read_run(out / "resumed")
     for name in ("loss", "grad_norm", "lr"):
         assert_series_close(
-            resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **EXACT
+            resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **BITWISE
         )
     assert_weights_close(
         load_weights(resumed.output_dir / "epoch_1" / SHARD),
         load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+        **BITWISE,
     )
     steps = assert_same_steps(in_bwd, plain, range(1, 5))
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     assert (series(in_bwd, "grad_norm", steps) > 0).all()
     for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **EXACT)
+        assert_series_close(in_bwd, plain, name, steps, **BITWISE)
     assert_weights_close(
         load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
         load_weights(plain.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+        **BITWISE,
     )
 
 
@@ -750,11 +702,11 @@ def test_bf16_in_backward_matches_plain_on_two_processes_bitwise(
     assert (series(in_bwd, "grad_norm", steps) > 0).all()
     _assert_clips_some_steps_only(plain, steps)
     for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **EXACT)
+        assert_series_close(in_bwd, plain, name, steps, **BITWISE)
     final = load_weights(in_bwd.output_dir / "epoch_1" / SHARD)
     assert all(w.dtype == torch.bfloat16 for w in final.values())
     assert_weights_close(
-        final, load_weights(plain.output_dir / "epoch_1" / SHARD), **EXACT
+        final, load_weights(plain.output_dir / "epoch_1" / SHARD), **BITWISE
     )
 
 
@@ -767,11 +719,11 @@ def test_bf16_in_backward_resume_on_two_processes_equals_uninterrupted_bitwise(
     # bf16 weights and optimizer state are saved and loaded as they are, in the same
     # process layout: the same kernels on the same values.
     for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(resumed, in_bwd, name, steps, **EXACT)
+        assert_series_close(resumed, in_bwd, name, steps, **BITWISE)
     assert_weights_close(
         load_weights(resumed.output_dir / "epoch_1" / SHARD),
         load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+        **BITWISE,
     )
 
 

@@ -41,23 +41,22 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.assets.make_assets import TinyAssets
-from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
-    assert_same_steps,
-    assert_series_close,
-    assert_steps,
-    assert_weights_close,
+    assert_same_training,
+    assert_trains_as_plain,
     load_weights,
     run_tune_in_process,
     series,
     tiny_config,
+    tolerances,
 )
 
 pytestmark = pytest.mark.integration_test
@@ -70,7 +69,7 @@ EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": {"loss": BITWISE, "grad_norm": BITWISE, "weights": BITWISE},
+    "adamw_cosine_warmup": tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 1.0e-7
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.5e-7
@@ -162,52 +161,17 @@ def sgd_runs(
     }
 
 
-@pytest.fixture(scope="module")
-def resumed_runs(
-    tiny_assets: TinyAssets,
-    adamw_runs: dict[str, TuneRun],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[tuple[str, str], TuneRun]:
-    """Each 2-epoch AdamW run resumed from its epoch-0 checkpoint, in each mode."""
-    runs = {}
-    for source in ("plain", "bwd"):
-        for target in (False, True):
-            # A fresh output_dir holding only epoch 0's step checkpoint.
-            out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
-            epoch_end = f"step_{STEPS_PER_EPOCH}"
-            shutil.copytree(adamw_runs[source].output_dir / epoch_end, out / epoch_end)
-            runs[source, _name(target)] = tune_run_here(
-                CONFIG,
-                {
-                    "assets_dir": tiny_assets.root,
-                    "epochs": 2,
-                    "max_steps_per_epoch": STEPS_PER_EPOCH,
-                    "resume_from_checkpoint": True,
-                    **_mode_overrides(target),
-                },
-                out,
-            )
-    return runs
-
-
-@pytest.fixture(scope="module", params=["bwd", "plain"])
-def resumed_from_0_6_1(
-    request: pytest.FixtureRequest,
-    tiny_assets: TinyAssets,
-    adamw_runs: dict[str, TuneRun],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[str, TuneRun]:
-    """The plain run's epoch 0, its optimizer state rewritten the way torchtune 0.6.1
-    saved in-backward runs, resumed in-backward and plain (the checkpoint client
-    converts the format for either optimizer)."""
+def _write_0_6_1_in_backward_checkpoint(
+    run: TuneRun, out: Path, assets: TinyAssets
+) -> None:
+    """``run``'s epoch 0 as torchtune 0.6.1 left it after an in-backward run: its
+    weights (no manifest) and its recipe state, the optimizer state in 0.6.1's
+    in-backward format (the checkpoint client converts it for either optimizer)."""
     from torchtune import training
     from torchtune.models.llama2 import llama2
 
-    out = tmp_path_factory.mktemp(f"resume_0_6_1_to_{request.param}")
-    # What 0.6.1 left after epoch 0: its weights (no manifest) and its recipe state.
-    source = adamw_runs["plain"].output_dir
-    shutil.copytree(source / "epoch_0", out / "epoch_0")
-    epoch_end = source / f"step_{STEPS_PER_EPOCH}" / "model_optimizer.pt"
+    shutil.copytree(run.output_dir / "epoch_0", out / "epoch_0")
+    epoch_end = run.output_dir / f"step_{STEPS_PER_EPOCH}" / "model_optimizer.pt"
     state = {
         training.OPT_KEY: torch.load(epoch_end, weights_only=False)["optimizer"],
         training.SEED_KEY: 0,
@@ -216,7 +180,7 @@ def resumed_from_0_6_1(
         training.MAX_STEPS_KEY: STEPS_PER_EPOCH,
     }
     # 0.6.1: {parameter name: that parameter's own optimizer's state_dict()}.
-    names = [name for name, _ in llama2(**tiny_assets.model_kwargs).named_parameters()]
+    names = [name for name, _ in llama2(**assets.model_kwargs).named_parameters()]
     optimizer, (group,) = (
         state[training.OPT_KEY],
         state[training.OPT_KEY]["param_groups"],
@@ -230,20 +194,47 @@ def resumed_from_0_6_1(
     }
     (out / "recipe_state").mkdir()
     torch.save(state, out / "recipe_state" / "recipe_state.pt")
-    run = tune_run_here(
-        CONFIG,
-        {
-            "assets_dir": tiny_assets.root,
-            "epochs": 2,
-            "max_steps_per_epoch": STEPS_PER_EPOCH,
-            "resume_from_checkpoint": True,
-            "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
-            "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
-            **_mode_overrides(request.param == "bwd"),
-        },
-        out,
-    )
-    return request.param, run
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(
+    tiny_assets: TinyAssets,
+    adamw_runs: dict[str, TuneRun],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, str], TuneRun]:
+    """Each 2-epoch AdamW run resumed from its epoch-0 checkpoint, in each mode; and,
+    keyed ``("0.6.1", target)``, the plain run's epoch 0 as 0.6.1 saved an
+    in-backward run (:func:`_write_0_6_1_in_backward_checkpoint`)."""
+    common = {
+        "assets_dir": tiny_assets.root,
+        "epochs": 2,
+        "max_steps_per_epoch": STEPS_PER_EPOCH,
+        "resume_from_checkpoint": True,
+    }
+    runs = {}
+    for source in ("plain", "bwd"):
+        for target in (False, True):
+            # A fresh output_dir holding only epoch 0's step checkpoint.
+            out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
+            epoch_end = f"step_{STEPS_PER_EPOCH}"
+            shutil.copytree(adamw_runs[source].output_dir / epoch_end, out / epoch_end)
+            runs[source, _name(target)] = tune_run_here(
+                CONFIG, common | _mode_overrides(target), out
+            )
+    for target in (False, True):
+        out = tmp_path_factory.mktemp(f"resume_0_6_1_to_{_name(target)}")
+        _write_0_6_1_in_backward_checkpoint(adamw_runs["plain"], out, tiny_assets)
+        runs["0.6.1", _name(target)] = tune_run_here(
+            CONFIG,
+            common
+            | _mode_overrides(target)
+            | {
+                "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
+                "checkpointer.recipe_checkpoint": "recipe_state/recipe_state.pt",
+            },
+            out,
+        )
+    return runs
 
 
 def _final_weights(run: TuneRun, epoch: int = 1) -> dict[str, torch.Tensor]:
@@ -258,27 +249,18 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
     adamw = optimizer == "adamw_cosine_warmup"
     runs = request.getfixturevalue("adamw_runs" if adamw else "sgd_runs")
     plain, bwd = runs["plain"], runs["bwd"]
-    steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
-    # The loss must move, or equal losses would prove nothing.
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    tolerances = ACROSS_MODES[optimizer]
-    assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
-    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
-    # Both modes log the norm of the same normalized gradients (in-backward: the one
-    # the optimizer recorded during backward, read before step(); were no update made
-    # inside backward, it would be 0).
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **tolerances["grad_norm"])
-    if adamw:
-        norms = series(plain, "grad_norm", steps)
-        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    # The weights each mode ends with (after every step's update, the last one
-    # included, which no logged loss shows).
-    assert_weights_close(
-        _final_weights(bwd, 1 if adamw else 0),
-        _final_weights(plain, 1 if adamw else 0),
-        **tolerances["weights"],
+    assert_trains_as_plain(
+        bwd,
+        plain,
+        ACROSS_MODES[optimizer],
+        ALL_STEPS if adamw else SGD_STEPS,
+        # The weights each mode ends with (after every step's update, the last one
+        # included, which no logged loss shows).
+        final_weights=partial(_final_weights, epoch=1 if adamw else 0),
     )
+    if adamw:
+        norms = series(plain, "grad_norm", ALL_STEPS)
+        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
     for run in (plain, bwd):
         for values in run.metrics.values():
             assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
@@ -290,7 +272,15 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
 
 @pytest.mark.parametrize(
     "source,target",
-    [("plain", "plain"), ("bwd", "bwd"), ("plain", "bwd"), ("bwd", "plain")],
+    [
+        ("plain", "plain"),
+        ("bwd", "bwd"),
+        ("plain", "bwd"),
+        ("bwd", "plain"),
+        # The plain run's epoch 0 as torchtune 0.6.1 saved an in-backward run.
+        ("0.6.1", "bwd"),
+        ("0.6.1", "plain"),
+    ],
     ids=lambda mode: mode,
 )
 def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
@@ -299,31 +289,17 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     adamw_runs: dict[str, TuneRun],
     resumed_runs: dict[tuple[str, str], TuneRun],
 ) -> None:
-    uninterrupted = adamw_runs[source]
-    resumed = resumed_runs[source, target]
-    # The resumed run starts at the step after epoch 0, on the scheduler's position.
-    assert_steps(uninterrupted, ALL_STEPS)
-    steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, uninterrupted, "lr", steps, **BITWISE)
-    # Bitwise in either mode (module docstring).
-    assert_series_close(resumed, uninterrupted, "loss", steps, **BITWISE)
-    # And it ends with the uninterrupted run's weights, after all three updates.
-    assert_weights_close(
-        _final_weights(resumed), _final_weights(uninterrupted), **BITWISE
+    # The resumed run starts at the step after epoch 0, on the scheduler's position,
+    # and ends with the uninterrupted run's weights, after all three updates:
+    # bitwise in either mode (module docstring).
+    assert_same_training(
+        resumed_runs[source, target],
+        adamw_runs["plain" if source == "0.6.1" else source],
+        tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+        EPOCH_1,
+        reference_steps=ALL_STEPS,
+        final_weights=_final_weights,
     )
-
-
-def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint(
-    adamw_runs: dict[str, TuneRun], resumed_from_0_6_1: tuple[str, TuneRun]
-) -> None:
-    mode, resumed = resumed_from_0_6_1
-    plain = adamw_runs["plain"]
-    assert_steps(plain, ALL_STEPS)
-    steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, plain, "lr", steps, **BITWISE)
-    # Saved by a plain run, resumed in either mode: bitwise (module docstring).
-    assert_series_close(resumed, plain, "loss", steps, **BITWISE)
-    assert_weights_close(_final_weights(resumed), _final_weights(plain), **BITWISE)
 
 
 def test_final_checkpoint_is_in_hf_format_and_loads_back(
@@ -395,31 +371,22 @@ def bf16_runs(
     return runs
 
 
-def test_bf16_in_backward_trains_as_plain_bitwise(
-    bf16_runs: dict[str, TuneRun], tiny_assets: TinyAssets
-) -> None:
-    plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
-    steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
-    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
-    final = _final_weights(bwd)
-    assert all(w.dtype == torch.bfloat16 for w in final.values())
-    assert_weights_close(final, _final_weights(plain), **BITWISE)
-
-
-def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
+def test_bf16_in_backward_trains_as_plain_and_resumes_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
-    uninterrupted, resumed = bf16_runs["bwd"], bf16_runs["resumed"]
-    assert_steps(uninterrupted, BF16_ALL_STEPS)
-    steps = assert_steps(resumed, BF16_EPOCH_1)
+    plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
+    bitwise = tolerances(loss=0.0, grad_norm=0.0, weights=0.0)
+    assert_trains_as_plain(
+        bwd, plain, bitwise, BF16_ALL_STEPS, final_weights=_final_weights
+    )
+    assert all(w.dtype == torch.bfloat16 for w in _final_weights(bwd).values())
     # bf16 weights and optimizer state are saved and loaded as they are: the same
     # kernels on the same values.
-    for metric in ("loss", "lr", "grad_norm"):
-        assert_series_close(resumed, uninterrupted, metric, steps, **BITWISE)
-    assert_weights_close(
-        _final_weights(resumed), _final_weights(uninterrupted), **BITWISE
+    assert_same_training(
+        bf16_runs["resumed"],
+        bwd,
+        bitwise,
+        BF16_EPOCH_1,
+        reference_steps=BF16_ALL_STEPS,
+        final_weights=_final_weights,
     )

@@ -28,7 +28,7 @@ measured on this project's x86 CPU (``assert_series_close`` and
 ``assert_weights_close`` print it), given in brackets beside it as
 [loss, grad_norm relative; adapter absolute]:
 
-- ``EXACT``: the same kernels on the same values in the same process layout. The
+- ``BITWISE``: the same kernels on the same values in the same process layout. The
   first step of a resumed run computes the loss of the weights the uninterrupted
   run had at that step (exact fp32 adapter, unchanged base weights), so it must
   agree bitwise; learning rates come from the same scheduler arithmetic.
@@ -60,6 +60,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     DISK_LOGGER,
     TuneRun,
@@ -88,7 +89,6 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 EPOCH_1 = range(STEPS + 1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # The grad norm every run clips at: the tiny adapters' norms cross it.
 CLIP = 1.0
 # Tolerances for the loss, the grad norm and the final adapter (module docstring):
@@ -312,7 +312,7 @@ def test_resume_switching_mode_equals_uninterrupted_run(
         source, runs_dir / f"resumed_{target_in_bwd}", tiny_assets, target_in_bwd
     )
     # The first step's forward runs on the weights the uninterrupted run had.
-    assert_series_close(resumed, source, "loss", EPOCH_1[:1], **EXACT)
+    assert_series_close(resumed, source, "loss", EPOCH_1[:1], **BITWISE)
     assert_same_training(
         resumed,
         source,

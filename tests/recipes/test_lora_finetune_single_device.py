@@ -47,6 +47,7 @@ import json
 import re
 import shutil
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,9 @@ from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
     assert_same_steps,
+    assert_same_training,
     assert_series_close,
-    assert_steps,
+    assert_trains_as_plain,
     assert_weights_close,
     format_override,
     load_recipe_class,
@@ -67,6 +69,7 @@ from tests.recipes.utils import (
     run_tune_in_process,
     series,
     tiny_config,
+    tolerances,
 )
 
 pytestmark = pytest.mark.integration_test
@@ -79,11 +82,11 @@ EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": {"loss": BITWISE, "grad_norm": BITWISE, "adapter": BITWISE},
+    "adamw_cosine_warmup": tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.2e-7
-        "adapter": {"rtol": 0.0, "atol": 1e-6},  # 1.0e-7
+        "weights": {"rtol": 0.0, "atol": 1e-6},  # 1.0e-7 (the adapter)
     },
 }
 # The grad norm the AdamW and SGD runs clip at: the tiny adapters' norms cross it.
@@ -282,25 +285,17 @@ def test_in_backward_gives_the_plain_loss_at_every_step(
     adamw = optimizer == "adamw_cosine_warmup"
     runs = request.getfixturevalue("adamw_runs" if adamw else "sgd_runs")
     plain, bwd = runs["plain"], runs["bwd"]
-    steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
-    # The loss must move, or equal losses would prove nothing.
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    tolerances = ACROSS_MODES[optimizer]
-    assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
-    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
-    # Both modes log the norm of the same normalized gradients (in-backward: the one
-    # the optimizer recorded during backward, read before step(): 0 had no update
-    # run inside backward).
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **tolerances["grad_norm"])
-    if adamw:
-        norms = series(plain, "grad_norm", steps)
-        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    # The adapters each mode ends with, after the last update too.
-    epoch = 1 if adamw else 0
-    assert_weights_close(
-        _adapter(bwd, epoch), _adapter(plain, epoch), **tolerances["adapter"]
+    assert_trains_as_plain(
+        bwd,
+        plain,
+        ACROSS_MODES[optimizer],
+        ALL_STEPS if adamw else SGD_STEPS,
+        # The adapters each mode ends with, after the last update too.
+        final_weights=partial(_adapter, epoch=1 if adamw else 0),
     )
+    if adamw:
+        norms = series(plain, "grad_norm", ALL_STEPS)
+        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
     for run in (plain, bwd):
         for values in run.metrics.values():
             assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
@@ -330,22 +325,20 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     # into the live base weights, so the uninterrupted epoch 1 trained a corrupted
     # model, while the resumed one started from clean base weights.
     # The 0.6.1 checkpoints come from the run of the other mode (resumed_runs).
+    uninterrupted = source
     if source == "0.6.1":
-        source = "plain" if target == "bwd" else "bwd"
-        resumed = resumed_runs["0.6.1", target]
-    else:
-        resumed = resumed_runs[source, target]
-    uninterrupted = adamw_runs[source]
-    # The resumed run starts at the step after epoch 0, on the scheduler's position.
-    assert_steps(uninterrupted, ALL_STEPS)
-    steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, uninterrupted, "lr", steps, **BITWISE)
-    # The first step's forward runs on the same weights whatever the mode.
-    assert_series_close(resumed, uninterrupted, "loss", steps[:1], **BITWISE)
-    # Bitwise in either mode (module docstring).
-    assert_series_close(resumed, uninterrupted, "loss", steps, **BITWISE)
-    # And it ends with the uninterrupted run's adapter, after all three updates.
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **BITWISE)
+        uninterrupted = "plain" if target == "bwd" else "bwd"
+    # The resumed run starts at the step after epoch 0, on the scheduler's position,
+    # and ends with the uninterrupted run's adapter, after all three updates:
+    # bitwise in either mode (module docstring).
+    assert_same_training(
+        resumed_runs[source, target],
+        adamw_runs[uninterrupted],
+        tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+        EPOCH_1,
+        reference_steps=ALL_STEPS,
+        final_weights=partial(_adapter, epoch=1),
+    )
 
 
 def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
@@ -684,32 +677,24 @@ def bf16_runs(
     return runs
 
 
-def test_bf16_in_backward_trains_as_plain_bitwise(
+def test_bf16_in_backward_trains_as_plain_and_resumes_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
-    steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "lr", steps, **BITWISE)
-    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
-    adapter = _adapter(bwd, 1)
-    assert all(w.dtype == torch.bfloat16 for w in adapter.values())
-    assert_weights_close(adapter, _adapter(plain, 1), **BITWISE)
-
-
-def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
-    bf16_runs: dict[str, TuneRun],
-) -> None:
-    uninterrupted, resumed = bf16_runs["bwd"], bf16_runs["resumed"]
-    assert_steps(uninterrupted, BF16_ALL_STEPS)
-    steps = assert_steps(resumed, BF16_EPOCH_1)
+    bitwise = tolerances(loss=0.0, grad_norm=0.0, weights=0.0)
+    adapter = partial(_adapter, epoch=1)
+    assert_trains_as_plain(bwd, plain, bitwise, BF16_ALL_STEPS, final_weights=adapter)
+    assert all(w.dtype == torch.bfloat16 for w in adapter(bwd).values())
     # The bf16 adapter and optimizer state are saved and loaded as they are: the
     # same kernels on the same values.
-    for metric in ("loss", "lr", "grad_norm"):
-        assert_series_close(resumed, uninterrupted, metric, steps, **BITWISE)
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **BITWISE)
+    assert_same_training(
+        bf16_runs["resumed"],
+        bwd,
+        bitwise,
+        BF16_EPOCH_1,
+        reference_steps=BF16_ALL_STEPS,
+        final_weights=adapter,
+    )
 
 
 def test_resume_from_an_epoch_checkpoint_without_its_adapter_is_refused(

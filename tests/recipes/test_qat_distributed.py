@@ -22,8 +22,8 @@ Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml`
 fake quantization from step 3), shared through module-scoped fixtures: six runs in
 all, each ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: real processes, with what torchrun gives each rank, without an
-interpreter start and imports per run), and the partly frozen one on 1 process in
-this process. Refusals run in this process. The shipped configs are checked to resolve (components and keys), not run:
+interpreter start and imports per run), the partly frozen one on 1 process.
+Refusals run in this process. The shipped configs are checked to resolve (components and keys), not run:
 neither sets ``optimizer_in_bwd: True``.
 
 The data: the tiny instruct set, whose answers have different lengths, so every
@@ -73,7 +73,6 @@ from tests.recipes.utils import (
     tiny_config,
     tolerances,
 )
-from tests.torchtune.distributed_launcher import free_port
 
 pytestmark = pytest.mark.integration_test
 
@@ -370,26 +369,6 @@ def test_rank_0_alone_writes_the_epoch_checkpoints(in_bwd: TuneRun) -> None:
         assert in_bwd.output.count(f" saved to {saved}\n") == 1, saved
 
 
-def _train_here(out: Path, assets: TinyAssets, data: Path, **overrides: Any) -> TuneRun:
-    """``_train`` on 1 process, in this process: no interpreter to start, so a few
-    seconds a run. The environment gives the recipe what torchrun gives a rank; one
-    thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``)."""
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    base = {"assets_dir": assets.root, "dataset.data_files": data}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
-    finally:
-        if torch.distributed.is_initialized():  # the run failed before its cleanup
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(threads)
-
-
 # A partly frozen model: the embedding (in FSDP's root unit, beside trainable
 # weights), the norms of a layer and one of its linear layers (in that layer's
 # unit). The quantizer's prepare swaps every linear layer for a fake-quantized one
@@ -406,11 +385,13 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     parameters only listed fewer, and its checkpoints did not interchange with
     theirs. A frozen linear layer stays frozen through the quantizer's prepare:
     its weight is the base checkpoint's, and it has no optimizer state."""
-    run = _train_here(
+    run = _train(
         runs_dir / "partly_frozen",
         tiny_assets,
         train_data,
+        nproc=1,
         batch_size=8,
+        clip_grad_norm=None,
         **{
             "model._component_": (
                 "tests.recipes.partly_frozen_model.partly_frozen_llama2"

@@ -1021,6 +1021,25 @@ def assert_same_training(
         weights_match(final_weights(run), final_weights(reference))
 
 
+def assert_trains_as_plain(
+    bwd: TuneRun,
+    plain: TuneRun,
+    tol: Tolerances,
+    steps: Iterable[int],
+    *,
+    final_weights: Callable[[TuneRun], Mapping[str, torch.Tensor]],
+) -> None:
+    """The in-backward run ``bwd`` trained as the ``plain`` one over ``steps``
+    (:func:`assert_same_training`, both logging exactly ``steps``), and the
+    comparison can fail: the loss moves, and ``bwd``'s grad norm is positive at every
+    step (the one the optimizer recorded during backward, read before ``step()``: 0
+    had no update run inside backward)."""
+    steps = list(steps)
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_same_training(bwd, plain, tol, steps, final_weights=final_weights)
+
+
 def load_weights(*paths: Path | str) -> dict[str, torch.Tensor]:
     """The tensors saved in ``paths`` (safetensors or ``torch.save`` files), merged.
 

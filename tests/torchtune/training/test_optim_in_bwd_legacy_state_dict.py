@@ -150,18 +150,30 @@ def test_an_entry_that_holds_more_than_one_parameter_is_refused(named: bool) -> 
 # -- keyed by name (without named_params) ----------------------------------------------
 
 
-@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
+@pytest.mark.parametrize(
+    ("form", "build"),
+    # Keyed by name (without named_params): set_optimizer_state_dict loads it, into
+    # either mode; keyed by index (with named_params): load_state_dict, into any.
+    [("name_keyed", build) for build in ("in_bwd", "plain")]
+    + [("index_keyed", build) for build in BUILDS],
+)
 @pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_name_keyed_form_loads_with_set_optimizer_state_dict_and_resumes_bitwise(
-    style: str, in_backward: bool
+def test_either_form_loads_and_resumes_bitwise(
+    style: str, form: str, build: str
 ) -> None:
     model = make_model()
     saved = copy.deepcopy(legacy_checkpoint(model, style))
     cls, kwargs = ADAMW
-    optimizer = BUILDS["in_bwd" if in_backward else "plain"](cls, model, kwargs)
-    set_optimizer_state_dict(
-        model, optimizer, convert_legacy_optim_in_bwd_state_dict(saved)
-    )
+    optimizer = BUILDS[build](cls, model, kwargs)
+    if form == "name_keyed":
+        set_optimizer_state_dict(
+            model, optimizer, convert_legacy_optim_in_bwd_state_dict(saved)
+        )
+    else:
+        optimizer.load_state_dict(
+            convert_legacy_optim_in_bwd_state_dict(saved, model.named_parameters())
+        )
+        assert len(optimizer.state) == 6
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
         weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
@@ -199,25 +211,6 @@ def test_name_keyed_form_takes_the_first_entrys_hyperparameters() -> None:
 
 
 # -- keyed by index (with named_params) ------------------------------------------------
-
-
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_index_form_loads_with_load_state_dict_and_resumes_bitwise(
-    style: str, build: str
-) -> None:
-    model = make_model()
-    saved = copy.deepcopy(legacy_checkpoint(model, style))
-    cls, kwargs = ADAMW
-    optimizer = BUILDS[build](cls, model, kwargs)
-    optimizer.load_state_dict(
-        convert_legacy_optim_in_bwd_state_dict(saved, model.named_parameters())
-    )
-    assert len(optimizer.state) == 6
-    train(model, optimizer, range(3, 6))
-    torch.testing.assert_close(
-        weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
-    )
 
 
 @pytest.mark.parametrize(
