@@ -30,7 +30,7 @@ module.
 
 Tolerances, from the arithmetic (measured on these runs in brackets):
 
-- ``EXACT``: the same kernels on the same values in the same process layout. DPO's
+- ``BITWISE``: the same kernels on the same values in the same process layout. DPO's
   loss is a mean over pairs and every batch holds ``batch_size`` pairs, so both modes
   backpropagate the same loss (no normalization after backward): the gradients are
   bitwise the same, and each parameter is updated by the same single-tensor AdamW
@@ -77,8 +77,11 @@ from torch.testing import assert_close
 import torchtune
 from tests.assets.make_assets import TinyAssets
 from tests.assets.make_dpo_assets import write_preference_data
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
+    assert_metrics_close,
+    assert_series_close,
     load_recipe_class,
     run_tune_forked,
     run_tune_in_process,
@@ -109,7 +112,6 @@ PAIRS_PER_STEP = 8
 # Several runs share 2 cores; a collective reached by only some ranks hangs: fail.
 TIMEOUT_S = 300
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # The grad norm every run clips at: the tiny policy's norms cross it.
 CLIP = 0.45
 ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 1e-6}
@@ -125,31 +127,8 @@ PAIR_METRICS = (
     "logits/chosen",
     "logits/rejected",
 )
-
-
-def _series(run: TuneRun, name: str, steps: range) -> torch.Tensor:
-    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
-
-
-def _assert_same(
-    run: TuneRun,
-    reference: TuneRun,
-    names: tuple[str, ...],
-    tol: dict[str, float],
-    steps: range = ALL_STEPS,
-) -> None:
-    for name in names:
-        assert_close(
-            _series(run, name, steps),
-            _series(reference, name, steps),
-            **tol,
-            msg=lambda m, name=name: f"{name}: {m}",
-        )
-
-
-def _assert_same_lr(run: TuneRun, reference: TuneRun, steps: range) -> None:
-    # The schedule depends on nothing but the step count.
-    _assert_same(run, reference, ("lr",), EXACT, steps)
+# Everything a step logs that both runs compute alike (the lr: from the step count).
+EVERY_METRIC = ("loss", "grad_norm", "lr", *PAIR_METRICS)
 
 
 class Runs:
@@ -486,8 +465,7 @@ def test_in_backward_matches_plain_on_two_processes(runs: Runs) -> None:
 
     norms = torch.tensor([plain.metrics[s]["grad_norm"] for s in ALL_STEPS])
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    _assert_same(in_bwd, plain, ("loss", "grad_norm", *PAIR_METRICS), EXACT)
-    _assert_same_lr(in_bwd, plain, ALL_STEPS)
+    assert_metrics_close(in_bwd, plain, EVERY_METRIC, ALL_STEPS, **BITWISE)
 
 
 def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
@@ -504,10 +482,7 @@ def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
     assert list(resumed.metrics) == list(EPOCH_1)
     # The plain run's AdamW state, loaded from DCP into the in-backward optimizer,
     # gives the same updates (module docstring).
-    _assert_same(
-        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
-    )
-    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+    assert_metrics_close(resumed, uninterrupted, EVERY_METRIC, EPOCH_1, **BITWISE)
 
 
 def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_run(
@@ -529,14 +504,9 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
     assert f"Resumed from step checkpoint {copied}." in resumed.output
     assert list(resumed.metrics) == list(AFTER_RESUME_STEP)
     # The same mode, kernels and values: bitwise (module docstring).
-    _assert_same(
-        resumed,
-        uninterrupted,
-        ("loss", "grad_norm", *PAIR_METRICS),
-        EXACT,
-        AFTER_RESUME_STEP,
+    assert_metrics_close(
+        resumed, uninterrupted, EVERY_METRIC, AFTER_RESUME_STEP, **BITWISE
     )
-    _assert_same_lr(resumed, uninterrupted, AFTER_RESUME_STEP)
 
 
 @pytest.mark.parametrize("name", ["in_bwd_from_0_6_1", "plain_from_0_6_1"])
@@ -549,15 +519,12 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_equals_uninterrupted_run(
     # Same updates in either mode (module docstring). Moments that failed to load
     # would restart AdamW's bias correction and move the losses after the first and
     # the weights by far more.
-    _assert_same(
-        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
-    )
-    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+    assert_metrics_close(resumed, uninterrupted, EVERY_METRIC, EPOCH_1, **BITWISE)
     final = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
     assert_close(
         load_file(resumed.output_dir / final),
         load_file(uninterrupted.output_dir / final),
-        **EXACT,
+        **BITWISE,
     )
 
 
@@ -567,13 +534,14 @@ def test_two_processes_match_one_process_at_the_same_global_batch(
     two, one = runs["in_bwd"], runs["one_process"]
     # Not logits/*: as in 0.6.1 they average every logit of the batch, padding
     # included, and how much padding a batch has depends on how it is split.
-    _assert_same(
+    assert_metrics_close(
         two,
         one,
         ("loss", "grad_norm", *PAIR_METRICS[: PAIR_METRICS.index("logits/chosen")]),
-        ACROSS_LAYOUTS,
+        ALL_STEPS,
+        **ACROSS_LAYOUTS,
     )
-    _assert_same_lr(two, one, ALL_STEPS)
+    assert_series_close(two, one, "lr", ALL_STEPS, **BITWISE)
 
 
 def test_checkpoints_hold_the_trained_policy_and_its_optimizer_state(

@@ -39,7 +39,7 @@ measured on this project's x86 CPU (``assert_series_close`` and
 ``assert_weights_close`` print it), given in brackets beside it as
 [loss, grad_norm relative; weights absolute]:
 
-- ``SAME``: the same kernels on the same values in the same process layout. A
+- ``BITWISE_TRAINING``: the same kernels on the same values in the same process layout. A
   resumed run reloads exact weights and optimizer state (fp32 or bf16) and
   recomputes the lr from the step count, so it agrees bitwise [0].
 - ``ACROSS_MODES``: in-backward and plain multiply the same gradients by the same
@@ -91,11 +91,12 @@ from tests.assets.make_assets import TinyAssets
 from tests.helpers import BITWISE
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
-    assert_same_steps,
     assert_same_training,
     assert_series_close,
     assert_steps,
+    assert_trains_as_plain,
     assert_weights_close,
     full_optimizer_state,
     load_recipe_class,
@@ -122,11 +123,10 @@ TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 # Tolerances for the loss, the grad norm and the final weights (module docstring):
 # rtol for the loss and the grad norm, atol for the weights (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; weights absolute] difference.
-SAME = tolerances(0.0, 0.0, 0.0)
-ACROSS_MODES = SAME
+ACROSS_MODES = BITWISE_TRAINING
 ACROSS_LAYOUTS = tolerances(1.2e-6, 3.4e-6, 6e-7)  # [1.1e-7, 3.4e-7; 6.0e-8]
 # Two steps after a resume from epoch 1.
-RESUMED_ACROSS_MODES = SAME
+RESUMED_ACROSS_MODES = BITWISE_TRAINING
 # ... on one process, against the 2-process run.
 RESUMED_ACROSS_MODES_AND_LAYOUTS = tolerances(1.2e-6, 2.3e-6, 8e-8)
 # [1.1e-7, 2.3e-7; 7.5e-9]
@@ -197,6 +197,11 @@ def _final_weights(run: TuneRun) -> dict[str, torch.Tensor]:
     return load_weights(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
 
 
+def _epoch_1_weights(run: TuneRun) -> dict[str, torch.Tensor]:
+    """The weights of ``run``'s epoch-1 checkpoint: the last of a 2-epoch run."""
+    return load_weights(run.output_dir / "epoch_1" / SHARD)
+
+
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("full_finetune_distributed")
@@ -238,17 +243,10 @@ def in_bwd_async_from_plain(
 def test_in_backward_matches_plain_on_two_processes(
     in_bwd: TuneRun, plain_async: TuneRun
 ) -> None:
-    assert_same_steps(in_bwd, plain_async, ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    # In-backward read before step(): 0 had no update run inside backward.
-    assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     _assert_clips_some_steps_only(plain_async, ALL_STEPS)
-    assert_same_training(
-        in_bwd,
-        plain_async,
-        ACROSS_MODES,
-        ALL_STEPS,
-        final_weights=_final_weights,
+    assert_trains_as_plain(
+        in_bwd, plain_async, ACROSS_MODES, ALL_STEPS, final_weights=_final_weights
     )
 
 
@@ -381,7 +379,11 @@ def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
         # its wrapper in the saved names; the resumed run has it on too.
         # Recomputing the forward in backward runs the same kernels on the same
         # values, so the run stays bitwise equal to the uninterrupted one.
-        train, more, tol = _train, {"enable_activation_checkpointing": True}, SAME
+        train, more, tol = (
+            _train,
+            {"enable_activation_checkpointing": True},
+            BITWISE_TRAINING,
+        )
     else:
         # On one process (to keep it cheap) against the 2-process
         # reference: across modes and layouts (module docstring). Moments that
@@ -485,7 +487,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
     assert_same_training(
         resumed,
         frozen_in_bwd,
-        SAME,
+        BITWISE_TRAINING,
         _steps_after(1),
         reference_steps=ALL_STEPS,
         final_weights=_final_weights,
@@ -627,25 +629,17 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
         assert "OptimState8bit" in run.reports[0][f"{name} state"].split(",")
     in_bwd, plain = (read_run(out / name) for name in ("in_bwd", "plain"))
     # Resumed from the quantized state it saved: the same steps 3 and 4, bitwise.
-    resumed = read_run(out / "resumed")
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(
-            resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **BITWISE
-        )
-    assert_weights_close(
-        load_weights(resumed.output_dir / "epoch_1" / SHARD),
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **BITWISE,
+    assert_same_training(
+        read_run(out / "resumed"),
+        in_bwd,
+        BITWISE_TRAINING,
+        [3, 4],
+        reference_steps=range(1, 5),
+        final_weights=_epoch_1_weights,
     )
-    steps = assert_same_steps(in_bwd, plain, range(1, 5))
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    assert (series(in_bwd, "grad_norm", steps) > 0).all()
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **BITWISE)
-    assert_weights_close(
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        load_weights(plain.output_dir / "epoch_1" / SHARD),
-        **BITWISE,
+    assert_trains_as_plain(
+        in_bwd, plain, BITWISE_TRAINING, range(1, 5), final_weights=_epoch_1_weights
     )
 
 
@@ -697,33 +691,26 @@ def test_bf16_in_backward_matches_plain_on_two_processes_bitwise(
     bf16_runs: dict[str, TuneRun], tiny_assets: TinyAssets
 ) -> None:
     in_bwd, plain = bf16_runs["in_bwd"], bf16_runs["plain"]
-    steps = assert_same_steps(in_bwd, plain, BF16_ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    assert (series(in_bwd, "grad_norm", steps) > 0).all()
-    _assert_clips_some_steps_only(plain, steps)
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **BITWISE)
-    final = load_weights(in_bwd.output_dir / "epoch_1" / SHARD)
-    assert all(w.dtype == torch.bfloat16 for w in final.values())
-    assert_weights_close(
-        final, load_weights(plain.output_dir / "epoch_1" / SHARD), **BITWISE
+    _assert_clips_some_steps_only(plain, BF16_ALL_STEPS)
+    assert_trains_as_plain(
+        in_bwd, plain, BITWISE_TRAINING, BF16_ALL_STEPS, final_weights=_epoch_1_weights
     )
+    assert all(w.dtype == torch.bfloat16 for w in _epoch_1_weights(in_bwd).values())
 
 
 def test_bf16_in_backward_resume_on_two_processes_equals_uninterrupted_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
-    in_bwd, resumed = bf16_runs["in_bwd"], bf16_runs["resumed"]
-    assert_steps(in_bwd, BF16_ALL_STEPS)
-    steps = assert_steps(resumed, range(BF16_STEPS + 1, 2 * BF16_STEPS + 1))
     # bf16 weights and optimizer state are saved and loaded as they are, in the same
     # process layout: the same kernels on the same values.
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(resumed, in_bwd, name, steps, **BITWISE)
-    assert_weights_close(
-        load_weights(resumed.output_dir / "epoch_1" / SHARD),
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **BITWISE,
+    assert_same_training(
+        bf16_runs["resumed"],
+        bf16_runs["in_bwd"],
+        BITWISE_TRAINING,
+        range(BF16_STEPS + 1, 2 * BF16_STEPS + 1),
+        reference_steps=BF16_ALL_STEPS,
+        final_weights=_epoch_1_weights,
     )
 
 

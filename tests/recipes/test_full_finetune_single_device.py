@@ -49,6 +49,7 @@ import torch
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_training,
     assert_trains_as_plain,
@@ -56,7 +57,6 @@ from tests.recipes.utils import (
     run_tune_in_process,
     series,
     tiny_config,
-    tolerances,
 )
 
 pytestmark = pytest.mark.integration_test
@@ -69,7 +69,7 @@ EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+    "adamw_cosine_warmup": BITWISE_TRAINING,
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 1.0e-7
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.5e-7
@@ -295,7 +295,7 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     assert_same_training(
         resumed_runs[source, target],
         adamw_runs["plain" if source == "0.6.1" else source],
-        tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+        BITWISE_TRAINING,
         EPOCH_1,
         reference_steps=ALL_STEPS,
         final_weights=_final_weights,
@@ -375,9 +375,8 @@ def test_bf16_in_backward_trains_as_plain_and_resumes_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
-    bitwise = tolerances(loss=0.0, grad_norm=0.0, weights=0.0)
     assert_trains_as_plain(
-        bwd, plain, bitwise, BF16_ALL_STEPS, final_weights=_final_weights
+        bwd, plain, BITWISE_TRAINING, BF16_ALL_STEPS, final_weights=_final_weights
     )
     assert all(w.dtype == torch.bfloat16 for w in _final_weights(bwd).values())
     # bf16 weights and optimizer state are saved and loaded as they are: the same
@@ -385,7 +384,7 @@ def test_bf16_in_backward_trains_as_plain_and_resumes_bitwise(
     assert_same_training(
         bf16_runs["resumed"],
         bwd,
-        bitwise,
+        BITWISE_TRAINING,
         BF16_EPOCH_1,
         reference_steps=BF16_ALL_STEPS,
         final_weights=_final_weights,

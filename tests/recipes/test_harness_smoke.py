@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     TuneRunError,
     assert_same_training,
@@ -22,7 +23,6 @@ from tests.recipes.utils import (
     run_tune_in_process,
     tiny_config,
     tiny_overrides,
-    tolerances,
 )
 from torchtune import config as tt_config
 
@@ -125,7 +125,7 @@ def test_the_fast_runners_train_as_tune_run_bitwise(
     assert_same_training(
         run,
         reference,
-        tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+        BITWISE_TRAINING,
         [1, 2, 3],
         final_weights=lambda r: load_weights(r.output_dir / shard),
     )

@@ -62,12 +62,13 @@ from torch.distributed.tensor import DTensor
 from tests.assets.make_assets import TinyAssets
 from tests.helpers import BITWISE
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     DISK_LOGGER,
     TuneRun,
-    assert_same_steps,
     assert_same_training,
     assert_series_close,
     assert_steps,
+    assert_trains_as_plain,
     format_override,
     load_recipe_class,
     load_weights,
@@ -94,13 +95,12 @@ CLIP = 1.0
 # Tolerances for the loss, the grad norm and the final adapter (module docstring):
 # rtol for the loss and the grad norm, atol for the adapter (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; adapter absolute] difference.
-EXACT_TRAINING = tolerances(0.0, 0.0, 0.0)
-ACROSS_MODES = EXACT_TRAINING
+ACROSS_MODES = BITWISE_TRAINING
 # 1 process (plain, 2 x 4 accumulated) against 2 processes, plain and in-backward.
 ACROSS_LAYOUTS = tolerances(1e-6, 1.2e-6, 7e-7)  # [1.0e-7, 1.2e-7; 7.1e-8]
 ACROSS_MODES_AND_LAYOUTS = ACROSS_LAYOUTS
 # The three steps after a resume from epoch 0 in the other mode.
-RESUMED_ACROSS_MODES = EXACT_TRAINING
+RESUMED_ACROSS_MODES = BITWISE_TRAINING
 
 
 def _overrides(assets: TinyAssets, optimizer_in_bwd: bool, **extra: Any) -> dict:
@@ -236,19 +236,10 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
 def test_in_backward_matches_plain_on_two_processes(
     in_bwd: TuneRun, plain: TuneRun
 ) -> None:
-    assert_same_steps(in_bwd, plain, ALL_STEPS)
-    # The loss must move, or equal losses would prove nothing.
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    # In-backward read before step(): 0 had no update run inside backward.
-    assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    assert_same_training(
-        in_bwd,
-        plain,
-        ACROSS_MODES,
-        ALL_STEPS,
-        final_weights=_final_adapter,
+    assert_trains_as_plain(
+        in_bwd, plain, ACROSS_MODES, ALL_STEPS, final_weights=_final_adapter
     )
     for run in (in_bwd, plain):
         for values in run.metrics.values():
@@ -345,7 +336,7 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
     assert_same_training(
         run,
         in_bwd,
-        EXACT_TRAINING,
+        BITWISE_TRAINING,
         ALL_STEPS,
         final_weights=_final_adapter,
     )
@@ -362,76 +353,8 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
     assert_same_training(
         resumed,
         run,
-        EXACT_TRAINING,
+        BITWISE_TRAINING,
         EPOCH_1,
         reference_steps=ALL_STEPS,
         final_weights=_final_adapter,
     )
-
-
-def _bitsandbytes_refusal(component: str) -> str:
-    return (
-        f"optimizer._component_={component} cannot train a model sharded with FSDP2: "
-        "bitsandbytes' update kernels take plain tensors, not FSDP2's DTensors. Use "
-        "torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
-        "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe."
-    )
-
-
-TORCHAO_REFUSAL = (
-    "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with "
-    "enable_async_checkpointing=True under FSDP2: an asynchronous save cannot copy "
-    "its quantized state. Set enable_async_checkpointing=False, or use "
-    "torch.optim.AdamW."
-)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit"}},
-            _bitsandbytes_refusal("bitsandbytes.optim.AdamW8bit"),
-        ),
-        (
-            {
-                "optimizer_in_bwd": False,
-                "optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW"},
-            },
-            _bitsandbytes_refusal("bitsandbytes.optim.PagedAdamW"),
-        ),
-        (
-            {
-                "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
-                "enable_async_checkpointing": True,
-            },
-            TORCHAO_REFUSAL,
-        ),
-    ],
-    ids=[
-        "bitsandbytes_8bit_in_backward",
-        "bitsandbytes_32bit_paged_plain",
-        "torchao_low_bit_with_asynchronous_saves",
-    ],
-)
-def test_refused_config_raises_before_anything_and_leaves_checkpoints_untouched(
-    overrides: dict[str, Any], message: str, tmp_path: Path, tiny_assets: TinyAssets
-) -> None:
-    checkpoint = tmp_path / "epoch_0" / "adapter_model.pt"
-    checkpoint.parent.mkdir()
-    checkpoint.write_bytes(b"an earlier run's adapter")
-    before = checkpoint.stat()
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.optimizer_in_bwd = True
-    cfg.merge_with(overrides)
-
-    with pytest.raises(ValueError) as error:
-        load_recipe_class(RECIPE, RECIPE_CLASS)(cfg)
-    assert str(error.value) == message
-    # Refused before the process group, the model or any file.
-    assert not torch.distributed.is_initialized()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_0"]
-    after = checkpoint.stat()
-    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)

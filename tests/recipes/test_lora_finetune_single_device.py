@@ -57,6 +57,7 @@ from torch.testing import assert_close
 from tests.assets.make_assets import TinyAssets
 from tests.helpers import BITWISE
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_steps,
     assert_same_training,
@@ -69,7 +70,6 @@ from tests.recipes.utils import (
     run_tune_in_process,
     series,
     tiny_config,
-    tolerances,
 )
 
 pytestmark = pytest.mark.integration_test
@@ -82,7 +82,7 @@ EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
 SGD_STEPS = range(1, 5)
 # In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
 ACROSS_MODES = {
-    "adamw_cosine_warmup": tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+    "adamw_cosine_warmup": BITWISE_TRAINING,
     "sgd_momentum": {
         "loss": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
         "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.2e-7
@@ -334,7 +334,7 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
     assert_same_training(
         resumed_runs[source, target],
         adamw_runs[uninterrupted],
-        tolerances(loss=0.0, grad_norm=0.0, weights=0.0),
+        BITWISE_TRAINING,
         EPOCH_1,
         reference_steps=ALL_STEPS,
         final_weights=partial(_adapter, epoch=1),
@@ -681,16 +681,17 @@ def test_bf16_in_backward_trains_as_plain_and_resumes_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
     plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
-    bitwise = tolerances(loss=0.0, grad_norm=0.0, weights=0.0)
     adapter = partial(_adapter, epoch=1)
-    assert_trains_as_plain(bwd, plain, bitwise, BF16_ALL_STEPS, final_weights=adapter)
+    assert_trains_as_plain(
+        bwd, plain, BITWISE_TRAINING, BF16_ALL_STEPS, final_weights=adapter
+    )
     assert all(w.dtype == torch.bfloat16 for w in adapter(bwd).values())
     # The bf16 adapter and optimizer state are saved and loaded as they are: the
     # same kernels on the same values.
     assert_same_training(
         bf16_runs["resumed"],
         bwd,
-        bitwise,
+        BITWISE_TRAINING,
         BF16_EPOCH_1,
         reference_steps=BF16_ALL_STEPS,
         final_weights=adapter,

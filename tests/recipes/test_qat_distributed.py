@@ -40,7 +40,7 @@ crosses.
 
 Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
-- ``EXACT`` for losses, grad norms and lr between the modes and for every resume:
+- ``BITWISE_TRAINING`` for losses, grad norms and lr between the modes and for every resume:
   the same values through the same kernels, as above [0].
 - ``ACROSS_LAYOUTS`` for 2 processes vs 1: per-rank partial sums and a
   reduce-scatter add the same terms in another order, a few ulps per op. Compared on
@@ -64,6 +64,7 @@ from tests.assets.make_assets import TinyAssets
 from tests.helpers import snapshot_files
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_training,
     full_optimizer_state,
@@ -86,7 +87,6 @@ SHARD = "model-00001-of-00001.safetensors"
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 # rtol for the loss and the grad norm (module docstring).
-EXACT = tolerances(0.0, 0.0)
 # The grad norm the in-backward and plain runs clip at: their norms cross it.
 CLIP = 4.0
 ACROSS_LAYOUTS = tolerances(1e-5, 1e-5)
@@ -189,7 +189,7 @@ def test_in_backward_matches_plain_bitwise_with_fake_quantization(
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
+    assert_same_training(in_bwd, plain, BITWISE_TRAINING, ALL_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,9 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     # It starts past fake_quant_after_n_steps, so it keeps the fake quantization
     # that prepare() turned on (and the losses below show it is on).
     assert "fake quantization disabled" not in resumed.output
-    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
+    assert_same_training(
+        resumed, in_bwd, BITWISE_TRAINING, EPOCH_1, reference_steps=ALL_STEPS
+    )
 
 
 def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupted_run(
@@ -276,7 +278,7 @@ def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupte
     assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in resumed.output
     resumed_steps = range(2, EPOCHS * STEPS + 1)
     assert_same_training(
-        resumed, in_bwd, EXACT, resumed_steps, reference_steps=ALL_STEPS
+        resumed, in_bwd, BITWISE_TRAINING, resumed_steps, reference_steps=ALL_STEPS
     )
 
 
@@ -344,7 +346,9 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
         enable_activation_checkpointing=True,
         custom_sharded_layers=["tok_embeddings", "output"],
     )
-    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
+    assert_same_training(
+        resumed, in_bwd, BITWISE_TRAINING, EPOCH_1, reference_steps=ALL_STEPS
+    )
 
 
 def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_keys(

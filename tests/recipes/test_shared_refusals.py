@@ -200,14 +200,29 @@ REFUSALS = {
         "a whole number >= 1 or null (no limit).",
     ),
 }
-FSDP_REFUSAL = (
-    {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
-    ValueError,
-    "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a model "
-    "sharded with FSDP2: bitsandbytes' update kernels take plain tensors, not FSDP2's "
-    "DTensors. Use torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
-    "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe.",
-)
+# Refused by the distributed recipes only (FSDP2).
+FSDP_REFUSALS = {
+    "bitsandbytes under FSDP2": (
+        {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
+        ValueError,
+        "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a "
+        "model sharded with FSDP2: bitsandbytes' update kernels take plain tensors, "
+        "not FSDP2's DTensors. Use torch.optim.AdamW or torchao.optim._AdamW "
+        "(low-bit state: torchao.optim.AdamW8bit), or this optimizer in a "
+        "single-device recipe.",
+    ),
+    "torchao's low-bit state saved asynchronously": (
+        {
+            "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
+            "enable_async_checkpointing": True,
+        },
+        ValueError,
+        "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with "
+        "enable_async_checkpointing=True under FSDP2: an asynchronous save cannot "
+        "copy its quantized state. Set enable_async_checkpointing=False, or use "
+        "torch.optim.AdamW.",
+    ),
+}
 
 
 def build(recipe: str, cfg: DictConfig) -> object:
@@ -251,8 +266,9 @@ CASES = [
     for recipe in RECIPES
     for name in REFUSALS
 ] + [
-    pytest.param(recipe, *FSDP_REFUSAL, id=f"{recipe}: bitsandbytes under FSDP2")
+    pytest.param(recipe, *FSDP_REFUSALS[name], id=f"{recipe}: {name}")
     for recipe in sorted(DISTRIBUTED)
+    for name in FSDP_REFUSALS
 ]
 
 

@@ -963,6 +963,21 @@ def assert_series_close(
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
+def assert_metrics_close(
+    run: TuneRun,
+    reference: TuneRun,
+    metrics: Iterable[str],
+    steps: Iterable[int],
+    *,
+    rtol: float,
+    atol: float,
+) -> None:
+    """:func:`assert_series_close` for each of ``metrics``."""
+    steps = list(steps)
+    for metric in metrics:
+        assert_series_close(run, reference, metric, steps, rtol=rtol, atol=atol)
+
+
 Tolerances = Mapping[str, Mapping[str, float]]
 """Per compared quantity (``"loss"``, ``"grad_norm"``, ``"weights"``), the ``rtol``
 and ``atol`` of ``torch.testing.assert_close``."""
@@ -980,6 +995,10 @@ def tolerances(
     if weights is not None:
         tol["weights"] = {"rtol": 0.0, "atol": weights}
     return tol
+
+
+BITWISE_TRAINING = tolerances(0.0, 0.0, 0.0)
+""":data:`Tolerances` of two runs that must train bitwise alike."""
 
 
 def assert_same_training(
