@@ -27,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -577,7 +578,7 @@ _UNINTERRUPTED: dict[str, dict[str, torch.Tensor]] = {}
 def check_manager_resume(
     tmp: Path,
     *,
-    asynchronous: bool,
+    asynchronous: bool = False,
     save_in_backward: bool,
     load_in_backward: bool,
     optimizer_name: str = "adamw",
@@ -601,56 +602,40 @@ def check_manager_resume(
     )
 
 
-@scenario
-def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=True, load_in_backward=False
-    )
-
-
-@scenario
-def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=False, load_in_backward=True
-    )
-
-
-@scenario
-def torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(
-    tmp: Path,
-) -> None:
-    # Sharded step checkpoints save torchao's quantized state, which full-state
-    # (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
-    check_manager_resume(
-        tmp,
-        asynchronous=False,
-        save_in_backward=True,
-        load_in_backward=False,
-        optimizer_name="torchao_adamw8bit",
-    )
-
-
-@scenario
-def checkpoint_manager_async_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=True, save_in_backward=True, load_in_backward=True
-    )
-
-
-@scenario
-def checkpoint_manager_async_in_bwd_to_plain_resumes_mid_epoch_bitwise(
-    tmp: Path,
-) -> None:
-    check_manager_resume(
-        tmp, asynchronous=True, save_in_backward=True, load_in_backward=False
-    )
-
-
-@scenario
-def checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=True, load_in_backward=True
-    )
+# Each a scenario of its own: where the run saves (in backward or plain) and what
+# loads it; sharded step checkpoints also save torchao's quantized state, which
+# full-state (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
+_MANAGER_RESUMES: dict[str, dict[str, Any]] = {
+    "step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": False,
+    },
+    "step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise": {
+        "save_in_backward": False,
+        "load_in_backward": True,
+    },
+    "torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": False,
+        "optimizer_name": "torchao_adamw8bit",
+    },
+    "checkpoint_manager_async_in_bwd_resumes_mid_epoch_bitwise": {
+        "asynchronous": True,
+        "save_in_backward": True,
+        "load_in_backward": True,
+    },
+    "checkpoint_manager_async_in_bwd_to_plain_resumes_mid_epoch_bitwise": {
+        "asynchronous": True,
+        "save_in_backward": True,
+        "load_in_backward": False,
+    },
+    "checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": True,
+    },
+}
+for _name, _kwargs in _MANAGER_RESUMES.items():
+    SCENARIOS[_name] = partial(check_manager_resume, **_kwargs)
 
 
 def main(out_dir: Path) -> None:

@@ -1562,8 +1562,9 @@ def test_dcp_get_and_set_optimizer_state_dict_resume_like_plain(
 # -- distributed (2 processes, gloo) ----------------------------------------------------
 
 
+# The checkpoint_manager_* scenarios are checkpointing/test_checkpoint_manager.py's.
 @pytest.mark.parametrize(
-    "scenario", [n for n in SCENARIOS if not n.startswith("checkpoint_client")]
+    "scenario", [n for n in SCENARIOS if not n.startswith("checkpoint_manager")]
 )
 def test_two_gloo_processes(
     optimizer_in_backward_distributed_run: DistributedRun, scenario: str
