@@ -31,7 +31,7 @@ from tests.recipes.utils import (
     assert_series_close,
     assert_weights_close,
     load_weights,
-    run_tune_forked,
+    run_recipe,
     run_tune_in_process,
     tiny_config,
 )
@@ -85,33 +85,24 @@ def assert_trained_through_the_empty_batch(runs: dict[str, TuneRun]) -> None:
     )
 
 
-def test_a_batch_without_targets_trains_on_with_finite_weights_on_one_process(
-    tiny_assets: TinyAssets, tmp_path: Path
+@pytest.mark.parametrize(
+    ("recipe", "config", "more"),
+    [
+        ("full_finetune_single_device", "tiny_full_single_device", {}),
+        # Two processes.
+        ("full_finetune_distributed", "tiny_full_distributed", {"clip_grad_norm": 1.0}),
+    ],
+)
+def test_a_batch_without_targets_trains_on_with_finite_weights(
+    tiny_assets: TinyAssets, tmp_path: Path, recipe: str, config: str, more: dict
 ) -> None:
     data = data_with_empty_batch(tiny_assets, tmp_path / "data.json")
     runs = {
-        mode: run_tune_in_process(
-            "full_finetune_single_device",
-            tiny_config("tiny_full_single_device"),
-            settings(tiny_assets, data, mode == "bwd"),
+        mode: run_recipe(
+            recipe,
+            tiny_config(config),
+            settings(tiny_assets, data, mode == "bwd", **more),
             tmp_path / mode,
-        )
-        for mode in ("plain", "bwd")
-    }
-    assert_trained_through_the_empty_batch(runs)
-
-
-def test_a_batch_without_targets_trains_on_with_finite_weights_on_two_processes(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    data = data_with_empty_batch(tiny_assets, tmp_path / "data.json")
-    runs = {
-        mode: run_tune_forked(
-            "full_finetune_distributed",
-            tiny_config("tiny_full_distributed"),
-            settings(tiny_assets, data, mode == "bwd", clip_grad_norm=1.0),
-            nproc=2,
-            output_dir=tmp_path / mode,
         )
         for mode in ("plain", "bwd")
     }

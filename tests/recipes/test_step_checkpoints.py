@@ -47,7 +47,7 @@ from tests.recipes.utils import (
     assert_steps,
     assert_weights_close,
     load_weights,
-    run_tune_forked,
+    run_recipe,
     run_tune_in_process,
     tiny_config,
 )
@@ -172,43 +172,56 @@ def test_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
     )
 
 
-# -- two processes (FSDP2 over gloo): sharded step checkpoints --------------------------
+# -- the other recipes: two processes (FSDP2 over gloo, sharded), LoRA ------------------
 # The ranks are forked from a preloaded server (test_harness_smoke.py checks that
 # they train as torchrun's do, bitwise).
 
-DISTRIBUTED = "full_finetune_distributed"
-DISTRIBUTED_CONFIG = tiny_config("tiny_full_distributed")
+LORA = "lora_finetune_single_device"
+LORA_CONFIG = tiny_config("tiny_lora_single_device")
 
 
-@pytest.mark.parametrize("mode", ["plain", "bwd"])
-def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
-    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory, mode: str
+@pytest.mark.parametrize(
+    ("recipe", "config", "mode"),
+    [
+        ("full_finetune_distributed", "tiny_full_distributed", "plain"),
+        ("full_finetune_distributed", "tiny_full_distributed", "bwd"),
+        ("lora_finetune_distributed", "tiny_lora_distributed", "bwd"),
+        (LORA, "tiny_lora_single_device", "plain"),
+        (LORA, "tiny_lora_single_device", "bwd"),
+    ],
+)
+def test_a_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
+    tiny_assets: TinyAssets,
+    tmp_path_factory: pytest.TempPathFactory,
+    recipe: str,
+    config: str,
+    mode: str,
 ) -> None:
-    settings = overrides(tiny_assets, mode == "bwd", clip_grad_norm=None)
-    uninterrupted = run_tune_forked(
-        DISTRIBUTED,
-        DISTRIBUTED_CONFIG,
-        settings,
-        nproc=2,
-        output_dir=tmp_path_factory.mktemp(f"fsdp_{mode}"),
-    )
-    # Each rank wrote its own shards and its own dataloader position.
+    config = tiny_config(config)
+    settings = overrides(tiny_assets, mode == "bwd")
+    if "distributed" in recipe:
+        settings["clip_grad_norm"] = None
+    final = "epoch_1/" + ("adapter_model.pt" if "lora" in recipe else SHARD)
+    out = tmp_path_factory.mktemp(f"{recipe}_{mode}")
+    uninterrupted = run_recipe(recipe, config, settings, out)
     step_4 = uninterrupted.output_dir / "step_4"
-    assert (step_4 / "model_optimizer" / ".metadata").is_file()
-    assert {p.name for p in step_4.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
-
-    out = tmp_path_factory.mktemp(f"fsdp_{mode}_resumed")
+    if "distributed" in recipe:
+        # Each rank wrote its own shards and its own dataloader position.
+        assert (step_4 / "model_optimizer" / ".metadata").is_file()
+        assert {p.name for p in step_4.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+    else:
+        # A LoRA step checkpoint holds the adapter only: the base weights never
+        # change.
+        saved = torch.load(step_4 / "model_optimizer.pt", weights_only=False)
+        assert saved["model"] and all("lora" in name for name in saved["model"])
+    out = tmp_path_factory.mktemp(f"{recipe}_{mode}_resumed")
     shutil.copytree(step_4, out / "step_4")
-    resumed = run_tune_forked(
-        DISTRIBUTED,
-        DISTRIBUTED_CONFIG,
-        settings | {"resume_from_checkpoint": True},
-        nproc=2,
-        output_dir=out,
+    resumed = run_recipe(
+        recipe, config, settings | {"resume_from_checkpoint": True}, out
     )
     # The same process layout and mode: the same kernels on the same values.
-    assert_resumed_as_uninterrupted(resumed, uninterrupted, 4, f"epoch_1/{SHARD}")
-    if mode == "plain":
+    assert_resumed_as_uninterrupted(resumed, uninterrupted, 4, final)
+    if recipe != "full_finetune_distributed" or mode == "plain":
         return
     # torchtune 0.6.1's documented resume on every rank: a folder as a run killed in
     # epoch 1 leaves it (epoch 0's export and end, step_3), checkpoint_files pointed
@@ -223,63 +236,8 @@ def test_two_processes_resume_mid_epoch_to_the_uninterrupted_losses_bitwise(
         "resume_from_checkpoint": True,
         "checkpointer.checkpoint_files": [f"epoch_0/{SHARD}"],
     }
-    resumed = run_tune_forked(
-        DISTRIBUTED, DISTRIBUTED_CONFIG, settings | docs, nproc=2, output_dir=out
-    )
-    assert_resumed_as_uninterrupted(resumed, uninterrupted, 3, f"epoch_1/{SHARD}")
-
-
-def test_two_process_lora_resumes_mid_epoch_to_the_uninterrupted_losses_bitwise(
-    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    settings = overrides(tiny_assets, True, clip_grad_norm=None)
-    config = tiny_config("tiny_lora_distributed")
-    recipe = "lora_finetune_distributed"
-    uninterrupted = run_tune_forked(
-        recipe, config, settings, nproc=2, output_dir=tmp_path_factory.mktemp("lora2")
-    )
-    out = tmp_path_factory.mktemp("lora2_resumed")
-    shutil.copytree(uninterrupted.output_dir / "step_4", out / "step_4")
-    resumed = run_tune_forked(
-        recipe,
-        config,
-        settings | {"resume_from_checkpoint": True},
-        nproc=2,
-        output_dir=out,
-    )
-    assert_resumed_as_uninterrupted(
-        resumed, uninterrupted, 4, "epoch_1/adapter_model.pt"
-    )
-
-
-# -- LoRA, single device -----------------------------------------------------------
-
-LORA = "lora_finetune_single_device"
-LORA_CONFIG = tiny_config("tiny_lora_single_device")
-
-
-@pytest.mark.parametrize("mode", ["plain", "bwd"])
-def test_lora_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
-    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory, mode: str
-) -> None:
-    settings = overrides(tiny_assets, mode == "bwd")
-    uninterrupted = run_tune_in_process(
-        LORA, LORA_CONFIG, settings, tmp_path_factory.mktemp(f"lora_{mode}")
-    )
-    # A LoRA step checkpoint holds the adapter only: the base weights never change.
-    saved = torch.load(
-        uninterrupted.output_dir / "step_4" / "model_optimizer.pt", weights_only=False
-    )
-    assert saved["model"] and all("lora" in name for name in saved["model"])
-
-    out = tmp_path_factory.mktemp(f"lora_{mode}_resumed")
-    shutil.copytree(uninterrupted.output_dir / "step_4", out / "step_4")
-    resumed = run_tune_in_process(
-        LORA, LORA_CONFIG, settings | {"resume_from_checkpoint": True}, out
-    )
-    assert_resumed_as_uninterrupted(
-        resumed, uninterrupted, 4, "epoch_1/adapter_model.pt"
-    )
+    resumed = run_recipe(recipe, config, settings | docs, out)
+    assert_resumed_as_uninterrupted(resumed, uninterrupted, 3, final)
 
 
 # -- fault injection: SIGKILL at chosen moments, then resume ----------------------------

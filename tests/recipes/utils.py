@@ -804,6 +804,24 @@ def run_tune_in_process(
     return _logged_run(output_dir, log_file, argv, "", time.perf_counter() - start)
 
 
+def run_recipe(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None,
+    output_dir: Path,
+    *,
+    nproc: int = 2,
+) -> TuneRun:
+    """A recipe run the cheapest way: a single-device recipe in this process
+    (:func:`run_tune_in_process`), a distributed one on ``nproc`` forked processes
+    (:func:`run_tune_forked`)."""
+    if "distributed" in recipe:
+        return run_tune_forked(
+            recipe, config, overrides, nproc=nproc, output_dir=output_dir
+        )
+    return run_tune_in_process(recipe, config, overrides, output_dir)
+
+
 def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> TuneRun:
     """What a run made without :func:`run_tune` (a recipe built and trained in a
     forked rank) logged and wrote: its ``DiskLogger`` file (by default the tiny
