@@ -18,15 +18,13 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 
 Besides: the shipped ``llama3_1/8B_full_dpo`` config trains on the tiny assets as
 shipped (plain fused AdamW, gradient accumulation, bf16, activation checkpointing)
-and with ``optimizer_in_bwd=True``; an optimizer FSDP2 cannot train (bitsandbytes')
-is refused before anything is written.
+and with ``optimizer_in_bwd=True``. (That an optimizer FSDP2 cannot train is
+refused first is ``test_shared_refusals.py``'s, for every distributed recipe.)
 
-The 2-process runs are ``tune run`` on processes forked from a preloaded server
+The runs are ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: real processes, with what torchrun gives each rank, without an
-interpreter start and imports per run), two at a time, started on first use; the
-1-process runs go through ``tune``'s entry point in this process, on a 1-rank gloo
-group, while the first 2-process runs train. All are shared by the tests of this
-module.
+interpreter start and imports per run), two runs at a time, started on first use,
+shared by the tests of this module.
 
 Tolerances, from the arithmetic (measured on these runs in brackets):
 
@@ -61,7 +59,6 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -82,13 +79,11 @@ from tests.recipes.utils import (
     TuneRun,
     assert_metrics_close,
     assert_series_close,
-    load_recipe_class,
     run_tune_forked,
-    run_tune_in_process,
     shipped_config_overrides,
     tiny_config,
 )
-from tests.torchtune.distributed_launcher import free_port, preloaded_context
+from tests.torchtune.distributed_launcher import preloaded_context
 
 pytestmark = pytest.mark.integration_test
 
@@ -132,7 +127,8 @@ EVERY_METRIC = ("loss", "grad_norm", "lr", *PAIR_METRICS)
 
 
 class Runs:
-    """The module's 2-process runs, started on first use, two at a time.
+    """The module's runs (2 processes; 1 for ``one_process`` and the shipped config),
+    two at a time.
 
     ``runs[name]`` waits for the run ``name`` and returns it (or raises what it
     raised). Resumed runs wait for the run they resume from, then start.
@@ -166,10 +162,6 @@ class Runs:
             enable_async_checkpointing=True,
             **{"checkpointer.keep_last_n_checkpoints": EPOCHS},
         )
-        # The 1-process runs go in this process while the first 2-process runs
-        # train; the resumed runs start after them (they set this process's
-        # environment, which a run started meanwhile would be given).
-        self._in_process_done = threading.Event()
         self._submit(
             "in_bwd_from_step",
             self._resume_from_step,
@@ -207,21 +199,33 @@ class Runs:
             optimizer_in_bwd=False,
         )
         # batch_size is per rank: 1 x 8 = 2 x 4, the same pairs each step.
-        self._run_in_process(
+        self._submit(
+            "one_process",
+            self._fork,
             "one_process",
             CONFIG,
             self._settings(batch_size=PAIRS_PER_STEP, optimizer_in_bwd=True),
+            nproc=1,
         )
-        self._run_in_process("shipped", SHIPPED_CONFIG, self._shipped_overrides())
+        self._submit(
+            "shipped",
+            self._fork,
+            "shipped",
+            SHIPPED_CONFIG,
+            self._shipped_overrides(),
+            nproc=1,
+        )
         # As a user turns it on: in-backward cannot accumulate gradients.
-        self._run_in_process(
+        self._submit(
+            "shipped_in_bwd",
+            self._fork,
             "shipped_in_bwd",
             SHIPPED_CONFIG,
             self._shipped_overrides(
                 optimizer_in_bwd=True, gradient_accumulation_steps=1
             ),
+            nproc=1,
         )
-        self._in_process_done.set()
 
     def _submit(self, name: str, fn: Callable[..., TuneRun], *args, **kwargs) -> None:
         self._futures[name] = self._pool.submit(fn, *args, **kwargs)
@@ -242,48 +246,25 @@ class Runs:
         }
 
     def _train(self, name: str, **overrides: Any) -> TuneRun:
-        """2 processes, ``tune run`` on each (``run_tune_forked``)."""
+        """2 processes of the tiny config with ``overrides``."""
+        return self._fork(name, CONFIG, self._settings(**overrides))
+
+    def _fork(
+        self,
+        name: str,
+        config: Path,
+        overrides: dict[str, Any] | list[str],
+        nproc: int = 2,
+    ) -> TuneRun:
+        """``tune run`` on ``nproc`` forked processes (``run_tune_forked``)."""
         return run_tune_forked(
             RECIPE,
-            CONFIG,
-            self._settings(**overrides),
-            nproc=2,
+            config,
+            overrides,
+            nproc=nproc,
             output_dir=self._root / name,
             timeout=TIMEOUT_S,
         )
-
-    def _run_in_process(
-        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
-    ) -> None:
-        """1 process, ``tune run`` in this process on a 1-rank gloo group; its run
-        (or what it raised) becomes ``self[name]``."""
-        future: Future[TuneRun] = Future()
-        self._futures[name] = future
-        try:
-            future.set_result(self._tune_in_process(name, config, overrides))
-        except Exception as error:  # raised again to the tests that use the run
-            future.set_exception(error)
-
-    def _tune_in_process(
-        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
-    ) -> TuneRun:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        # What run_tune gives its subprocesses: offline, one thread (as torchrun
-        # gives each process; more only spin on a busy 2-core machine).
-        env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        env["HF_DATASETS_CACHE"] = str(self._root / name / ".hf_datasets_cache")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            try:
-                return run_tune_in_process(RECIPE, config, overrides, self._root / name)
-            finally:
-                if torch.distributed.is_initialized():
-                    torch.distributed.destroy_process_group()
-                torch.set_num_threads(threads)
 
     def _resume(
         self,
@@ -299,7 +280,6 @@ class Runs:
         checkpoint, whose weights the configured checkpointer reads from there.
         """
         source = self[source_name]
-        self._in_process_done.wait()
         later = [f"step_{s}" for s in range(STEPS + 1, EPOCHS * STEPS + 1)]
         shutil.copytree(
             source.output_dir,
@@ -318,7 +298,6 @@ class Runs:
         """Resume ``source_name`` from its step checkpoint ``step_{step}``, copied
         alone into a fresh output_dir, naming no file: the recipe finds it."""
         source = self[source_name]
-        self._in_process_done.wait()
         folder = f"step_{step}"
         shutil.copytree(source.output_dir / folder, self._root / name / folder)
         return self._train(name, resume_from_checkpoint=True, **overrides)
@@ -592,49 +571,3 @@ def test_shipped_llama3_1_8B_full_dpo_config_trains_on_cpu(
     # Saved in the shipped dtype.
     (shard,) = (run.output_dir / "epoch_0").glob("*.safetensors")
     assert {t.dtype for t in load_file(shard).values()} == {torch.bfloat16}
-
-
-@pytest.mark.parametrize(
-    "optimizer",
-    ["bitsandbytes.optim.PagedAdamW8bit", "bitsandbytes.optim.AdamW"],
-)
-@pytest.mark.parametrize("optimizer_in_bwd", [True, False], ids=["in_bwd", "plain"])
-def test_recipe_refuses_a_bitsandbytes_optimizer_before_building_anything(
-    optimizer: str,
-    optimizer_in_bwd: bool,
-    tmp_path: Path,
-    tiny_assets: TinyAssets,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """bitsandbytes' update kernels fail on FSDP2's DTensor parameters: the recipe
-    refuses them in ``__init__``, before the process group, a model or a file, rather
-    than failing in the first update."""
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.merge_with(
-        {"optimizer_in_bwd": optimizer_in_bwd, "optimizer": {"_component_": optimizer}}
-    )
-    # A 1-rank group could start: only the refusal keeps it from starting.
-    for key, value in (
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(free_port())),
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-    ):
-        monkeypatch.setenv(key, value)
-    try:
-        with pytest.raises(
-            ValueError,
-            match=f"^optimizer._component_={re.escape(optimizer)} cannot train a "
-            "model sharded with FSDP2",
-        ):
-            load_recipe_class(RECIPE, "FullDPORecipeDistributed")(cfg)
-        assert not torch.distributed.is_initialized()
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert list(tmp_path.iterdir()) == []
