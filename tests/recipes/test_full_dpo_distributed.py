@@ -57,7 +57,6 @@ batches) shows in ``grad_norm`` by a factor of 2 or more, far beyond these.
 from __future__ import annotations
 
 import math
-import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +76,7 @@ from tests.assets.make_dpo_assets import write_preference_data
 from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
+    as_0_6_1_in_backward,
     assert_metrics_close,
     assert_series_close,
     run_tune_forked,
@@ -346,28 +346,11 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
     """Rewrite ``output_dir`` as torchtune 0.6.1's DPO recipe left it after epoch 0
     with ``optimizer_in_bwd``: the ``epoch_0`` weights and
     ``recipe_state/recipe_state.pt``, which holds the optimizer state of the step
-    checkpoint of epoch 0's end as 0.6.1 saved it: one optimizer per policy
-    parameter, keyed by ``model.named_parameters()`` names (which include activation
-    checkpointing's wrapper where it was on), each saved as its own full state dict
-    (keyed by the clean name). Only the first one holds the scheduler's
-    ``initial_lr``: 0.6.1 built the scheduler on that one alone. Nothing of this
-    patch set's checkpoints is left, nor anything after epoch 0.
+    checkpoint of epoch 0's end as 0.6.1 saved it (``as_0_6_1_in_backward``).
+    Nothing of this patch set's checkpoints is left, nor anything after epoch 0.
     """
     saved = _full_step_checkpoint(output_dir / f"step_{STEPS}")["optimizer"]
-    (group,) = saved["param_groups"]
-    legacy = {}
-    for i, fqn in enumerate(group["params"]):
-        name = fqn
-        if checkpoint_wrapped:
-            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        if i > 0:
-            del hyperparameters["initial_lr"]
-        legacy[name] = {
-            "state": {fqn: saved["state"][fqn]},
-            "param_groups": [hyperparameters | {"params": [fqn]}],
-        }
-    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    legacy = as_0_6_1_in_backward(saved, checkpoint_wrapped=checkpoint_wrapped)
     for entry in output_dir.iterdir():
         if entry.name.startswith(("step_", "epoch_")) and entry.name != "epoch_0":
             shutil.rmtree(entry)

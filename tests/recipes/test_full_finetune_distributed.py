@@ -73,7 +73,6 @@ both are compared.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 import traceback
@@ -93,6 +92,7 @@ from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
     BITWISE_TRAINING,
     TuneRun,
+    as_0_6_1_in_backward,
     assert_same_training,
     assert_series_close,
     assert_steps,
@@ -336,30 +336,13 @@ def _write_0_6_1_epoch_checkpoint(
 
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
     """Rewrite the optimizer state of ``output_dir``'s recipe state as torchtune
-    0.6.1's distributed recipe saved it with ``optimizer_in_bwd``: one optimizer per
-    parameter, keyed by ``model.named_parameters()`` names (which include activation
-    checkpointing's wrapper where it was on), each saved as its own full state dict
-    (``get_optimizer_state_dict``: keyed by the clean name). Only the first one holds
-    the scheduler's ``initial_lr``: 0.6.1 built the scheduler on that one alone.
-    """
+    0.6.1's distributed recipe saved it with ``optimizer_in_bwd``
+    (``as_0_6_1_in_backward``)."""
     path = output_dir / "recipe_state" / "recipe_state.pt"
     recipe_state = torch.load(path, weights_only=False)
-    saved = recipe_state["optimizer"]
-    (group,) = saved["param_groups"]
-    legacy = {}
-    for i, fqn in enumerate(group["params"]):
-        name = fqn
-        if checkpoint_wrapped:
-            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        if i > 0:
-            del hyperparameters["initial_lr"]
-        legacy[name] = {
-            "state": {fqn: saved["state"][fqn]} if fqn in saved["state"] else {},
-            "param_groups": [hyperparameters | {"params": [fqn]}],
-        }
-    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
-    recipe_state["optimizer"] = legacy
+    recipe_state["optimizer"] = as_0_6_1_in_backward(
+        recipe_state["optimizer"], checkpoint_wrapped=checkpoint_wrapped
+    )
     torch.save(recipe_state, path)
 
 

@@ -877,6 +877,32 @@ def full_optimizer_state(
     }
 
 
+def as_0_6_1_in_backward(
+    saved: Mapping[str, Any], *, checkpoint_wrapped: bool
+) -> dict[str, Any]:
+    """A full optimizer state dict keyed by parameter name (``saved``), as torchtune
+    0.6.1's distributed recipes saved it with ``optimizer_in_bwd``: one optimizer per
+    parameter, keyed by ``model.named_parameters()`` names (which include activation
+    checkpointing's wrapper where it was on), each saved as its own full state dict
+    (``get_optimizer_state_dict``: keyed by the clean name). Only the first one holds
+    the scheduler's ``initial_lr``: 0.6.1 built the scheduler on that one alone."""
+    (group,) = saved["param_groups"]
+    legacy = {}
+    for i, fqn in enumerate(group["params"]):
+        name = fqn
+        if checkpoint_wrapped:
+            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        if i > 0:
+            del hyperparameters["initial_lr"]
+        legacy[name] = {
+            "state": {fqn: saved["state"][fqn]} if fqn in saved["state"] else {},
+            "param_groups": [hyperparameters | {"params": [fqn]}],
+        }
+    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    return legacy
+
+
 # -- comparing runs -----------------------------------------------------------------
 #
 # A comparison of two runs proves something only if it compares the steps it means
