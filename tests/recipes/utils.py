@@ -1,21 +1,30 @@
-"""Helpers for recipe tests: run ``tune run`` in a subprocess and read its metrics back.
+"""Helpers for recipe tests: run ``tune run``, read its metrics back, compare runs.
 
 A typical recipe test::
 
-    run = run_tune(
+    run = run_recipe(
         "full_finetune_single_device",
         tiny_config("tiny_full_single_device"),
         {"assets_dir": tiny_assets.root, "max_steps_per_epoch": 3},
-        output_dir=tmp_path,
+        tmp_path,
     )
-    assert len(run.losses) == 3
+    assert_steps(run, [1, 2, 3])
 
-``run_tune`` always sends the metrics to a ``DiskLogger`` file of its own under
-``output_dir/logs`` and parses that file, so a test sees exactly the steps its run
-logged, even when a second run (a resume) writes into the same ``output_dir``.
-``run_tune_in_process`` runs the same command line in the test process, and
-``run_tune_forked`` on several processes forked from a preloaded server (no
-interpreter start or imports per run); both read the metrics back the same way.
+Every runner runs the same command line (:func:`tune_argv`) and sends the metrics
+to a ``DiskLogger`` file of the run's own under ``output_dir/logs``, which it parses
+back, so a test sees exactly the steps its run logged, even when a second run (a
+resume) writes into the same ``output_dir``:
+
+- :func:`run_tune_in_process`: in the test process (no interpreter start or imports
+  per run); the single-device recipes' runs.
+- :func:`run_tune_forked`: on processes forked from a preloaded server; the
+  distributed recipes' runs, one process or several.
+- :func:`run_tune`: ``tune run`` in a process of its own (torchrun for several):
+  the reference ``test_harness_smoke.py`` compares the other two with, bitwise.
+
+:func:`run_recipe` picks the first or the second. A run killed at a chosen moment is
+``crash_run.py``'s; what several test files need besides runs is in
+``tests/helpers.py``.
 """
 
 from __future__ import annotations
