@@ -34,6 +34,7 @@ import io
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -337,14 +338,58 @@ def _stamp_key(seed: int) -> str:
     return digest.hexdigest()
 
 
-def _is_current(assets: TinyAssets, key: str) -> bool:
-    stamp = assets.root / STAMP_FILE
-    if not stamp.is_file() or not all(path.is_file() for path in assets.paths()):
+def _is_current(root: Path, paths: list[Path], key: str) -> bool:
+    stamp = root / STAMP_FILE
+    if not stamp.is_file() or not all(path.is_file() for path in paths):
         return False
     try:
         return json.loads(stamp.read_text()).get("key") == key
     except (OSError, json.JSONDecodeError):
         return False
+
+
+def generate_once(
+    root: Path,
+    paths: list[Path],
+    key: str,
+    generate: Callable[[], object],
+    *,
+    force: bool = False,
+) -> None:
+    """Call ``generate`` unless every one of ``paths`` is there and ``root``'s stamp
+    holds ``key`` (the generator writes the stamp last), under a lock on ``root``, so
+    that concurrent sessions wait for one generator."""
+    from filelock import FileLock
+
+    if not force and _is_current(root, paths, key):
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / ".lock")):
+        # Another process may have finished the job while this one waited.
+        if force or not _is_current(root, paths, key):
+            generate()
+
+
+def asset_cli(
+    doc: str, default_out: Path, *, seed: int | None = None
+) -> argparse.ArgumentParser:
+    """The command line of an asset generator: ``--out`` (and ``--seed``,
+    ``--force`` for seeded ones)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out,
+        help="output folder (default: %(default)s)",
+    )
+    if seed is not None:
+        parser.add_argument(
+            "--seed", type=int, default=seed, help="(default: %(default)s)"
+        )
+        parser.add_argument(
+            "--force", action="store_true", help="regenerate even if up to date"
+        )
+    return parser
 
 
 def generate(out: Path | str = DEFAULT_OUT, seed: int = SEED) -> TinyAssets:
@@ -393,34 +438,20 @@ def ensure_assets(
     Returns:
         TinyAssets: the paths of the assets.
     """
-    from filelock import FileLock
-
     assets = asset_paths(out)
-    key = _stamp_key(seed)
-    if not force and _is_current(assets, key):
-        return assets
-    assets.root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(assets.root / ".lock")):
-        # Another process may have finished the job while this one waited.
-        if force or not _is_current(assets, key):
-            generate(assets.root, seed)
+    generate_once(
+        assets.root,
+        assets.paths(),
+        _stamp_key(seed),
+        lambda: generate(assets.root, seed),
+        force=force,
+    )
     return assets
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: make the assets and print where they are."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="output folder (default: %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=SEED, help="(default: %(default)s)")
-    parser.add_argument(
-        "--force", action="store_true", help="regenerate even if up to date"
-    )
-    args = parser.parse_args(argv)
+    args = asset_cli(__doc__, DEFAULT_OUT, seed=SEED).parse_args(argv)
     assets = ensure_assets(args.out, args.seed, force=args.force)
     for path in assets.paths():
         print(path)

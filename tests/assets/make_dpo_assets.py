@@ -22,14 +22,13 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
 import sys
 from pathlib import Path
 
-from tests.assets.make_assets import DEFAULT_OUT, make_instruct_examples
+from tests.assets.make_assets import DEFAULT_OUT, asset_cli, make_instruct_examples
 
 PREFERENCE_FILE = "preference_train.json"
 SEED = 20240611
@@ -128,14 +127,7 @@ def write_preference_data(
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: write the pairs and print where they are."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="output folder (default: %(default)s)",
-    )
-    args = parser.parse_args(argv)
+    args = asset_cli(__doc__, DEFAULT_OUT).parse_args(argv)
     print(write_preference_data(args.out))
     return 0
 

@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -36,7 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.assets.make_assets import DEFAULT_OUT as TINY_ASSETS_OUT
-from tests.assets.make_assets import TinyAssets, ensure_assets
+from tests.assets.make_assets import (
+    TinyAssets,
+    asset_cli,
+    ensure_assets,
+    generate_once,
+)
 
 DEFAULT_OUT = TINY_ASSETS_OUT / "ppo"
 # Bump to force every existing folder to be rebuilt.
@@ -214,16 +218,6 @@ def _stamp_key(tiny: TinyAssets, seed: int) -> str:
     return digest.hexdigest()
 
 
-def _is_current(assets: PPOAssets, key: str) -> bool:
-    stamp = assets.root / STAMP_FILE
-    if not stamp.is_file() or not all(path.is_file() for path in assets.paths()):
-        return False
-    try:
-        return json.loads(stamp.read_text()).get("key") == key
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 def generate(
     tiny: TinyAssets, out: Path | str = DEFAULT_OUT, seed: int = SEED
 ) -> PPOAssets:
@@ -274,35 +268,21 @@ def ensure_ppo_assets(
     Returns:
         PPOAssets: the paths of the assets.
     """
-    from filelock import FileLock
-
     tiny = tiny if tiny is not None else ensure_assets()
     assets = asset_paths(tiny, out)
-    key = _stamp_key(tiny, seed)
-    if not force and _is_current(assets, key):
-        return assets
-    assets.root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(assets.root / ".lock")):
-        # Another process may have finished the job while this one waited.
-        if force or not _is_current(assets, key):
-            generate(tiny, assets.root, seed)
+    generate_once(
+        assets.root,
+        assets.paths(),
+        _stamp_key(tiny, seed),
+        lambda: generate(tiny, assets.root, seed),
+        force=force,
+    )
     return assets
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: make the assets and print where they are."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="output folder (default: %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=SEED, help="(default: %(default)s)")
-    parser.add_argument(
-        "--force", action="store_true", help="regenerate even if up to date"
-    )
-    args = parser.parse_args(argv)
+    args = asset_cli(__doc__, DEFAULT_OUT, seed=SEED).parse_args(argv)
     assets = ensure_ppo_assets(out=args.out, seed=args.seed, force=args.force)
     for path in assets.paths():
         print(path)

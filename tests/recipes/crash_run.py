@@ -1,9 +1,15 @@
-"""Run ``tune run ...`` and kill the process with SIGKILL at a chosen moment.
+"""Fault injection for the recipe tests: run ``tune run`` in a process of its own that
+SIGKILLs itself at a named kill point. The one mechanism every recipe-level fault
+test uses.
 
-Used by the fault-injection tests as ``python -m tests.recipes.crash_run KILL_POINT
-run <recipe> --config ...``, or through :func:`run` in a process forked from the
-preloaded server of ``tests/torchtune/distributed_launcher.py``. The kill is triggered by an event of the run itself, never
-by a timer, so it lands at the same place every time:
+:func:`killed_run` runs a recipe to its kill point and returns what it logged;
+:func:`start` starts one and returns at once (for a test that acts while it runs).
+The process is forked from the preloaded server of
+``tests/torchtune/distributed_launcher.py`` (torch and torchtune already imported, a
+real process all the same, with a pid, its own lock on ``output_dir`` and nothing
+of the test process's state); :func:`install`, in that process, wraps the function
+the kill point names, so the kill is triggered by an event of the run itself, never
+by a timer, and lands at the same place every time:
 
 - ``after_step:N``: right after the metrics of step N are logged and flushed.
 - ``in_step_save:N``: while the model and optimizer file of step checkpoint N is
@@ -23,10 +29,25 @@ import io
 import os
 import signal
 import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.recipes.utils import (
+    _subprocess_env,
+    forked_tune_main,
+    read_disk_log,
+    tune_argv,
+)
+from tests.torchtune.distributed_launcher import (
+    kill_child,
+    preloaded_context,
+    start_child,
+)
 
 
 def _die() -> None:
@@ -39,15 +60,9 @@ def _write_half_and_die(obj: Any, f: Any) -> None:
     buffer = io.BytesIO()
     _real_save(obj, buffer)
     data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
-    if isinstance(f, str | os.PathLike):
-        with open(f, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-    else:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
     _die()
 
 
@@ -60,8 +75,6 @@ def install(kill_point: str) -> None:
     n = int(number)
 
     if what in ("after_step", "pause_after_step"):
-        import time
-
         from torchtune.training.metric_logging import DiskLogger
 
         log_dict = DiskLogger.log_dict
@@ -123,19 +136,80 @@ def install(kill_point: str) -> None:
         raise ValueError(f"unknown kill point {kill_point!r}")
 
 
-def run(kill_point: str, tune_args: list[str]) -> None:
-    """``tune *tune_args`` in this process, which dies at ``kill_point``."""
+def _run(kill_point: str, argv: list[str]) -> None:
+    """In the forked process: ``tune`` on ``argv``, dying at ``kill_point``."""
     install(kill_point)
-    from torchtune._cli.tune import main as tune_main
-
-    sys.argv = ["tune", *tune_args]
-    tune_main()
+    forked_tune_main(argv)
 
 
-def main() -> None:
-    kill_point, *tune_args = sys.argv[1:]
-    run(kill_point, tune_args)
+@dataclass
+class Started:
+    """A run started by :func:`start`, on its way to its kill point."""
+
+    process: Any
+    """The ``multiprocessing`` process (``pid``, ``exitcode``)."""
+    log_file: Path
+    """Its ``DiskLogger`` file."""
+    output: Path
+    """Its stdout and stderr."""
+
+    def logged(self) -> dict[int, dict[str, float]]:
+        """What it logged so far (``read_disk_log``)."""
+        return read_disk_log(self.log_file) if self.log_file.is_file() else {}
+
+    def kill(self) -> None:
+        kill_child(self.process)
 
 
-if __name__ == "__main__":
-    main()
+def start(
+    kill_point: str,
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any],
+    output_dir: Path,
+    *,
+    log_name: str = "killed.txt",
+) -> Started:
+    """Start ``tune run RECIPE --config CONFIG overrides`` in a process that dies at
+    ``kill_point``, its metrics in ``output_dir/logs/LOG_NAME`` and its output beside
+    them (``.out``)."""
+    log_dir = output_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = log_dir / log_name
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
+    output = log_dir / f"{log_file.stem}.out"
+    process = start_child(
+        preloaded_context(),
+        _run,
+        (kill_point, argv),
+        _subprocess_env(output_dir, None),
+        output,
+        replace_env=True,
+    )
+    return Started(process, log_file, output)
+
+
+def killed_run(
+    kill_point: str,
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any],
+    output_dir: Path,
+    *,
+    log_name: str = "killed.txt",
+    timeout: float = 300.0,
+) -> dict[int, dict[str, float]]:
+    """Run a recipe to ``kill_point`` (:func:`start`) and return what it logged.
+
+    Raises:
+        AssertionError: if the process ended otherwise than by its SIGKILL.
+    """
+    run = start(kill_point, recipe, config, overrides, output_dir, log_name=log_name)
+    run.process.join(timeout)
+    if run.process.is_alive():
+        run.kill()
+    assert run.process.exitcode == -signal.SIGKILL, (
+        f"expected a SIGKILL at {kill_point}, got exit status "
+        f"{run.process.exitcode}\n" + run.output.read_text(errors="replace")[-6000:]
+    )
+    return run.logged()

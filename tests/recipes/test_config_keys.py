@@ -20,7 +20,7 @@ which has compiled), that trains four configurations in turn, 4 steps each.
 
 Tolerances, from the arithmetic [measured on x86 CPU, 2 cores, torch 2.13]:
 
-- ``EXACT``: the same kernels on the same values. Activation checkpointing recomputes
+- ``BITWISE_TRAINING``: the same kernels on the same values. Activation checkpointing recomputes
   each layer's forward with the same kernels; the Meta and torchtune checkpoints
   hold exactly the HF checkpoint's weights (the conversions only rename and permute);
   a resume reloads exact fp32 weights and optimizer state; dynamo's ``aot_eager``
@@ -32,7 +32,7 @@ Tolerances, from the arithmetic [measured on x86 CPU, 2 cores, torch 2.13]:
   ``world_size / tokens`` with the same operations (inside backward, or after it) and
   measure them the same way, so they agree bitwise too, compiled, packed, with a
   list of datasets, with activation checkpointing and on two processes. [0]
-- Learning rates depend on the step count only: ``EXACT`` everywhere.
+- Learning rates depend on the step count only: ``BITWISE_TRAINING`` everywhere.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from safetensors.torch import load_file
 
 from tests.assets.make_assets import TINY_MODEL_KWARGS, TinyAssets
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_training,
     load_recipe_class,
@@ -61,7 +62,6 @@ from tests.recipes.utils import (
     run_tune_in_process,
     series,
     tiny_config,
-    tolerances,
 )
 from tests.torchtune.distributed_launcher import run_distributed, write_report
 
@@ -75,8 +75,7 @@ SINGLE_DEVICE_CONFIG = tiny_config("tiny_full_single_device")
 SHARD = "model-00001-of-00001"  # the weight file 0.6.1's checkpointers write
 
 # rtol for the loss and the grad norm (module docstring).
-EXACT = tolerances(0.0, 0.0)
-ACROSS_MODES = EXACT
+ACROSS_MODES = BITWISE_TRAINING
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 
@@ -240,7 +239,9 @@ def test_compile_in_backward_matches_in_backward_without_compile(
     compiled_runs: dict[str, CountedRun], in_bwd: CountedRun
 ) -> None:
     # aot_eager runs the same aten kernels as eager mode (module docstring).
-    assert_same_training(compiled_runs["in_bwd"].run, in_bwd.run, EXACT, ALL_STEPS)
+    assert_same_training(
+        compiled_runs["in_bwd"].run, in_bwd.run, BITWISE_TRAINING, ALL_STEPS
+    )
 
 
 # -- packed datasets -------------------------------------------------------------
@@ -375,7 +376,9 @@ def test_activation_checkpointing_recomputes_every_layer_in_backward(
 def test_activation_checkpointing_in_backward_matches_without_it_and_plain(
     checkpointed_runs: dict[str, CountedRun], in_bwd: CountedRun
 ) -> None:
-    assert_same_training(checkpointed_runs["in_bwd"].run, in_bwd.run, EXACT, ALL_STEPS)
+    assert_same_training(
+        checkpointed_runs["in_bwd"].run, in_bwd.run, BITWISE_TRAINING, ALL_STEPS
+    )
     assert_same_training(
         checkpointed_runs["in_bwd"].run,
         checkpointed_runs["plain"].run,
@@ -474,13 +477,15 @@ def test_checkpointer_format_trains_and_resumes_as_the_hf_format(
 ) -> None:
     run, resumed = format_run["run"], format_run["resumed"]
     # The same weights as the HF checkpoint, so the same run, bitwise.
-    assert_same_training(run, in_bwd.run, EXACT, ALL_STEPS)
+    assert_same_training(run, in_bwd.run, BITWISE_TRAINING, ALL_STEPS)
     # The epoch-0 checkpoint it wrote is in its own format (the input's key names)...
     saved = torch.load(run.output_dir / "epoch_0" / f"{SHARD}.bin", weights_only=True)
     assert format_run["key"] in saved
     assert set(saved) == format_run["keys"]
     # ...and resuming from it continues the uninterrupted run, bitwise.
-    assert_same_training(resumed, in_bwd.run, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
+    assert_same_training(
+        resumed, in_bwd.run, BITWISE_TRAINING, EPOCH_1, reference_steps=ALL_STEPS
+    )
 
 
 # -- full_finetune_distributed: activation checkpointing and the FSDP keys ---------
@@ -684,9 +689,9 @@ def test_distributed_keys_train_in_backward_as_without_them_and_as_plain(
     keys = distributed_runs["in_bwd_keys"]["run"]
     # Recomputed layers, other FSDP units, gathered layers kept: the same values
     # through the same kernels, and each gradient the same sum of the two ranks'.
-    assert_same_training(keys, in_bwd, EXACT, ALL_STEPS)
+    assert_same_training(keys, in_bwd, BITWISE_TRAINING, ALL_STEPS)
     selective = distributed_runs["in_bwd_selective_ac"]["run"]
-    assert_same_training(selective, in_bwd, EXACT, ALL_STEPS)
+    assert_same_training(selective, in_bwd, BITWISE_TRAINING, ALL_STEPS)
     plain_keys = distributed_runs["plain_keys"]["run"]
     # All clipped.
     assert (series(plain_keys, "grad_norm", ALL_STEPS) > DISTRIBUTED_CLIP).all()

@@ -17,7 +17,7 @@ interpreter start and imports per run).
 
 Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
-- ``EXACT``: a resumed run reloads exact fp32 weights and optimizer state, recomputes
+- ``BITWISE_TRAINING``: a resumed run reloads exact fp32 weights and optimizer state, recomputes
   the lr from the step count and draws the same layer dropout: the same kernels on
   the same values, so it agrees bitwise [0].
 - In-backward against plain: both multiply the same gradients by the same
@@ -39,13 +39,13 @@ from omegaconf import OmegaConf
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_training,
     load_recipe_class,
     run_tune_forked,
     series,
     tiny_config,
-    tolerances,
 )
 
 pytestmark = pytest.mark.integration_test
@@ -57,7 +57,6 @@ ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 SHARD = "model-00001-of-00001.safetensors"
-EXACT = tolerances(0.0, 0.0)
 # The grad norm every run clips at: the tiny model's norms cross it.
 CLIP = 4.0
 
@@ -102,7 +101,7 @@ def test_in_backward_matches_plain_with_early_exit_and_layer_dropout(
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
+    assert_same_training(in_bwd, plain, BITWISE_TRAINING, ALL_STEPS)
 
 
 def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
@@ -130,7 +129,7 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     assert_same_training(
         resumed,
         in_bwd,
-        EXACT,
+        BITWISE_TRAINING,
         range(STEPS + 1, EPOCHS * STEPS + 1),
         reference_steps=ALL_STEPS,
     )

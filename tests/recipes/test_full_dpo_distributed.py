@@ -18,19 +18,17 @@ checkpoint. Every claim is an equivalence between runs on the same seed and data
 
 Besides: the shipped ``llama3_1/8B_full_dpo`` config trains on the tiny assets as
 shipped (plain fused AdamW, gradient accumulation, bf16, activation checkpointing)
-and with ``optimizer_in_bwd=True``; an optimizer FSDP2 cannot train (bitsandbytes')
-is refused before anything is written.
+and with ``optimizer_in_bwd=True``. (That an optimizer FSDP2 cannot train is
+refused first is ``test_shared_refusals.py``'s, for every distributed recipe.)
 
-The 2-process runs are ``tune run`` on processes forked from a preloaded server
+The runs are ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: real processes, with what torchrun gives each rank, without an
-interpreter start and imports per run), two at a time, started on first use; the
-1-process runs go through ``tune``'s entry point in this process, on a 1-rank gloo
-group, while the first 2-process runs train. All are shared by the tests of this
-module.
+interpreter start and imports per run), two runs at a time, started on first use,
+shared by the tests of this module.
 
 Tolerances, from the arithmetic (measured on these runs in brackets):
 
-- ``EXACT``: the same kernels on the same values in the same process layout. DPO's
+- ``BITWISE``: the same kernels on the same values in the same process layout. DPO's
   loss is a mean over pairs and every batch holds ``batch_size`` pairs, so both modes
   backpropagate the same loss (no normalization after backward): the gradients are
   bitwise the same, and each parameter is updated by the same single-tensor AdamW
@@ -59,9 +57,7 @@ batches) shows in ``grad_norm`` by a factor of 2 or more, far beyond these.
 from __future__ import annotations
 
 import math
-import re
 import shutil
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -77,15 +73,17 @@ from torch.testing import assert_close
 import torchtune
 from tests.assets.make_assets import TinyAssets
 from tests.assets.make_dpo_assets import write_preference_data
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
-    load_recipe_class,
+    as_0_6_1_in_backward,
+    assert_metrics_close,
+    assert_series_close,
     run_tune_forked,
-    run_tune_in_process,
     shipped_config_overrides,
     tiny_config,
 )
-from tests.torchtune.distributed_launcher import free_port, preloaded_context
+from tests.torchtune.distributed_launcher import preloaded_context
 
 pytestmark = pytest.mark.integration_test
 
@@ -109,7 +107,6 @@ PAIRS_PER_STEP = 8
 # Several runs share 2 cores; a collective reached by only some ranks hangs: fail.
 TIMEOUT_S = 300
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # The grad norm every run clips at: the tiny policy's norms cross it.
 CLIP = 0.45
 ACROSS_LAYOUTS = {"rtol": 1e-5, "atol": 1e-6}
@@ -125,35 +122,13 @@ PAIR_METRICS = (
     "logits/chosen",
     "logits/rejected",
 )
-
-
-def _series(run: TuneRun, name: str, steps: range) -> torch.Tensor:
-    return torch.tensor([run.metrics[s][name] for s in steps], dtype=torch.float64)
-
-
-def _assert_same(
-    run: TuneRun,
-    reference: TuneRun,
-    names: tuple[str, ...],
-    tol: dict[str, float],
-    steps: range = ALL_STEPS,
-) -> None:
-    for name in names:
-        assert_close(
-            _series(run, name, steps),
-            _series(reference, name, steps),
-            **tol,
-            msg=lambda m, name=name: f"{name}: {m}",
-        )
-
-
-def _assert_same_lr(run: TuneRun, reference: TuneRun, steps: range) -> None:
-    # The schedule depends on nothing but the step count.
-    _assert_same(run, reference, ("lr",), EXACT, steps)
+# Everything a step logs that both runs compute alike (the lr: from the step count).
+EVERY_METRIC = ("loss", "grad_norm", "lr", *PAIR_METRICS)
 
 
 class Runs:
-    """The module's 2-process runs, started on first use, two at a time.
+    """The module's runs (2 processes; 1 for ``one_process`` and the shipped config),
+    two at a time.
 
     ``runs[name]`` waits for the run ``name`` and returns it (or raises what it
     raised). Resumed runs wait for the run they resume from, then start.
@@ -187,10 +162,6 @@ class Runs:
             enable_async_checkpointing=True,
             **{"checkpointer.keep_last_n_checkpoints": EPOCHS},
         )
-        # The 1-process runs go in this process while the first 2-process runs
-        # train; the resumed runs start after them (they set this process's
-        # environment, which a run started meanwhile would be given).
-        self._in_process_done = threading.Event()
         self._submit(
             "in_bwd_from_step",
             self._resume_from_step,
@@ -228,21 +199,33 @@ class Runs:
             optimizer_in_bwd=False,
         )
         # batch_size is per rank: 1 x 8 = 2 x 4, the same pairs each step.
-        self._run_in_process(
+        self._submit(
+            "one_process",
+            self._fork,
             "one_process",
             CONFIG,
             self._settings(batch_size=PAIRS_PER_STEP, optimizer_in_bwd=True),
+            nproc=1,
         )
-        self._run_in_process("shipped", SHIPPED_CONFIG, self._shipped_overrides())
+        self._submit(
+            "shipped",
+            self._fork,
+            "shipped",
+            SHIPPED_CONFIG,
+            self._shipped_overrides(),
+            nproc=1,
+        )
         # As a user turns it on: in-backward cannot accumulate gradients.
-        self._run_in_process(
+        self._submit(
+            "shipped_in_bwd",
+            self._fork,
             "shipped_in_bwd",
             SHIPPED_CONFIG,
             self._shipped_overrides(
                 optimizer_in_bwd=True, gradient_accumulation_steps=1
             ),
+            nproc=1,
         )
-        self._in_process_done.set()
 
     def _submit(self, name: str, fn: Callable[..., TuneRun], *args, **kwargs) -> None:
         self._futures[name] = self._pool.submit(fn, *args, **kwargs)
@@ -263,48 +246,25 @@ class Runs:
         }
 
     def _train(self, name: str, **overrides: Any) -> TuneRun:
-        """2 processes, ``tune run`` on each (``run_tune_forked``)."""
+        """2 processes of the tiny config with ``overrides``."""
+        return self._fork(name, CONFIG, self._settings(**overrides))
+
+    def _fork(
+        self,
+        name: str,
+        config: Path,
+        overrides: dict[str, Any] | list[str],
+        nproc: int = 2,
+    ) -> TuneRun:
+        """``tune run`` on ``nproc`` forked processes (``run_tune_forked``)."""
         return run_tune_forked(
             RECIPE,
-            CONFIG,
-            self._settings(**overrides),
-            nproc=2,
+            config,
+            overrides,
+            nproc=nproc,
             output_dir=self._root / name,
             timeout=TIMEOUT_S,
         )
-
-    def _run_in_process(
-        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
-    ) -> None:
-        """1 process, ``tune run`` in this process on a 1-rank gloo group; its run
-        (or what it raised) becomes ``self[name]``."""
-        future: Future[TuneRun] = Future()
-        self._futures[name] = future
-        try:
-            future.set_result(self._tune_in_process(name, config, overrides))
-        except Exception as error:  # raised again to the tests that use the run
-            future.set_exception(error)
-
-    def _tune_in_process(
-        self, name: str, config: Path, overrides: dict[str, Any] | list[str]
-    ) -> TuneRun:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        # What run_tune gives its subprocesses: offline, one thread (as torchrun
-        # gives each process; more only spin on a busy 2-core machine).
-        env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        env["HF_DATASETS_CACHE"] = str(self._root / name / ".hf_datasets_cache")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            try:
-                return run_tune_in_process(RECIPE, config, overrides, self._root / name)
-            finally:
-                if torch.distributed.is_initialized():
-                    torch.distributed.destroy_process_group()
-                torch.set_num_threads(threads)
 
     def _resume(
         self,
@@ -320,7 +280,6 @@ class Runs:
         checkpoint, whose weights the configured checkpointer reads from there.
         """
         source = self[source_name]
-        self._in_process_done.wait()
         later = [f"step_{s}" for s in range(STEPS + 1, EPOCHS * STEPS + 1)]
         shutil.copytree(
             source.output_dir,
@@ -339,7 +298,6 @@ class Runs:
         """Resume ``source_name`` from its step checkpoint ``step_{step}``, copied
         alone into a fresh output_dir, naming no file: the recipe finds it."""
         source = self[source_name]
-        self._in_process_done.wait()
         folder = f"step_{step}"
         shutil.copytree(source.output_dir / folder, self._root / name / folder)
         return self._train(name, resume_from_checkpoint=True, **overrides)
@@ -388,28 +346,11 @@ def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool)
     """Rewrite ``output_dir`` as torchtune 0.6.1's DPO recipe left it after epoch 0
     with ``optimizer_in_bwd``: the ``epoch_0`` weights and
     ``recipe_state/recipe_state.pt``, which holds the optimizer state of the step
-    checkpoint of epoch 0's end as 0.6.1 saved it: one optimizer per policy
-    parameter, keyed by ``model.named_parameters()`` names (which include activation
-    checkpointing's wrapper where it was on), each saved as its own full state dict
-    (keyed by the clean name). Only the first one holds the scheduler's
-    ``initial_lr``: 0.6.1 built the scheduler on that one alone. Nothing of this
-    patch set's checkpoints is left, nor anything after epoch 0.
+    checkpoint of epoch 0's end as 0.6.1 saved it (``as_0_6_1_in_backward``).
+    Nothing of this patch set's checkpoints is left, nor anything after epoch 0.
     """
     saved = _full_step_checkpoint(output_dir / f"step_{STEPS}")["optimizer"]
-    (group,) = saved["param_groups"]
-    legacy = {}
-    for i, fqn in enumerate(group["params"]):
-        name = fqn
-        if checkpoint_wrapped:
-            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        if i > 0:
-            del hyperparameters["initial_lr"]
-        legacy[name] = {
-            "state": {fqn: saved["state"][fqn]},
-            "param_groups": [hyperparameters | {"params": [fqn]}],
-        }
-    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    legacy = as_0_6_1_in_backward(saved, checkpoint_wrapped=checkpoint_wrapped)
     for entry in output_dir.iterdir():
         if entry.name.startswith(("step_", "epoch_")) and entry.name != "epoch_0":
             shutil.rmtree(entry)
@@ -486,8 +427,7 @@ def test_in_backward_matches_plain_on_two_processes(runs: Runs) -> None:
 
     norms = torch.tensor([plain.metrics[s]["grad_norm"] for s in ALL_STEPS])
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    _assert_same(in_bwd, plain, ("loss", "grad_norm", *PAIR_METRICS), EXACT)
-    _assert_same_lr(in_bwd, plain, ALL_STEPS)
+    assert_metrics_close(in_bwd, plain, EVERY_METRIC, ALL_STEPS, **BITWISE)
 
 
 def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
@@ -504,10 +444,7 @@ def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
     assert list(resumed.metrics) == list(EPOCH_1)
     # The plain run's AdamW state, loaded from DCP into the in-backward optimizer,
     # gives the same updates (module docstring).
-    _assert_same(
-        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
-    )
-    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+    assert_metrics_close(resumed, uninterrupted, EVERY_METRIC, EPOCH_1, **BITWISE)
 
 
 def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_run(
@@ -529,14 +466,9 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
     assert f"Resumed from step checkpoint {copied}." in resumed.output
     assert list(resumed.metrics) == list(AFTER_RESUME_STEP)
     # The same mode, kernels and values: bitwise (module docstring).
-    _assert_same(
-        resumed,
-        uninterrupted,
-        ("loss", "grad_norm", *PAIR_METRICS),
-        EXACT,
-        AFTER_RESUME_STEP,
+    assert_metrics_close(
+        resumed, uninterrupted, EVERY_METRIC, AFTER_RESUME_STEP, **BITWISE
     )
-    _assert_same_lr(resumed, uninterrupted, AFTER_RESUME_STEP)
 
 
 @pytest.mark.parametrize("name", ["in_bwd_from_0_6_1", "plain_from_0_6_1"])
@@ -549,15 +481,12 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_equals_uninterrupted_run(
     # Same updates in either mode (module docstring). Moments that failed to load
     # would restart AdamW's bias correction and move the losses after the first and
     # the weights by far more.
-    _assert_same(
-        resumed, uninterrupted, ("loss", "grad_norm", *PAIR_METRICS), EXACT, EPOCH_1
-    )
-    _assert_same_lr(resumed, uninterrupted, EPOCH_1)
+    assert_metrics_close(resumed, uninterrupted, EVERY_METRIC, EPOCH_1, **BITWISE)
     final = f"epoch_{EPOCHS - 1}/model-00001-of-00001.safetensors"
     assert_close(
         load_file(resumed.output_dir / final),
         load_file(uninterrupted.output_dir / final),
-        **EXACT,
+        **BITWISE,
     )
 
 
@@ -567,13 +496,14 @@ def test_two_processes_match_one_process_at_the_same_global_batch(
     two, one = runs["in_bwd"], runs["one_process"]
     # Not logits/*: as in 0.6.1 they average every logit of the batch, padding
     # included, and how much padding a batch has depends on how it is split.
-    _assert_same(
+    assert_metrics_close(
         two,
         one,
         ("loss", "grad_norm", *PAIR_METRICS[: PAIR_METRICS.index("logits/chosen")]),
-        ACROSS_LAYOUTS,
+        ALL_STEPS,
+        **ACROSS_LAYOUTS,
     )
-    _assert_same_lr(two, one, ALL_STEPS)
+    assert_series_close(two, one, "lr", ALL_STEPS, **BITWISE)
 
 
 def test_checkpoints_hold_the_trained_policy_and_its_optimizer_state(
@@ -624,49 +554,3 @@ def test_shipped_llama3_1_8B_full_dpo_config_trains_on_cpu(
     # Saved in the shipped dtype.
     (shard,) = (run.output_dir / "epoch_0").glob("*.safetensors")
     assert {t.dtype for t in load_file(shard).values()} == {torch.bfloat16}
-
-
-@pytest.mark.parametrize(
-    "optimizer",
-    ["bitsandbytes.optim.PagedAdamW8bit", "bitsandbytes.optim.AdamW"],
-)
-@pytest.mark.parametrize("optimizer_in_bwd", [True, False], ids=["in_bwd", "plain"])
-def test_recipe_refuses_a_bitsandbytes_optimizer_before_building_anything(
-    optimizer: str,
-    optimizer_in_bwd: bool,
-    tmp_path: Path,
-    tiny_assets: TinyAssets,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """bitsandbytes' update kernels fail on FSDP2's DTensor parameters: the recipe
-    refuses them in ``__init__``, before the process group, a model or a file, rather
-    than failing in the first update."""
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(CONFIG)
-    cfg.assets_dir = str(tiny_assets.root)
-    cfg.output_dir = str(tmp_path)
-    cfg.merge_with(
-        {"optimizer_in_bwd": optimizer_in_bwd, "optimizer": {"_component_": optimizer}}
-    )
-    # A 1-rank group could start: only the refusal keeps it from starting.
-    for key, value in (
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(free_port())),
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-    ):
-        monkeypatch.setenv(key, value)
-    try:
-        with pytest.raises(
-            ValueError,
-            match=f"^optimizer._component_={re.escape(optimizer)} cannot train a "
-            "model sharded with FSDP2",
-        ):
-            load_recipe_class(RECIPE, "FullDPORecipeDistributed")(cfg)
-        assert not torch.distributed.is_initialized()
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert list(tmp_path.iterdir()) == []

@@ -32,15 +32,14 @@ from an epoch-0 or epoch-1 checkpoint.
 
 The multi-process runs are ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: each rank a real process, with what torchrun gives it, without
-an interpreter start and imports per run); the 1-process runs with a partly frozen
-model or from 0.6.1's format go through ``tune``'s entry point in this process.
+an interpreter start and imports per run), the 1-process runs too.
 
 Tolerances, from the arithmetic; each set is about ten times the largest difference
 measured on this project's x86 CPU (``assert_series_close`` and
 ``assert_weights_close`` print it), given in brackets beside it as
 [loss, grad_norm relative; weights absolute]:
 
-- ``SAME``: the same kernels on the same values in the same process layout. A
+- ``BITWISE_TRAINING``: the same kernels on the same values in the same process layout. A
   resumed run reloads exact weights and optimizer state (fp32 or bf16) and
   recomputes the lr from the step count, so it agrees bitwise [0].
 - ``ACROSS_MODES``: in-backward and plain multiply the same gradients by the same
@@ -74,7 +73,6 @@ both are compared.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 import traceback
@@ -89,26 +87,27 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
-    assert_same_steps,
+    as_0_6_1_in_backward,
     assert_same_training,
     assert_series_close,
     assert_steps,
+    assert_trains_as_plain,
     assert_weights_close,
     full_optimizer_state,
     load_recipe_class,
     load_weights,
     read_run,
     run_tune_forked,
-    run_tune_in_process,
     series,
     tiny_config,
     tolerances,
 )
 from tests.torchtune.distributed_launcher import (
-    free_port,
     run_distributed,
     write_report,
 )
@@ -121,15 +120,13 @@ EPOCHS, STEPS = 3, 2  # every run is configured for 3 epochs of 2 steps
 ALL_STEPS = range(1, EPOCHS * STEPS + 1)
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # Tolerances for the loss, the grad norm and the final weights (module docstring):
 # rtol for the loss and the grad norm, atol for the weights (0: bitwise).
 # In brackets: the measured [loss, grad_norm relative; weights absolute] difference.
-SAME = tolerances(0.0, 0.0, 0.0)
-ACROSS_MODES = SAME
+ACROSS_MODES = BITWISE_TRAINING
 ACROSS_LAYOUTS = tolerances(1.2e-6, 3.4e-6, 6e-7)  # [1.1e-7, 3.4e-7; 6.0e-8]
 # Two steps after a resume from epoch 1.
-RESUMED_ACROSS_MODES = SAME
+RESUMED_ACROSS_MODES = BITWISE_TRAINING
 # ... on one process, against the 2-process run.
 RESUMED_ACROSS_MODES_AND_LAYOUTS = tolerances(1.2e-6, 2.3e-6, 8e-8)
 # [1.1e-7, 2.3e-7; 7.5e-9]
@@ -178,37 +175,10 @@ def _resume(
     return run
 
 
-def _train_here(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
-    """``_train`` on one process, in this process: no interpreter start and no
-    imports to pay, so a few seconds a run. ``tune run`` without ``--nproc_per_node``
-    runs the recipe in its own process; the environment gives it what torchrun gives
-    a rank. One thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``).
-    """
-    base = {
-        "assets_dir": assets.root,
-        "epochs": EPOCHS,
-        "max_steps_per_epoch": STEPS,
-        "clip_grad_norm": CLIP,
-        # 1 process x 8 = 2 processes x 4: the same samples per step.
-        "batch_size": 8,
-        **KEEP_EPOCH_STEPS,
-    }
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            mp.setenv("HF_HUB_OFFLINE", "1")
-            mp.setenv("HF_DATASETS_OFFLINE", "1")
-            mp.setenv("HF_DATASETS_CACHE", str(out / ".hf_datasets_cache"))
-            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
-    finally:
-        if torch.distributed.is_initialized():  # the run failed before its cleanup
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(threads)
+def _train_one(out: Path, assets: TinyAssets, **overrides: Any) -> TuneRun:
+    """``_train`` on one process: 1 process x 8 = 2 processes x 4, the same samples
+    per step."""
+    return _train(out, assets, nproc=1, batch_size=8, **overrides)
 
 
 def _steps_after(epoch: int) -> range:
@@ -225,6 +195,11 @@ def _base_weights(assets: TinyAssets) -> dict[str, torch.Tensor]:
 def _final_weights(run: TuneRun) -> dict[str, torch.Tensor]:
     """The weights of ``run``'s last checkpoint, written when it finished."""
     return load_weights(run.output_dir / f"epoch_{EPOCHS - 1}" / SHARD)
+
+
+def _epoch_1_weights(run: TuneRun) -> dict[str, torch.Tensor]:
+    """The weights of ``run``'s epoch-1 checkpoint: the last of a 2-epoch run."""
+    return load_weights(run.output_dir / "epoch_1" / SHARD)
 
 
 @pytest.fixture(scope="module")
@@ -268,17 +243,10 @@ def in_bwd_async_from_plain(
 def test_in_backward_matches_plain_on_two_processes(
     in_bwd: TuneRun, plain_async: TuneRun
 ) -> None:
-    assert_same_steps(in_bwd, plain_async, ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    # In-backward read before step(): 0 had no update run inside backward.
-    assert (series(in_bwd, "grad_norm", ALL_STEPS) > 0).all()
     _assert_clips_some_steps_only(plain_async, ALL_STEPS)
-    assert_same_training(
-        in_bwd,
-        plain_async,
-        ACROSS_MODES,
-        ALL_STEPS,
-        final_weights=_final_weights,
+    assert_trains_as_plain(
+        in_bwd, plain_async, ACROSS_MODES, ALL_STEPS, final_weights=_final_weights
     )
 
 
@@ -368,86 +336,55 @@ def _write_0_6_1_epoch_checkpoint(
 
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
     """Rewrite the optimizer state of ``output_dir``'s recipe state as torchtune
-    0.6.1's distributed recipe saved it with ``optimizer_in_bwd``: one optimizer per
-    parameter, keyed by ``model.named_parameters()`` names (which include activation
-    checkpointing's wrapper where it was on), each saved as its own full state dict
-    (``get_optimizer_state_dict``: keyed by the clean name). Only the first one holds
-    the scheduler's ``initial_lr``: 0.6.1 built the scheduler on that one alone.
-    """
+    0.6.1's distributed recipe saved it with ``optimizer_in_bwd``
+    (``as_0_6_1_in_backward``)."""
     path = output_dir / "recipe_state" / "recipe_state.pt"
     recipe_state = torch.load(path, weights_only=False)
-    saved = recipe_state["optimizer"]
-    (group,) = saved["param_groups"]
-    legacy = {}
-    for i, fqn in enumerate(group["params"]):
-        name = fqn
-        if checkpoint_wrapped:
-            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
-        hyperparameters = {k: v for k, v in group.items() if k != "params"}
-        if i > 0:
-            del hyperparameters["initial_lr"]
-        legacy[name] = {
-            "state": {fqn: saved["state"][fqn]} if fqn in saved["state"] else {},
-            "param_groups": [hyperparameters | {"params": [fqn]}],
-        }
-    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
-    recipe_state["optimizer"] = legacy
+    recipe_state["optimizer"] = as_0_6_1_in_backward(
+        recipe_state["optimizer"], checkpoint_wrapped=checkpoint_wrapped
+    )
     torch.save(recipe_state, path)
 
 
 EPOCH_1_WEIGHTS = f"epoch_1/{SHARD}"
 
 
-def test_in_backward_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
+@pytest.mark.parametrize("mode", ["bwd", "plain"])
+def test_either_mode_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
+    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets, mode: str
 ) -> None:
-    # 0.6.1's distributed configs turn activation checkpointing on, which puts its
-    # wrapper in the saved names; the resumed run has it on too. Recomputing the
-    # forward in backward runs the same kernels on the same values, so the run
-    # stays bitwise equal to the uninterrupted one.
-    out = runs_dir / "in_bwd_from_0_6_1"
+    bwd = mode == "bwd"
+    out = runs_dir / f"{mode}_from_0_6_1"
     _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
-    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=True)
-    resumed = _train(
+    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=bwd)
+    if bwd:
+        # 0.6.1's distributed configs turn activation checkpointing on, which puts
+        # its wrapper in the saved names; the resumed run has it on too.
+        # Recomputing the forward in backward runs the same kernels on the same
+        # values, so the run stays bitwise equal to the uninterrupted one.
+        train, more, tol = (
+            _train,
+            {"enable_activation_checkpointing": True},
+            BITWISE_TRAINING,
+        )
+    else:
+        # On one process (to keep it cheap) against the 2-process
+        # reference: across modes and layouts (module docstring). Moments that
+        # failed to load would restart Adam's bias correction and move the loss by
+        # far more.
+        train, more, tol = _train_one, {}, RESUMED_ACROSS_MODES_AND_LAYOUTS
+    resumed = train(
         out,
         tiny_assets,
         resume_from_checkpoint=True,
-        optimizer_in_bwd=True,
-        enable_activation_checkpointing=True,
+        optimizer_in_bwd=bwd,
+        **more,
         **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
     )
-    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
     assert_same_training(
         resumed,
         in_bwd,
-        SAME,
-        _steps_after(1),
-        reference_steps=ALL_STEPS,
-        final_weights=_final_weights,
-    )
-
-
-def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_uninterrupted(
-    in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
-) -> None:
-    # On one process (in this process, to keep it cheap) against the 2-process
-    # reference: across modes and layouts (module docstring). Moments that failed
-    # to load would restart Adam's bias correction and move the loss by far more.
-    out = runs_dir / "plain_from_0_6_1"
-    _write_0_6_1_epoch_checkpoint(in_bwd, 1, out)
-    _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
-    resumed = _train_here(
-        out,
-        tiny_assets,
-        resume_from_checkpoint=True,
-        optimizer_in_bwd=False,
-        **{"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]},
-    )
-    assert list(resumed.metrics) == list(_steps_after(1)), resumed.metrics
-    assert_same_training(
-        resumed,
-        in_bwd,
-        RESUMED_ACROSS_MODES_AND_LAYOUTS,
+        tol,
         _steps_after(1),
         reference_steps=ALL_STEPS,
         final_weights=_final_weights,
@@ -466,8 +403,8 @@ PARTLY_FROZEN = {
 
 @pytest.fixture(scope="module")
 def frozen_in_bwd(runs_dir: Path, tiny_assets: TinyAssets) -> TuneRun:
-    """In-backward, one process (in this process), the FROZEN modules frozen."""
-    return _train_here(
+    """In-backward, one process, the FROZEN modules frozen."""
+    return _train_one(
         runs_dir / "frozen_in_bwd", tiny_assets, optimizer_in_bwd=True, **PARTLY_FROZEN
     )
 
@@ -520,7 +457,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
             shutil.copytree(source / part, out / part)
         shutil.copy(source / "torchtune_run.json", out / "torchtune_run.json")
         resume = {}
-    resumed = _train_here(
+    resumed = _train_one(
         out,
         tiny_assets,
         resume_from_checkpoint=True,
@@ -533,7 +470,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
     assert_same_training(
         resumed,
         frozen_in_bwd,
-        SAME,
+        BITWISE_TRAINING,
         _steps_after(1),
         reference_steps=ALL_STEPS,
         final_weights=_final_weights,
@@ -573,7 +510,7 @@ def test_fsdp_with_tensor_parallel_resume_from_fsdp_checkpoint_matches_fsdp_run(
     assert_series_close(
         in_bwd_2d, in_bwd, "loss", steps, **RESUMED_ACROSS_LAYOUTS_2D["loss"]
     )
-    assert_series_close(in_bwd_2d, in_bwd, "lr", steps, **EXACT)
+    assert_series_close(in_bwd_2d, in_bwd, "lr", steps, **BITWISE)
     # The full checkpoint gathers the FSDP x TP shards into the same weights.
     assert_weights_close(
         _final_weights(in_bwd_2d),
@@ -675,25 +612,17 @@ def test_torchao_8bit_adamw_trains_in_backward_as_plain_on_two_processes(
         assert "OptimState8bit" in run.reports[0][f"{name} state"].split(",")
     in_bwd, plain = (read_run(out / name) for name in ("in_bwd", "plain"))
     # Resumed from the quantized state it saved: the same steps 3 and 4, bitwise.
-    resumed = read_run(out / "resumed")
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(
-            resumed, in_bwd, name, assert_steps(resumed, [3, 4]), **EXACT
-        )
-    assert_weights_close(
-        load_weights(resumed.output_dir / "epoch_1" / SHARD),
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+    assert_same_training(
+        read_run(out / "resumed"),
+        in_bwd,
+        BITWISE_TRAINING,
+        [3, 4],
+        reference_steps=range(1, 5),
+        final_weights=_epoch_1_weights,
     )
-    steps = assert_same_steps(in_bwd, plain, range(1, 5))
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    assert (series(in_bwd, "grad_norm", steps) > 0).all()
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **EXACT)
-    assert_weights_close(
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        load_weights(plain.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+    assert_trains_as_plain(
+        in_bwd, plain, BITWISE_TRAINING, range(1, 5), final_weights=_epoch_1_weights
     )
 
 
@@ -745,33 +674,26 @@ def test_bf16_in_backward_matches_plain_on_two_processes_bitwise(
     bf16_runs: dict[str, TuneRun], tiny_assets: TinyAssets
 ) -> None:
     in_bwd, plain = bf16_runs["in_bwd"], bf16_runs["plain"]
-    steps = assert_same_steps(in_bwd, plain, BF16_ALL_STEPS)
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
-    assert (series(in_bwd, "grad_norm", steps) > 0).all()
-    _assert_clips_some_steps_only(plain, steps)
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(in_bwd, plain, name, steps, **EXACT)
-    final = load_weights(in_bwd.output_dir / "epoch_1" / SHARD)
-    assert all(w.dtype == torch.bfloat16 for w in final.values())
-    assert_weights_close(
-        final, load_weights(plain.output_dir / "epoch_1" / SHARD), **EXACT
+    _assert_clips_some_steps_only(plain, BF16_ALL_STEPS)
+    assert_trains_as_plain(
+        in_bwd, plain, BITWISE_TRAINING, BF16_ALL_STEPS, final_weights=_epoch_1_weights
     )
+    assert all(w.dtype == torch.bfloat16 for w in _epoch_1_weights(in_bwd).values())
 
 
 def test_bf16_in_backward_resume_on_two_processes_equals_uninterrupted_bitwise(
     bf16_runs: dict[str, TuneRun],
 ) -> None:
-    in_bwd, resumed = bf16_runs["in_bwd"], bf16_runs["resumed"]
-    assert_steps(in_bwd, BF16_ALL_STEPS)
-    steps = assert_steps(resumed, range(BF16_STEPS + 1, 2 * BF16_STEPS + 1))
     # bf16 weights and optimizer state are saved and loaded as they are, in the same
     # process layout: the same kernels on the same values.
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(resumed, in_bwd, name, steps, **EXACT)
-    assert_weights_close(
-        load_weights(resumed.output_dir / "epoch_1" / SHARD),
-        load_weights(in_bwd.output_dir / "epoch_1" / SHARD),
-        **EXACT,
+    assert_same_training(
+        bf16_runs["resumed"],
+        bf16_runs["in_bwd"],
+        BITWISE_TRAINING,
+        range(BF16_STEPS + 1, 2 * BF16_STEPS + 1),
+        reference_steps=BF16_ALL_STEPS,
+        final_weights=_epoch_1_weights,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,15 +11,16 @@ from omegaconf import OmegaConf
 
 from tests.assets.make_assets import TinyAssets
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
+    TuneRun,
     TuneRunError,
-    assert_series_close,
-    assert_steps,
-    assert_weights_close,
+    assert_same_training,
     format_override,
     load_weights,
     read_disk_log,
     run_tune,
     run_tune_forked,
+    run_tune_in_process,
     tiny_config,
     tiny_overrides,
 )
@@ -85,84 +87,62 @@ def test_tiny_config_is_well_formed_and_matches_the_tiny_assets(
     assert list(cfg.checkpointer.checkpoint_files) == list(tiny_assets.checkpoint_files)
 
 
+SINGLE = ("full_finetune_single_device", tiny_config("tiny_full_single_device"))
+DISTRIBUTED = ("full_finetune_distributed", tiny_config("tiny_full_distributed"))
+
+
 @pytest.mark.integration_test
-def test_full_finetune_single_device_logs_three_finite_losses(
-    tiny_assets: TinyAssets, tmp_path: Path
+@pytest.mark.parametrize(
+    "nproc", [1, 2], ids=["in this process as in a subprocess", "forked as torchrun"]
+)
+def test_the_fast_runners_train_as_tune_run_bitwise(
+    tiny_assets: TinyAssets, tmp_path: Path, nproc: int
 ) -> None:
-    run = run_tune(
-        "full_finetune_single_device",
-        tiny_config("tiny_full_single_device"),
-        {
-            "assets_dir": tiny_assets.root,
-            "max_steps_per_epoch": 3,
-            "optimizer_in_bwd": False,
-        },
-        output_dir=tmp_path,
-        timeout=180,
-    )
-    assert list(run.metrics) == [1, 2, 3]
-    assert len(run.losses) == 3
-    assert all(math.isfinite(loss) for loss in run.losses)
+    """The recipe tests run most single-device runs with ``run_tune_in_process`` and
+    most multi-process runs with ``run_tune_forked``: the same run through ``tune
+    run`` in a process of its own (``--nproc_per_node 2``: torchrun) trains the
+    same, bitwise. A rank that trained alone (a 1-rank group of batch 4 instead of
+    2 x 4) would log other losses."""
+    overrides = {
+        "assets_dir": tiny_assets.root,
+        "epochs": 1,
+        "max_steps_per_epoch": 3,
+        "optimizer_in_bwd": False,
+    }
+    if nproc == 1:
+        reference = run_tune(*SINGLE, overrides, output_dir=tmp_path / "tune_run")
+        run = run_tune_in_process(*SINGLE, overrides, tmp_path / "fast")
+    else:
+        reference = run_tune(
+            *DISTRIBUTED, overrides, nproc=2, output_dir=tmp_path / "tune_run"
+        )
+        run = run_tune_forked(*DISTRIBUTED, overrides, output_dir=tmp_path / "fast")
+    assert all(math.isfinite(loss) for loss in reference.losses)
     # Near the uniform loss of the untrained model, ln(vocab_size).
-    assert abs(run.losses[0] - math.log(tiny_assets.vocab_size)) < 0.2
-    assert all("lr" in values for values in run.metrics.values())
-    assert (run.output_dir / "epoch_0" / "model.safetensors.index.json").is_file()
-
-
-@pytest.mark.integration_test
-def test_run_tune_raises_with_the_output_tail_when_the_recipe_fails(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    with pytest.raises(TuneRunError, match="exited with status") as error:
-        run_tune(
-            "full_finetune_single_device",
-            tiny_config("tiny_full_single_device"),
-            {"assets_dir": tiny_assets.root, "dtype": "fp16"},
-            output_dir=tmp_path,
-            timeout=180,
-        )
-    assert "fp16" in str(error.value)
-
-
-@pytest.mark.integration_test
-def test_forked_ranks_train_as_torchrun_ranks_bitwise(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    """The recipe tests run most multi-process runs with ``run_tune_forked``: the same
-    run through ``tune run --nproc_per_node 2`` (torchrun) trains the same, bitwise.
-    A rank that trained alone (a 1-rank group of batch 4 instead of 2 x 4) would log
-    other losses."""
-    recipe, config = "full_finetune_distributed", tiny_config("tiny_full_distributed")
-    overrides = {"assets_dir": tiny_assets.root, "epochs": 1, "max_steps_per_epoch": 2}
-    torchrun = run_tune(
-        recipe, config, overrides, nproc=2, output_dir=tmp_path / "torchrun"
-    )
-    forked = run_tune_forked(
-        recipe, config, overrides, nproc=2, output_dir=tmp_path / "forked"
-    )
-    steps = assert_steps(torchrun, [1, 2])
-    assert_steps(forked, steps)
-    for name in ("loss", "grad_norm", "lr"):
-        assert_series_close(forked, torchrun, name, steps, rtol=0.0, atol=0.0)
+    assert abs(reference.losses[0] - math.log(tiny_assets.vocab_size)) < 0.2
     shard = "epoch_0/model-00001-of-00001.safetensors"
-    assert_weights_close(
-        load_weights(forked.output_dir / shard),
-        load_weights(torchrun.output_dir / shard),
-        rtol=0.0,
-        atol=0.0,
+    assert (reference.output_dir / "epoch_0" / "model.safetensors.index.json").is_file()
+    assert_same_training(
+        run,
+        reference,
+        BITWISE_TRAINING,
+        [1, 2, 3],
+        final_weights=lambda r: load_weights(r.output_dir / shard),
     )
 
 
 @pytest.mark.integration_test
-def test_run_tune_forked_raises_with_the_output_when_the_recipe_fails(
-    tiny_assets: TinyAssets, tmp_path: Path
+@pytest.mark.parametrize(
+    ("run", "status"),
+    [
+        (lambda *args, **kw: run_tune(*SINGLE, *args, **kw), "1"),
+        (lambda *args, **kw: run_tune_forked(*DISTRIBUTED, *args, **kw), r"\[1, 1\]"),
+    ],
+    ids=["run_tune", "run_tune_forked"],
+)
+def test_a_runner_raises_with_the_output_when_the_recipe_fails(
+    tiny_assets: TinyAssets, tmp_path: Path, run: Callable[..., TuneRun], status: str
 ) -> None:
-    with pytest.raises(TuneRunError, match=r"exited with statuses \[1, 1\]") as error:
-        run_tune_forked(
-            "full_finetune_distributed",
-            tiny_config("tiny_full_distributed"),
-            {"assets_dir": tiny_assets.root, "dtype": "fp16"},
-            output_dir=tmp_path,
-            timeout=180,
-        )
-    assert "fp16" in str(error.value)
+    with pytest.raises(TuneRunError, match=f"exited with status(es)? {status}") as e:
+        run({"assets_dir": tiny_assets.root, "dtype": "fp16"}, output_dir=tmp_path)
+    assert "fp16" in str(e.value)

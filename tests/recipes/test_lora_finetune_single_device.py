@@ -1,11 +1,13 @@
-"""``lora_finetune_single_device``: in-backward equals plain, resume equals
-uninterrupted, checkpoints load back, and saving leaves the model alone.
+"""``lora_finetune_single_device``: checkpoints load back, saving leaves the model
+alone, DoRA and QLoRA update inside backward, and 0.6.1's epoch checkpoints resume.
+What it shares with ``full_finetune_single_device`` (in-backward equals plain,
+resumes from epoch 0, bf16) is in ``test_single_device_recipes.py``, with the runs
+of ``single_device.py`` used here too.
 
 The runs are real ``tune run`` command lines of the tiny LoRA Llama2 on CPU (see
-``tests/recipes/configs/tiny_lora_single_device.yaml``). One goes through a
-subprocess, to prove ``tune run lora_finetune_single_device`` end to end; the others
-run the same command line in this process (``tune_run_here``), which saves the ~10 s
-of imports each subprocess pays. Runs are module-scoped and shared between tests.
+``tests/recipes/configs/tiny_lora_single_device.yaml``), run in this process
+(``tune_run_here``), which saves the ~10 s of imports a subprocess pays
+(``tests/recipes/test_harness_smoke.py`` shows the two train alike, bitwise).
 
 Every comparison names the exact steps it compares and checks that both runs
 logged those steps; the final adapters are compared too (they hold the last step's
@@ -16,29 +18,15 @@ project's x86 CPU.
 
 Tolerances:
 
-- Same mode, same computation (a resume against the uninterrupted run of the same
-  mode, fp32 or bf16, and a resumed run's first step in any mode): the same CPU
-  kernels see the same values, so losses, grad norms and adapters must be bitwise
-  equal: ``rtol=0, atol=0``.
-- In-backward against plain, fp32 and bf16, DoRA and QLoRA with activation
-  checkpointing, and a resume that switches mode: both backpropagate
-  ``mean * tokens``, multiply the gradients by ``1 / tokens``, measure them and clip
+- A resume of 0.6.1's epoch checkpoint, in either mode: bitwise (``rtol=0,
+  atol=0``), as any resume that switches mode (``test_single_device_recipes.py``).
+- In-backward against plain, DoRA and QLoRA with activation checkpointing: both
+  backpropagate ``mean * tokens``, multiply the gradients by ``1 / tokens``, measure
   them with the same operations (in-backward inside backward, per bucket), so
-  losses, grad norms and adapters are bitwise equal. The AdamW runs clip at
-  ``CLIP``, which their grad norm crosses (some steps clip, some do not); the bf16,
-  DoRA and QLoRA runs do not clip.
-- SGD with gradient accumulation (plain: two half batches of 4 per step) against
-  in-backward (one batch of 8): the same examples, but the half batches' token sums
-  are added before the division, so the gradients differ by float rounding, about an
-  ulp per entry. Measured: losses 8.2e-8 relative, ``rtol=1e-6``; grad norms
-  2.2e-7, ``rtol=2e-6``; adapters 1.0e-7 absolute, ``atol=1e-6``. A real error is
-  far larger: 0.6.1 backpropagated ``mean * tokens`` in-backward, a learning rate
-  ~100x too high for SGD, which moves the second loss by more than 1e-2 relative.
+  losses, grad norms and adapters are bitwise equal. These runs do not clip.
 - The merged checkpoint against the adapter model it came from: ``x (W + s B A)^T``
   against ``x W^T + s (x A^T) B^T`` is the same sum in a different order, a few fp32
   ulps per layer: measured 3.0e-7 at most on logits up to 0.61, ``atol=3e-6``.
-- Learning rates come from the same scheduler arithmetic in both modes: equal
-  exactly.
 """
 
 from __future__ import annotations
@@ -46,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -54,42 +42,32 @@ import torch
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
+from tests.recipes.single_device import (
+    ALL_STEPS,
+    EPOCH_1,
+    LORA,
+    SHARD,
+    STEPS_PER_EPOCH,
+    Recipe,
+    Runs,
+    mode_name,
+)
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_steps,
+    assert_same_training,
     assert_series_close,
-    assert_steps,
     assert_weights_close,
     format_override,
     load_recipe_class,
-    load_weights,
-    run_tune,
-    run_tune_in_process,
     series,
-    tiny_config,
 )
 
 pytestmark = pytest.mark.integration_test
 
-RECIPE = "lora_finetune_single_device"
-CONFIG = tiny_config("tiny_lora_single_device")
-STEPS_PER_EPOCH = 3
-ALL_STEPS = range(1, 2 * STEPS_PER_EPOCH + 1)
-EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
-SGD_STEPS = range(1, 5)
-EXACT = {"rtol": 0.0, "atol": 0.0}
-# In-backward vs plain (module docstring): bitwise, but for SGD's accumulation.
-ACROSS_MODES = {
-    "adamw_cosine_warmup": {"loss": EXACT, "grad_norm": EXACT, "adapter": EXACT},
-    "sgd_momentum": {
-        "loss": {"rtol": 1e-6, "atol": 0.0},  # 8.2e-8
-        "grad_norm": {"rtol": 2e-6, "atol": 0.0},  # 2.2e-7
-        "adapter": {"rtol": 0.0, "atol": 1e-6},  # 1.0e-7
-    },
-}
-# The grad norm the AdamW and SGD runs clip at: the tiny adapters' norms cross it.
-CLIP = 0.8
-SHARD = "model-00001-of-00001.safetensors"
+RECIPE, CONFIG = LORA.name, LORA.config
 # The tiny config's adapters.
 LORA_KWARGS = {
     "lora_attn_modules": ["q_proj", "v_proj", "output_proj"],
@@ -110,35 +88,7 @@ def tune_run_here(
     config: Path, overrides: Mapping[str, object] | list[str], output_dir: Path
 ) -> TuneRun:
     """``tune run RECIPE --config config overrides`` in this process."""
-    return run_tune_in_process(RECIPE, config, overrides, output_dir)
-
-
-def _mode_overrides(
-    optimizer_in_bwd: bool, clip_grad_norm: float | None = CLIP
-) -> dict[str, object]:
-    return {"optimizer_in_bwd": optimizer_in_bwd, "clip_grad_norm": clip_grad_norm}
-
-
-def _name(optimizer_in_bwd: bool) -> str:
-    return "bwd" if optimizer_in_bwd else "plain"
-
-
-def _adapter(run: TuneRun, epoch: int) -> dict[str, torch.Tensor]:
-    """The adapter weights of ``run``'s checkpoint of ``epoch``."""
-    return load_weights(run.output_dir / f"epoch_{epoch}" / "adapter_model.pt")
-
-
-# The source runs of the resumes keep the step checkpoint of every epoch's end (by
-# default only the newest one stays).
-KEEP_EPOCH_STEPS = {"checkpointer.keep_last_n_checkpoints": 2}
-
-
-def _copy_epoch_0(run: TuneRun, out: Path, steps_per_epoch: int) -> None:
-    """Copy into ``out`` what ``run``'s epoch 0 left: its export, the step checkpoint
-    of its end and the run's id."""
-    for part in ("epoch_0", f"step_{steps_per_epoch}"):
-        shutil.copytree(run.output_dir / part, out / part)
-    shutil.copy(run.output_dir / "torchtune_run.json", out / "torchtune_run.json")
+    return LORA.run(config, overrides, output_dir)
 
 
 def _write_0_6_1_epoch_checkpoint(
@@ -164,190 +114,38 @@ def _write_0_6_1_epoch_checkpoint(
 
 
 @pytest.fixture(scope="module")
-def adamw_runs(
-    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, TuneRun]:
-    """Two epochs of AdamW + cosine warmup (the tiny config's), in each mode.
-
-    The plain run saves merged weights too (in a subprocess); the in-backward run
-    saves the adapter only, so the in-backward resumes start from adapter-only
-    checkpoints. Both keep epoch 0's step checkpoint, for the resumes.
-    """
-    overrides = {
-        "assets_dir": tiny_assets.root,
-        "epochs": 2,
-        "max_steps_per_epoch": STEPS_PER_EPOCH,
-        **KEEP_EPOCH_STEPS,
-    }
-    return {
-        "plain": run_tune(
-            RECIPE,
-            CONFIG,
-            overrides | _mode_overrides(False),
-            output_dir=tmp_path_factory.mktemp("adamw_plain"),
-        ),
-        "bwd": tune_run_here(
-            CONFIG,
-            overrides | _mode_overrides(True) | {"save_adapter_weights_only": True},
-            tmp_path_factory.mktemp("adamw_bwd"),
-        ),
-    }
+def runs(single_device_runs: Callable[[Recipe], Runs]) -> Runs:
+    return single_device_runs(LORA)
 
 
 @pytest.fixture(scope="module")
-def sgd_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny config with SGD + momentum and no LR scheduler (optional in 0.6.1's
-    full fine-tune recipes, and here)."""
-    from omegaconf import OmegaConf
-
-    # `tune run` cannot remove a component from the command line: write a config.
-    cfg = OmegaConf.load(CONFIG)
-    del cfg["lr_scheduler"]
-    cfg.optimizer = {"_component_": "torch.optim.SGD", "lr": 0.5, "momentum": 0.9}
-    path = tmp_path_factory.mktemp("sgd_config") / "tiny_lora_sgd.yaml"
-    OmegaConf.save(cfg, path)
-    return path
+def adamw_runs(runs: Runs) -> dict[str, TuneRun]:
+    return runs.adamw
 
 
-@pytest.fixture(scope="module")
-def sgd_runs(
-    tiny_assets: TinyAssets,
-    sgd_config: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[str, TuneRun]:
-    """Four steps of SGD with momentum, in each mode.
-
-    SGD's update is proportional to the gradient, so a wrong loss normalization shows
-    (AdamW's barely does). The plain run accumulates two batches of 4 per step and
-    clips at a norm it never reaches, so it also checks that accumulation normalizes
-    over the whole step's tokens: a step sees the same 8 examples in both runs.
-    """
-    common = {"assets_dir": tiny_assets.root, "epochs": 1, "max_steps_per_epoch": 4}
-    plain = {
-        "optimizer_in_bwd": False,
-        "batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "clip_grad_norm": CLIP,
-    }
-    bwd = {"batch_size": 8, **_mode_overrides(True)}
-    return {
-        name: tune_run_here(
-            sgd_config, common | mode, tmp_path_factory.mktemp(f"sgd_{name}")
-        )
-        for name, mode in (("plain", plain), ("bwd", bwd))
-    }
-
-
-@pytest.fixture(scope="module")
-def resumed_runs(
-    tiny_assets: TinyAssets,
-    adamw_runs: dict[str, TuneRun],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> dict[tuple[str, str], TuneRun]:
-    """Each 2-epoch AdamW run resumed from the step checkpoint of epoch 0's end, in
-    each mode; and, keyed ``("0.6.1", target)``, from the torchtune 0.6.1 epoch-0
-    checkpoint of each run in the other mode.
-
-    The step checkpoint holds the adapter; the 0.6.1 resume of the plain run names
-    it with ``checkpointer.adapter_checkpoint``, that of the in-backward run
-    (adapter only) finds it in the latest ``epoch_*`` folder.
-    """
-    common = {
-        "assets_dir": tiny_assets.root,
-        "epochs": 2,
-        "max_steps_per_epoch": STEPS_PER_EPOCH,
-        "resume_from_checkpoint": True,
-    }
-    runs = {}
-    for source in ("plain", "bwd"):
-        for target in (False, True):
-            # A fresh output_dir holding only what epoch 0 left.
-            out = tmp_path_factory.mktemp(f"resume_{source}_to_{_name(target)}")
-            _copy_epoch_0(adamw_runs[source], out, STEPS_PER_EPOCH)
-            runs[source, _name(target)] = tune_run_here(
-                CONFIG, common | _mode_overrides(target), out
-            )
-    for source, target in (("plain", True), ("bwd", False)):
-        out = tmp_path_factory.mktemp(f"resume_0_6_1_{source}_to_{_name(target)}")
-        _write_0_6_1_epoch_checkpoint(adamw_runs[source], out, STEPS_PER_EPOCH)
-        overrides = common | _mode_overrides(target)
-        if source == "plain":
-            overrides["checkpointer.adapter_checkpoint"] = "epoch_0/adapter_model.pt"
-        runs["0.6.1", _name(target)] = tune_run_here(CONFIG, overrides, out)
-    return runs
-
-
-@pytest.mark.parametrize("optimizer", ["adamw_cosine_warmup", "sgd_momentum"])
-def test_in_backward_gives_the_plain_loss_at_every_step(
-    optimizer: str, request: pytest.FixtureRequest
-) -> None:
-    adamw = optimizer == "adamw_cosine_warmup"
-    runs = request.getfixturevalue("adamw_runs" if adamw else "sgd_runs")
-    plain, bwd = runs["plain"], runs["bwd"]
-    steps = assert_same_steps(bwd, plain, ALL_STEPS if adamw else SGD_STEPS)
-    # The loss must move, or equal losses would prove nothing.
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    tolerances = ACROSS_MODES[optimizer]
-    assert_series_close(bwd, plain, "loss", steps, **tolerances["loss"])
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
-    # Both modes log the norm of the same normalized gradients (in-backward: the one
-    # the optimizer recorded during backward, read before step(): 0 had no update
-    # run inside backward).
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **tolerances["grad_norm"])
-    if adamw:
-        norms = series(plain, "grad_norm", steps)
-        assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    # The adapters each mode ends with, after the last update too.
-    epoch = 1 if adamw else 0
-    assert_weights_close(
-        _adapter(bwd, epoch), _adapter(plain, epoch), **tolerances["adapter"]
-    )
-    for run in (plain, bwd):
-        for values in run.metrics.values():
-            assert {"loss", "lr", "tokens_per_second_per_gpu", "grad_norm"} <= set(
-                values
-            )
-
-
-@pytest.mark.parametrize(
-    "source,target",
-    [
-        ("plain", "plain"),
-        ("bwd", "bwd"),
-        ("plain", "bwd"),
-        ("bwd", "plain"),
-        ("0.6.1", "bwd"),
-        ("0.6.1", "plain"),
-    ],
-    ids=lambda mode: mode,
-)
-def test_resume_from_epoch_0_gives_the_uninterrupted_losses(
-    source: str,
-    target: str,
-    adamw_runs: dict[str, TuneRun],
-    resumed_runs: dict[tuple[str, str], TuneRun],
+@pytest.mark.parametrize("source,target", [("plain", "bwd"), ("bwd", "plain")])
+def test_resume_from_a_0_6_1_epoch_checkpoint_gives_the_uninterrupted_losses(
+    runs: Runs, tmp_path: Path, source: str, target: str
 ) -> None:
     # 0.6.1 failed this on CPU in every mode: its epoch-0 save merged the adapter
     # into the live base weights, so the uninterrupted epoch 1 trained a corrupted
-    # model, while the resumed one started from clean base weights.
-    # The 0.6.1 checkpoints come from the run of the other mode (resumed_runs).
-    if source == "0.6.1":
-        source = "plain" if target == "bwd" else "bwd"
-        resumed = resumed_runs["0.6.1", target]
-    else:
-        resumed = resumed_runs[source, target]
-    uninterrupted = adamw_runs[source]
-    # The resumed run starts at the step after epoch 0, on the scheduler's position.
-    assert_steps(uninterrupted, ALL_STEPS)
-    steps = assert_steps(resumed, EPOCH_1)
-    assert_series_close(resumed, uninterrupted, "lr", steps, **EXACT)
-    # The first step's forward runs on the same weights whatever the mode.
-    assert_series_close(resumed, uninterrupted, "loss", steps[:1], **EXACT)
-    # Bitwise in either mode (module docstring).
-    assert_series_close(resumed, uninterrupted, "loss", steps, **EXACT)
-    # And it ends with the uninterrupted run's adapter, after all three updates.
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
+    # model, while the resumed one started from clean base weights. The plain run's
+    # 0.6.1 checkpoint names its adapter with checkpointer.adapter_checkpoint; the
+    # in-backward run's (adapter only) is found in the latest epoch_* folder.
+    _write_0_6_1_epoch_checkpoint(runs.adamw[source], tmp_path, STEPS_PER_EPOCH)
+    named = {}
+    if source == "plain":
+        named["checkpointer.adapter_checkpoint"] = "epoch_0/adapter_model.pt"
+    resumed = LORA.run(CONFIG, runs.resume_settings(target) | named, tmp_path)
+    # Bitwise in either mode (test_single_device_recipes.py).
+    assert_same_training(
+        resumed,
+        runs.adamw[source],
+        BITWISE_TRAINING,
+        EPOCH_1,
+        reference_steps=ALL_STEPS,
+        final_weights=LORA.trained,
+    )
 
 
 def _lora_model(tiny_assets: TinyAssets, adapter_file: Path) -> torch.nn.Module:
@@ -444,7 +242,7 @@ def test_adapter_only_checkpoint_loads_back(
         num_kv_heads=kwargs["num_kv_heads"],
         dim=kwargs["embed_dim"],
     )
-    assert_close(load_file(final / "adapter_model.safetensors"), peft, **EXACT)
+    assert_close(load_file(final / "adapter_model.safetensors"), peft, **BITWISE)
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["r"] == LORA_KWARGS["lora_rank"]
     assert config["lora_alpha"] == LORA_KWARGS["lora_alpha"]
@@ -605,7 +403,7 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
     handle = register_optimizer_step_pre_hook(before_step)
     try:
         runs = {
-            _name(bwd): tune_run_here(
+            mode_name(bwd): tune_run_here(
                 CONFIG,
                 {
                     "assets_dir": tiny_assets.root,
@@ -615,10 +413,11 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
                     # Recomputing activations in backward must not upset the
                     # in-backward updates, which run as each gradient is accumulated.
                     "enable_activation_checkpointing": True,
-                    **_mode_overrides(bwd, clip_grad_norm=None),
+                    "optimizer_in_bwd": bwd,
+                    "clip_grad_norm": None,
                     **_variant_overrides(variant, qlora_checkpoint_dir),
                 },
-                tmp_path / _name(bwd),
+                tmp_path / mode_name(bwd),
             )
             for bwd in (False, True)
         }
@@ -632,86 +431,20 @@ def test_dora_and_qlora_with_activation_checkpointing_update_inside_backward(
     # The norm in-backward logs was recorded as the hooks updated the parameters,
     # before step(): it is the plain run's norm only if every update ran in backward.
     assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **EXACT)
+    assert_series_close(bwd, plain, "grad_norm", steps, **BITWISE)
+    assert_series_close(bwd, plain, "loss", steps, **BITWISE)
     num_layers = (
         QLORA_MODEL_KWARGS["num_layers"]
         if variant == "qlora"
         else (tiny_assets.model_kwargs["num_layers"])
     )
-    adapters = {name: _adapter(run, 0) for name, run in runs.items()}
+    adapters = {name: LORA.trained(run, 0) for name, run in runs.items()}
     for adapter in adapters.values():
         # lora_b starts at zero: it moved, so the adapter trained.
         lora_b = [v for k, v in adapter.items() if "lora_b" in k]
         assert len(lora_b) == _num_lora_b(num_layers), sorted(adapter)
         assert all(v.abs().max() > 0 for v in lora_b)
-    assert_weights_close(adapters["bwd"], adapters["plain"], **EXACT)
-
-
-BF16_STEPS_PER_EPOCH = 2
-BF16_ALL_STEPS = range(1, 2 * BF16_STEPS_PER_EPOCH + 1)
-BF16_EPOCH_1 = range(BF16_STEPS_PER_EPOCH + 1, 2 * BF16_STEPS_PER_EPOCH + 1)
-
-
-@pytest.fixture(scope="module")
-def bf16_runs(
-    tiny_assets: TinyAssets, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, TuneRun]:
-    """Two epochs of two AdamW steps in bf16, in each mode, and the in-backward run
-    resumed in-backward from the step checkpoint of epoch 0's end."""
-    overrides = {
-        "assets_dir": tiny_assets.root,
-        "dtype": "bf16",
-        "epochs": 2,
-        "max_steps_per_epoch": BF16_STEPS_PER_EPOCH,
-        **KEEP_EPOCH_STEPS,
-    }
-    runs = {
-        _name(bwd): tune_run_here(
-            CONFIG,
-            overrides | _mode_overrides(bwd, clip_grad_norm=None),
-            tmp_path_factory.mktemp(f"bf16_{_name(bwd)}"),
-        )
-        for bwd in (False, True)
-    }
-    out = tmp_path_factory.mktemp("bf16_resumed")
-    _copy_epoch_0(runs["bwd"], out, BF16_STEPS_PER_EPOCH)
-    runs["resumed"] = tune_run_here(
-        CONFIG,
-        overrides
-        | _mode_overrides(True, clip_grad_norm=None)
-        | {"resume_from_checkpoint": True},
-        out,
-    )
-    return runs
-
-
-def test_bf16_in_backward_trains_as_plain_bitwise(
-    bf16_runs: dict[str, TuneRun],
-) -> None:
-    plain, bwd = bf16_runs["plain"], bf16_runs["bwd"]
-    steps = assert_same_steps(bwd, plain, BF16_ALL_STEPS)
-    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
-    assert_series_close(bwd, plain, "lr", steps, **EXACT)
-    assert_series_close(bwd, plain, "loss", steps, **EXACT)
-    assert (series(bwd, "grad_norm", steps) > 0).all()
-    assert_series_close(bwd, plain, "grad_norm", steps, **EXACT)
-    adapter = _adapter(bwd, 1)
-    assert all(w.dtype == torch.bfloat16 for w in adapter.values())
-    assert_weights_close(adapter, _adapter(plain, 1), **EXACT)
-
-
-def test_bf16_in_backward_resume_gives_the_uninterrupted_run_bitwise(
-    bf16_runs: dict[str, TuneRun],
-) -> None:
-    uninterrupted, resumed = bf16_runs["bwd"], bf16_runs["resumed"]
-    assert_steps(uninterrupted, BF16_ALL_STEPS)
-    steps = assert_steps(resumed, BF16_EPOCH_1)
-    # The bf16 adapter and optimizer state are saved and loaded as they are: the
-    # same kernels on the same values.
-    for metric in ("loss", "lr", "grad_norm"):
-        assert_series_close(resumed, uninterrupted, metric, steps, **EXACT)
-    assert_weights_close(_adapter(resumed, 1), _adapter(uninterrupted, 1), **EXACT)
+    assert_weights_close(adapters["bwd"], adapters["plain"], **BITWISE)
 
 
 def test_resume_from_an_epoch_checkpoint_without_its_adapter_is_refused(

@@ -25,19 +25,19 @@ import pytest
 import torch
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     TuneRun,
     assert_series_close,
     assert_weights_close,
     load_weights,
-    run_tune_forked,
+    run_recipe,
     run_tune_in_process,
     tiny_config,
 )
 
 pytestmark = pytest.mark.integration_test
 
-EXACT = {"rtol": 0.0, "atol": 0.0}
 SHARD = "model-00001-of-00001.safetensors"
 STEPS = 3
 # Rows 0 to 7 have prompts longer than the tokenizer's max_seq_len (128): their
@@ -76,42 +76,33 @@ def assert_trained_through_the_empty_batch(runs: dict[str, TuneRun]) -> None:
         weights = load_weights(run.output_dir / "epoch_0" / SHARD)
         assert all(torch.isfinite(w).all() for w in weights.values()), mode
     assert_series_close(
-        runs["bwd"], runs["plain"], "loss", range(2, STEPS + 1), **EXACT
+        runs["bwd"], runs["plain"], "loss", range(2, STEPS + 1), **BITWISE
     )
     assert_weights_close(
         load_weights(runs["bwd"].output_dir / "epoch_0" / SHARD),
         load_weights(runs["plain"].output_dir / "epoch_0" / SHARD),
-        **EXACT,
+        **BITWISE,
     )
 
 
-def test_a_batch_without_targets_trains_on_with_finite_weights_on_one_process(
-    tiny_assets: TinyAssets, tmp_path: Path
+@pytest.mark.parametrize(
+    ("recipe", "config", "more"),
+    [
+        ("full_finetune_single_device", "tiny_full_single_device", {}),
+        # Two processes.
+        ("full_finetune_distributed", "tiny_full_distributed", {"clip_grad_norm": 1.0}),
+    ],
+)
+def test_a_batch_without_targets_trains_on_with_finite_weights(
+    tiny_assets: TinyAssets, tmp_path: Path, recipe: str, config: str, more: dict
 ) -> None:
     data = data_with_empty_batch(tiny_assets, tmp_path / "data.json")
     runs = {
-        mode: run_tune_in_process(
-            "full_finetune_single_device",
-            tiny_config("tiny_full_single_device"),
-            settings(tiny_assets, data, mode == "bwd"),
+        mode: run_recipe(
+            recipe,
+            tiny_config(config),
+            settings(tiny_assets, data, mode == "bwd", **more),
             tmp_path / mode,
-        )
-        for mode in ("plain", "bwd")
-    }
-    assert_trained_through_the_empty_batch(runs)
-
-
-def test_a_batch_without_targets_trains_on_with_finite_weights_on_two_processes(
-    tiny_assets: TinyAssets, tmp_path: Path
-) -> None:
-    data = data_with_empty_batch(tiny_assets, tmp_path / "data.json")
-    runs = {
-        mode: run_tune_forked(
-            "full_finetune_distributed",
-            tiny_config("tiny_full_distributed"),
-            settings(tiny_assets, data, mode == "bwd", clip_grad_norm=1.0),
-            nproc=2,
-            output_dir=tmp_path / mode,
         )
         for mode in ("plain", "bwd")
     }

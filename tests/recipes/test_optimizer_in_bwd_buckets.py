@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import TuneRun, run_tune_in_process, tiny_config
 
 pytestmark = pytest.mark.integration_test
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.integration_test
 RECIPE = "full_finetune_single_device"
 CONFIG = tiny_config("tiny_full_single_device")
 STEPS = [1, 2, 3]
-BITWISE = {"rtol": 0.0, "atol": 0.0}
 # Caps in MiB: one parameter per bucket; 0.07 MiB, a few of the tiny model's 16 KiB
 # attention and 32 KiB MLP weights per bucket; the default, one bucket for all.
 CAPS = {"per_parameter": 0, "small": 0.07, "default": None}

@@ -64,11 +64,14 @@ from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
 from tests.assets.make_ppo_assets import PPOAssets, ensure_ppo_assets
+from tests.helpers import BITWISE, snapshot_files
 from tests.recipes.utils import (
     TuneRun,
     TuneRunError,
+    assert_metrics_close,
+    assert_series_close,
     run_tune_in_process,
-    snapshot_files,
+    series,
     tiny_config,
 )
 from torchtune import training
@@ -109,7 +112,6 @@ LOGGED = {
 COMPARED = sorted(
     LOGGED - {"grad_norm", "lr"} - {m for m in LOGGED if "per_second" in m}
 )
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # Plain with 2 backward passes per minibatch vs in-backward with 1 (docstring).
 ACCUMULATION_TOLERANCE = {"rtol": 1e-5, "atol": 0.0}
 # The grad norm every run clips at (module docstring).
@@ -320,22 +322,6 @@ def _as_0_6_1_in_bwd(ppo_assets: PPOAssets) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
-def _series(run: TuneRun, metric: str, steps: list[int]) -> list[float]:
-    return [run.metrics[step][metric] for step in steps]
-
-
-def _assert_metrics_close(
-    actual: TuneRun, expected: TuneRun, steps: list[int], **tolerance: float
-) -> None:
-    for metric in COMPARED:
-        assert_close(
-            _series(actual, metric, steps),
-            _series(expected, metric, steps),
-            **tolerance,
-            msg=lambda m, metric=metric: f"{metric}: {m}",
-        )
-
-
 def test_every_step_logs_the_ppo_metrics(runs: dict[str, TuneRun]) -> None:
     for run in runs.values():
         assert sorted(run.metrics) == EPOCH_0 + EPOCH_1
@@ -344,8 +330,8 @@ def test_every_step_logs_the_ppo_metrics(runs: dict[str, TuneRun]) -> None:
             # No stop token was sampled: the accumulation test relies on it.
             assert values["num_stop_tokens"] == 0
     # Training moved the policy: the KL from the reference grew from ~0.
-    kl = _series(runs["bwd"], "kl", EPOCH_0 + EPOCH_1)
-    assert abs(kl[0]) < 1e-5 and max(abs(k) for k in kl[1:]) > 1e-2, kl
+    kl = series(runs["bwd"], "kl", EPOCH_0 + EPOCH_1).abs()
+    assert kl[0] < 1e-5 and kl[1:].max() > 1e-2, kl
 
 
 @pytest.mark.parametrize("plain", ["plain", "plain_accumulated"])
@@ -353,16 +339,13 @@ def test_in_backward_gives_the_plain_metrics_at_every_step(
     plain: str, runs: dict[str, TuneRun]
 ) -> None:
     steps = EPOCH_0 + EPOCH_1
-    tolerance = EXACT if plain == "plain" else ACCUMULATION_TOLERANCE
-    _assert_metrics_close(runs["bwd"], runs[plain], steps, **tolerance)
-    norms = _series(runs[plain], "grad_norm", steps)
-    assert min(norms) < CLIP < max(norms), norms
-    assert_close(
-        _series(runs["bwd"], "grad_norm", steps),
-        _series(runs[plain], "grad_norm", steps),
-        **tolerance,
+    tolerance = BITWISE if plain == "plain" else ACCUMULATION_TOLERANCE
+    assert_metrics_close(
+        runs["bwd"], runs[plain], (*COMPARED, "grad_norm"), steps, **tolerance
     )
-    assert _series(runs["bwd"], "lr", steps) == _series(runs[plain], "lr", steps)
+    norms = series(runs[plain], "grad_norm", steps)
+    assert norms.min() < CLIP < norms.max(), norms
+    assert_series_close(runs["bwd"], runs[plain], "lr", steps, **BITWISE)
 
 
 def test_in_backward_without_clipping_gives_the_plain_metrics_bitwise(
@@ -370,10 +353,11 @@ def test_in_backward_without_clipping_gives_the_plain_metrics_bitwise(
 ) -> None:
     steps = EPOCH_0 + EPOCH_1
     bwd, plain = runs["bwd_no_clip"], runs["plain_no_clip"]
-    _assert_metrics_close(bwd, plain, steps, **EXACT)
-    assert _series(bwd, "grad_norm", steps) == _series(plain, "grad_norm", steps)
+    assert_metrics_close(bwd, plain, (*COMPARED, "grad_norm"), steps, **BITWISE)
     # Clipping changed the clipped runs: the comparison above is of another path.
-    assert _series(bwd, "loss", steps) != _series(runs["bwd"], "loss", steps)
+    assert not torch.equal(
+        series(bwd, "loss", steps), series(runs["bwd"], "loss", steps)
+    )
 
 
 def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes(
@@ -408,7 +392,7 @@ def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes
             assert entry["exp_avg_sq"].abs().sum() > 0
         saved[mode] = optimizer
     # Same arithmetic in both modes (module docstring).
-    assert_close(saved["bwd"]["state"], saved["plain"]["state"], **EXACT)
+    assert_close(saved["bwd"]["state"], saved["plain"]["state"], **BITWISE)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +408,7 @@ def test_resume_from_epoch_0_gives_the_uninterrupted_metrics(
 ) -> None:
     resumed = resume(source, target)
     assert sorted(resumed.metrics) == EPOCH_1
-    _assert_metrics_close(resumed, runs[source], EPOCH_1, **EXACT)
+    assert_metrics_close(resumed, runs[source], COMPARED, EPOCH_1, **BITWISE)
 
 
 @pytest.mark.parametrize(
@@ -441,8 +425,7 @@ def test_resume_from_a_0_6_1_epoch_checkpoint_gives_the_uninterrupted_metrics(
     epoch-0 export by ``value_checkpointer``."""
     resumed = resume_0_6_1(source, target)
     assert sorted(resumed.metrics) == EPOCH_1
-    _assert_metrics_close(resumed, runs[source], EPOCH_1, **EXACT)
-    assert _series(resumed, "lr", EPOCH_1) == _series(runs[source], "lr", EPOCH_1)
+    assert_metrics_close(resumed, runs[source], (*COMPARED, "lr"), EPOCH_1, **BITWISE)
 
 
 def test_resume_without_the_policy_optimizer_state_differs(
@@ -456,10 +439,10 @@ def test_resume_without_the_policy_optimizer_state_differs(
         "bwd", "bwd", ("no_policy_state", _drop_policy_state(ppo_assets))
     )
     assert sorted(resumed.metrics) == EPOCH_1
-    losses = _series(resumed, "loss", EPOCH_1)
-    uninterrupted = _series(runs["bwd"], "loss", EPOCH_1)
-    relative = [abs(a - b) / abs(b) for a, b in zip(losses, uninterrupted, strict=True)]
-    assert min(relative) > 1e-4, (losses, uninterrupted)
+    losses = series(resumed, "loss", EPOCH_1)
+    uninterrupted = series(runs["bwd"], "loss", EPOCH_1)
+    relative = ((losses - uninterrupted) / uninterrupted).abs()
+    assert relative.min() > 1e-4, (losses, uninterrupted)
 
 
 def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
@@ -473,7 +456,7 @@ def test_resume_from_a_0_6_1_in_backward_checkpoint_loads_the_value_model_state(
     )
     resumed = resume_0_6_1("bwd", "bwd", ("in_bwd", _as_0_6_1_in_bwd(ppo_assets)))
     assert sorted(resumed.metrics) == EPOCH_1
-    _assert_metrics_close(resumed, expected, EPOCH_1, **EXACT)
+    assert_metrics_close(resumed, expected, COMPARED, EPOCH_1, **BITWISE)
 
 
 def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics(
@@ -506,14 +489,9 @@ def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics
     )
     steps = EPOCH_0[1:] + EPOCH_1
     assert sorted(resumed.metrics) == steps
-    _assert_metrics_close(resumed, runs["bwd"], steps, **EXACT)
-    for metric in ("grad_norm", "lr"):
-        assert_close(
-            _series(resumed, metric, steps),
-            _series(runs["bwd"], metric, steps),
-            **EXACT,
-            msg=lambda m, metric=metric: f"{metric}: {m}",
-        )
+    assert_metrics_close(
+        resumed, runs["bwd"], (*COMPARED, "grad_norm", "lr"), steps, **BITWISE
+    )
 
 
 def test_save_every_n_steps_counts_ppo_steps(

@@ -22,8 +22,8 @@ Every run is 2 epochs x 2 steps of the tiny Llama2 (``tiny_qat_distributed.yaml`
 fake quantization from step 3), shared through module-scoped fixtures: six runs in
 all, each ``tune run`` on processes forked from a preloaded server
 (``run_tune_forked``: real processes, with what torchrun gives each rank, without an
-interpreter start and imports per run), and the partly frozen one on 1 process in
-this process. Refusals run in this process. The shipped configs are checked to resolve (components and keys), not run:
+interpreter start and imports per run), the partly frozen one on 1 process.
+Refusals run in this process. The shipped configs are checked to resolve (components and keys), not run:
 neither sets ``optimizer_in_bwd: True``.
 
 The data: the tiny instruct set, whose answers have different lengths, so every
@@ -40,7 +40,7 @@ crosses.
 
 Tolerances, from the arithmetic (observed on x86 CPU in brackets):
 
-- ``EXACT`` for losses, grad norms and lr between the modes and for every resume:
+- ``BITWISE_TRAINING`` for losses, grad norms and lr between the modes and for every resume:
   the same values through the same kernels, as above [0].
 - ``ACROSS_LAYOUTS`` for 2 processes vs 1: per-rank partial sums and a
   reduce-scatter add the same terms in another order, a few ulps per op. Compared on
@@ -61,19 +61,19 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import snapshot_files
 from tests.recipes.partly_frozen_model import partly_frozen_llama2
 from tests.recipes.utils import (
+    BITWISE_TRAINING,
     TuneRun,
     assert_same_training,
     full_optimizer_state,
     run_tune_forked,
     run_tune_in_process,
     series,
-    snapshot_files,
     tiny_config,
     tolerances,
 )
-from tests.torchtune.distributed_launcher import free_port
 
 pytestmark = pytest.mark.integration_test
 
@@ -87,7 +87,6 @@ SHARD = "model-00001-of-00001.safetensors"
 TIMEOUT_S = 240  # a collective reached by only some ranks hangs: fail instead
 
 # rtol for the loss and the grad norm (module docstring).
-EXACT = tolerances(0.0, 0.0)
 # The grad norm the in-backward and plain runs clip at: their norms cross it.
 CLIP = 4.0
 ACROSS_LAYOUTS = tolerances(1e-5, 1e-5)
@@ -190,7 +189,7 @@ def test_in_backward_matches_plain_bitwise_with_fake_quantization(
     assert in_bwd.losses[-1] < in_bwd.losses[0]  # it learns
     norms = series(plain, "grad_norm", ALL_STEPS)
     assert (norms > CLIP).any() and (norms < CLIP).any(), norms
-    assert_same_training(in_bwd, plain, EXACT, ALL_STEPS)
+    assert_same_training(in_bwd, plain, BITWISE_TRAINING, ALL_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +246,9 @@ def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     # It starts past fake_quant_after_n_steps, so it keeps the fake quantization
     # that prepare() turned on (and the losses below show it is on).
     assert "fake quantization disabled" not in resumed.output
-    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
+    assert_same_training(
+        resumed, in_bwd, BITWISE_TRAINING, EPOCH_1, reference_steps=ALL_STEPS
+    )
 
 
 def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupted_run(
@@ -277,7 +278,7 @@ def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupte
     assert f"Step {FAKE_QUANT_AFTER}: fake quantization enabled." in resumed.output
     resumed_steps = range(2, EPOCHS * STEPS + 1)
     assert_same_training(
-        resumed, in_bwd, EXACT, resumed_steps, reference_steps=ALL_STEPS
+        resumed, in_bwd, BITWISE_TRAINING, resumed_steps, reference_steps=ALL_STEPS
     )
 
 
@@ -345,7 +346,9 @@ def test_plain_resumes_a_0_6_1_in_backward_checkpoint_as_the_run_went_on(
         enable_activation_checkpointing=True,
         custom_sharded_layers=["tok_embeddings", "output"],
     )
-    assert_same_training(resumed, in_bwd, EXACT, EPOCH_1, reference_steps=ALL_STEPS)
+    assert_same_training(
+        resumed, in_bwd, BITWISE_TRAINING, EPOCH_1, reference_steps=ALL_STEPS
+    )
 
 
 def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_keys(
@@ -370,26 +373,6 @@ def test_rank_0_alone_writes_the_epoch_checkpoints(in_bwd: TuneRun) -> None:
         assert in_bwd.output.count(f" saved to {saved}\n") == 1, saved
 
 
-def _train_here(out: Path, assets: TinyAssets, data: Path, **overrides: Any) -> TuneRun:
-    """``_train`` on 1 process, in this process: no interpreter to start, so a few
-    seconds a run. The environment gives the recipe what torchrun gives a rank; one
-    thread, as in the subprocesses (the tests' ``OMP_NUM_THREADS=1``)."""
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    base = {"assets_dir": assets.root, "dataset.data_files": data}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in env.items():
-                mp.setenv(key, value)
-            return run_tune_in_process(RECIPE, CONFIG, base | overrides, out)
-    finally:
-        if torch.distributed.is_initialized():  # the run failed before its cleanup
-            torch.distributed.destroy_process_group()
-        torch.set_num_threads(threads)
-
-
 # A partly frozen model: the embedding (in FSDP's root unit, beside trainable
 # weights), the norms of a layer and one of its linear layers (in that layer's
 # unit). The quantizer's prepare swaps every linear layer for a fake-quantized one
@@ -406,11 +389,13 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     parameters only listed fewer, and its checkpoints did not interchange with
     theirs. A frozen linear layer stays frozen through the quantizer's prepare:
     its weight is the base checkpoint's, and it has no optimizer state."""
-    run = _train_here(
+    run = _train(
         runs_dir / "partly_frozen",
         tiny_assets,
         train_data,
+        nproc=1,
         batch_size=8,
+        clip_grad_norm=None,
         **{
             "model._component_": (
                 "tests.recipes.partly_frozen_model.partly_frozen_llama2"

@@ -14,7 +14,6 @@ checkpoint's, and an output folder that cannot be written.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-import torchtune
-from tests.recipes.utils import held_by_another_process, snapshot_files, tiny_config
+from tests.helpers import snapshot_files
+from tests.recipes.utils import held_by_another_process, load_recipe_class, tiny_config
 
 pytestmark = pytest.mark.integration_test
 
@@ -201,23 +200,53 @@ REFUSALS = {
         "a whole number >= 1 or null (no limit).",
     ),
 }
-FSDP_REFUSAL = (
-    {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
-    ValueError,
-    "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a model "
-    "sharded with FSDP2: bitsandbytes' update kernels take plain tensors, not FSDP2's "
-    "DTensors. Use torch.optim.AdamW or torchao.optim._AdamW (low-bit state: "
-    "torchao.optim.AdamW8bit), or this optimizer in a single-device recipe.",
-)
+# Refused by the distributed recipes only (FSDP2).
+FSDP_REFUSALS = {
+    "bitsandbytes under FSDP2": (
+        {"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}},
+        ValueError,
+        "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit cannot train a "
+        "model sharded with FSDP2: bitsandbytes' update kernels take plain tensors, "
+        "not FSDP2's DTensors. Use torch.optim.AdamW or torchao.optim._AdamW "
+        "(low-bit state: torchao.optim.AdamW8bit), or this optimizer in a "
+        "single-device recipe.",
+    ),
+    "torchao's low-bit state saved asynchronously": (
+        {
+            "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
+            "enable_async_checkpointing": True,
+        },
+        ValueError,
+        "optimizer._component_=torchao.optim.AdamW8bit cannot be combined with "
+        "enable_async_checkpointing=True under FSDP2: an asynchronous save cannot "
+        "copy its quantized state. Set enable_async_checkpointing=False, or use "
+        "torch.optim.AdamW.",
+    ),
+}
 
 
-def _recipe_class(recipe: str) -> type:
-    """The installed recipe file's class (recipes are files, not a package)."""
-    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py"
-    spec = importlib.util.spec_from_file_location(f"_{recipe.replace('/', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, RECIPES[recipe][0])
+def build(recipe: str, cfg: DictConfig) -> object:
+    """The installed recipe file's class (recipes are files, not a package), built."""
+    return load_recipe_class(recipe, RECIPES[recipe][0])(cfg)
+
+
+def assert_refused_first(
+    recipe: str,
+    cfg: DictConfig,
+    out: Path,
+    error: type[Exception],
+    message: str,
+    *,
+    whole: bool = True,
+) -> None:
+    """Building ``recipe`` from ``cfg`` raises ``error`` with ``message`` (the whole
+    message, or with ``whole=False`` its start), leaving ``out`` as it was and no
+    process group started."""
+    before = snapshot_files(out)
+    with pytest.raises(error, match=f"^{re.escape(message)}{'$' if whole else ''}"):
+        build(recipe, cfg)
+    assert snapshot_files(out) == before
+    assert not torch.distributed.is_initialized()
 
 
 def _refused(recipe: str, overrides: dict, tmp_path: Path) -> tuple[Path, dict]:
@@ -237,8 +266,9 @@ CASES = [
     for recipe in RECIPES
     for name in REFUSALS
 ] + [
-    pytest.param(recipe, *FSDP_REFUSAL, id=f"{recipe}: bitsandbytes under FSDP2")
+    pytest.param(recipe, *FSDP_REFUSALS[name], id=f"{recipe}: {name}")
     for recipe in sorted(DISTRIBUTED)
+    for name in FSDP_REFUSALS
 ]
 
 
@@ -251,11 +281,7 @@ def test_every_recipe_refuses_a_shared_option_first_with_one_message(
     tmp_path: Path,
 ) -> None:
     out, cfg = _refused(recipe, overrides, tmp_path)
-    before = snapshot_files(out)
-    with pytest.raises(error, match=f"^{re.escape(message)}"):
-        _recipe_class(recipe)(cfg)
-    assert snapshot_files(out) == before
-    assert not torch.distributed.is_initialized()
+    assert_refused_first(recipe, cfg, out, error, message, whole=False)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -270,7 +296,7 @@ def test_a_null_profiler_component_means_the_torch_profiler(
         tmp_path,
     )
     with pytest.raises(ValueError, match="^dtype=fp16 is not supported"):
-        _recipe_class(recipe)(cfg)
+        build(recipe, cfg)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -294,17 +320,13 @@ def test_every_recipe_refuses_to_resume_another_optimizers_state_first(
         step / "recipe_state.pt",
     )
     (step / "manifest.json").write_text(json.dumps({"version": 2, "files": {}}))
-    before = snapshot_files(out)
     message = (
         f"optimizer._component_=torch.optim.AdamW cannot resume from {step}: its "
         "optimizer state was saved by torch.optim.SGD. Set "
         "optimizer._component_=torch.optim.SGD to resume, or "
         "resume_from_checkpoint=False to start anew."
     )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        _recipe_class(recipe)(cfg)
-    assert snapshot_files(out) == before
-    assert not torch.distributed.is_initialized()
+    assert_refused_first(recipe, cfg, out, ValueError, message)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -322,16 +344,12 @@ def test_every_recipe_refuses_an_output_dir_it_cannot_write_first(
             not (mode & os.W_OK and Path(path) == out) and real_access(path, mode, **kw)
         ),
     )
-    before = snapshot_files(out)
     message = (
         f"output_dir={out} cannot be written: this process has no write permission "
         f"in {out}, so no checkpoint could be saved. Set output_dir to a folder this "
         f"run can write, or give it write permission (chmod u+w {out})."
     )
-    with pytest.raises(PermissionError, match=f"^{re.escape(message)}$"):
-        _recipe_class(recipe)(cfg)
-    assert snapshot_files(out) == before
-    assert not torch.distributed.is_initialized()
+    assert_refused_first(recipe, cfg, out, PermissionError, message)
 
 
 @pytest.mark.skipif(
@@ -344,7 +362,7 @@ def test_a_read_only_output_dir_is_refused_before_anything_is_built(
     out.chmod(0o500)
     try:
         with pytest.raises(PermissionError, match=f"^output_dir={re.escape(str(out))}"):
-            _recipe_class("full_finetune_single_device")(cfg)
+            build("full_finetune_single_device", cfg)
     finally:
         out.chmod(0o700)
 
@@ -358,7 +376,6 @@ def test_every_recipe_refuses_a_folder_another_live_run_holds_first(
     # A live process of this host: this test's parent.
     owner = {"pid": os.getppid(), "host": socket.gethostname(), "started": "then"}
     (out / "torchtune_run.lock").write_text(json.dumps(owner))
-    before = snapshot_files(out)
     message = (
         f"output_dir={out} is in use by another run (process {os.getppid()} on host "
         f"{socket.gethostname()}, started then): two runs would overwrite each other's "
@@ -366,7 +383,4 @@ def test_every_recipe_refuses_a_folder_another_live_run_holds_first(
     )
     # Held as a live run holds it: an OS lock on the file.
     with held_by_another_process(out / "torchtune_run.lock"):
-        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-            _recipe_class(recipe)(cfg)
-    assert snapshot_files(out) == before
-    assert not torch.distributed.is_initialized()
+        assert_refused_first(recipe, cfg, out, ValueError, message)

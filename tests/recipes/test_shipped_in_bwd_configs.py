@@ -47,12 +47,13 @@ import torch
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
+from tests.helpers import BITWISE
 from tests.recipes.utils import (
     REPO_ROOT,
     TuneRun,
     is_ppo_config,
     ppo_shipped_config_overrides,
-    run_tune,
+    run_tune_forked,
     run_tune_in_process,
     shipped_config_overrides,
 )
@@ -63,9 +64,8 @@ pytestmark = pytest.mark.integration_test
 TREE_RECIPES = {path.name for path in (REPO_ROOT / "recipes").glob("*.py")}
 STEPS_PER_EPOCH = 3
 EPOCH_1 = range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)
-EXACT = {"rtol": 0.0, "atol": 0.0}
 # Plain vs in-backward in fp32: float rounding only (see the module docstring).
-FP32_MODE_SWITCH = {"rtol": 0.0, "atol": 0.0}
+FP32_MODE_SWITCH = BITWISE
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,9 @@ RESUME_SUBSET = resume_subset(SHIPPED)
 def _run(config: ShippedConfig, overrides: list[str], output_dir: Path) -> TuneRun:
     """``tune run`` the config's recipe: in this process when it is single-device."""
     if "distributed" in config.recipe:
-        return run_tune(config.recipe, config.path, overrides, output_dir=output_dir)
+        return run_tune_forked(
+            config.recipe, config.path, overrides, nproc=1, output_dir=output_dir
+        )
     return run_tune_in_process(config.recipe, config.path, overrides, output_dir)
 
 
@@ -353,7 +355,7 @@ def test_in_backward_resume_as_shipped_gives_the_uninterrupted_losses_bitwise(
     resumed = run_once(config, "shipped_resumed", resume_from="shipped")
     assert sorted(resumed.metrics) == list(EPOCH_1)
     # Same mode, same dtype, same kernels: bitwise (module docstring).
-    assert_close(_losses(resumed, EPOCH_1), _losses(uninterrupted, EPOCH_1), **EXACT)
+    assert_close(_losses(resumed, EPOCH_1), _losses(uninterrupted, EPOCH_1), **BITWISE)
 
 
 @pytest.mark.parametrize("config", RESUME_SUBSET, ids=str)
@@ -387,7 +389,7 @@ def test_step_checkpoint_resume_mid_epoch_as_shipped_gives_the_losses_bitwise(
     assert_close(
         _losses(saving, all_steps),
         _losses(_shipped_run(run_once, config), all_steps),
-        **EXACT,
+        **BITWISE,
     )
     # Step 4 is mid-epoch 1; the resumed run finds it with no file named.
     shutil.copytree(saving.output_dir / "step_4", tmp_path / "step_4")
@@ -401,4 +403,4 @@ def test_step_checkpoint_resume_mid_epoch_as_shipped_gives_the_losses_bitwise(
     after = range(5, 2 * STEPS_PER_EPOCH + 1)
     assert sorted(resumed.metrics) == list(after)
     # Same mode, same dtype, same kernels (bitsandbytes' state restored as saved).
-    assert_close(_losses(resumed, after), _losses(saving, after), **EXACT)
+    assert_close(_losses(resumed, after), _losses(saving, after), **BITWISE)

@@ -1,27 +1,35 @@
-"""Helpers for recipe tests: run ``tune run`` in a subprocess and read its metrics back.
+"""Helpers for recipe tests: run ``tune run``, read its metrics back, compare runs.
 
 A typical recipe test::
 
-    run = run_tune(
+    run = run_recipe(
         "full_finetune_single_device",
         tiny_config("tiny_full_single_device"),
         {"assets_dir": tiny_assets.root, "max_steps_per_epoch": 3},
-        output_dir=tmp_path,
+        tmp_path,
     )
-    assert len(run.losses) == 3
+    assert_steps(run, [1, 2, 3])
 
-``run_tune`` always sends the metrics to a ``DiskLogger`` file of its own under
-``output_dir/logs`` and parses that file, so a test sees exactly the steps its run
-logged, even when a second run (a resume) writes into the same ``output_dir``.
-``run_tune_in_process`` runs the same command line in the test process, and
-``run_tune_forked`` on several processes forked from a preloaded server (no
-interpreter start or imports per run); both read the metrics back the same way.
+Every runner runs the same command line (:func:`tune_argv`) and sends the metrics
+to a ``DiskLogger`` file of the run's own under ``output_dir/logs``, which it parses
+back, so a test sees exactly the steps its run logged, even when a second run (a
+resume) writes into the same ``output_dir``:
+
+- :func:`run_tune_in_process`: in the test process (no interpreter start or imports
+  per run); the single-device recipes' runs.
+- :func:`run_tune_forked`: on processes forked from a preloaded server; the
+  distributed recipes' runs, one process or several.
+- :func:`run_tune`: ``tune run`` in a process of its own (torchrun for several):
+  the reference ``test_harness_smoke.py`` compares the other two with, bitwise.
+
+:func:`run_recipe` picks the first or the second. A run killed at a chosen moment is
+``crash_run.py``'s; what several test files need besides runs is in
+``tests/helpers.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 import re
@@ -464,12 +472,19 @@ def read_disk_log(path: Path | str) -> dict[int, dict[str, float]]:
     return metrics
 
 
-def _next_log_name(log_dir: Path) -> str:
-    """The first ``metrics_<k>.txt`` not yet in ``log_dir``."""
+def _new_log_file(output_dir: Path, *, reserve: bool = True) -> Path:
+    """The first ``output_dir/logs/metrics_<k>.txt`` not yet there: a run's own
+    ``DiskLogger`` file. ``reserve`` creates it (and ``logs/``) now, so that two runs
+    started back to back never share one; a run in this process needs no
+    reservation, and a refused one must leave no ``logs/`` behind."""
+    log_dir = output_dir / "logs"
     k = 0
     while (log_dir / f"metrics_{k}.txt").exists():
         k += 1
-    return f"metrics_{k}.txt"
+    if reserve:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / f"metrics_{k}.txt").touch()
+    return log_dir / f"metrics_{k}.txt"
 
 
 def _subprocess_env(
@@ -499,12 +514,21 @@ def run_outputs(output_dir: Path, log_file: Path) -> list[str]:
 
 def _logged_run(
     output_dir: Path, log_file: Path, command: list[str], output: str, wall_s: float
-) -> TuneRun | None:
-    """The run as its ``DiskLogger`` file ``log_file`` tells it; ``None`` if it
-    logged no metrics (or no file)."""
+) -> TuneRun:
+    """The run as its ``DiskLogger`` file ``log_file`` tells it.
+
+    Raises:
+        TuneRunError: if it logged no metrics (or no file), so that two runs that
+            logged nothing can never compare equal.
+    """
     metrics = read_disk_log(log_file) if log_file.is_file() else {}
     if not metrics:
-        return None
+        raise TuneRunError(
+            f"the run ended without an error but logged no metrics to {log_file}",
+            command,
+            0,
+            output,
+        )
     return TuneRun(
         losses=[v["loss"] for _, v in sorted(metrics.items()) if "loss" in v],
         metrics=dict(sorted(metrics.items())),
@@ -563,11 +587,7 @@ def run_tune(
     if distributed is None:
         distributed = nproc > 1 or "distributed" in recipe
     output_dir = Path(output_dir).resolve()
-    log_dir = output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = log_dir / _next_log_name(log_dir)
-    # Reserve the name now, so two runs started back to back never share a file.
-    log_file.touch()
+    log_file = _new_log_file(output_dir)
 
     command = [sys.executable, "-m", "torchtune._cli.tune", "run"]
     if distributed:
@@ -614,16 +634,7 @@ def run_tune(
             proc.returncode,
             output,
         )
-
-    run = _logged_run(output_dir, log_file, command, output, wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
-            command,
-            proc.returncode,
-            output,
-        )
-    return run
+    return _logged_run(output_dir, log_file, command, output, wall_s)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -680,41 +691,31 @@ def run_tune_forked(
         free_port,
         kill_child,
         preloaded_context,
+        rank_env,
         start_child,
     )
 
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     output_dir = Path(output_dir).resolve()
-    log_dir = output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = log_dir / _next_log_name(log_dir)
-    log_file.touch()
-    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += run_outputs(output_dir, log_file)
+    log_file = _new_log_file(output_dir)
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
     context = preloaded_context()
     base_env = _subprocess_env(output_dir, env)
-    port = str(free_port())
-    rank_logs = [log_dir / f"{log_file.stem}_rank{rank}.out" for rank in range(nproc)]
+    port = free_port()
+    rank_logs = [
+        log_file.with_name(f"{log_file.stem}_rank{r}.out") for r in range(nproc)
+    ]
     start = time.perf_counter()
     ranks = []
     try:
         for rank in range(nproc):
-            rank_env = base_env | {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "OMP_NUM_THREADS": "1",
-            }
             ranks.append(
                 start_child(
                     context,
-                    _tune_rank,
-                    (argv, str(REPO_ROOT)),
-                    rank_env,
+                    forked_tune_main,
+                    (argv,),
+                    base_env | rank_env(rank, nproc, port),
                     rank_logs[rank],
                     replace_env=True,
                 )
@@ -748,24 +749,42 @@ def run_tune_forked(
             next(c for c in codes if c),
             output,
         )
-    run = _logged_run(output_dir, log_file, command, output, wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} succeeded but logged no metrics to {log_file}",
-            command,
-            0,
-            output,
-        )
-    return run
+    return _logged_run(output_dir, log_file, command, output, wall_s)
 
 
-def _tune_rank(argv: list[str], cwd: str) -> None:
-    """One rank of :func:`run_tune_forked`: ``tune``'s entry point on ``argv``."""
-    from torchtune._cli.tune import main as tune_main
+def tune_argv(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None,
+    output_dir: Path,
+    log_file: Path,
+) -> list[str]:
+    """``tune run RECIPE --config CONFIG overrides`` with the overrides every runner
+    adds (:func:`run_outputs`), as ``sys.argv`` (starting with ``tune``)."""
+    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
+    return argv + run_outputs(output_dir, log_file)
 
-    os.chdir(cwd)
-    sys.argv = list(argv)
-    tune_main()
+
+def tune_main(argv: list[str]) -> None:
+    """``tune``'s entry point on ``argv`` in this process (the test process itself,
+    or a process forked for a run: :func:`forked_tune_main`)."""
+    from torchtune._cli.tune import main
+
+    saved, sys.argv = sys.argv, list(argv)
+    try:
+        main()
+    except SystemExit as e:  # a recipe file ends with sys.exit(recipe_main())
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved
+
+
+def forked_tune_main(argv: list[str]) -> None:
+    """:func:`tune_main` in a forked process, from the repository root, as
+    ``run_tune`` runs its subprocess."""
+    os.chdir(REPO_ROOT)
+    tune_main(argv)
 
 
 def run_tune_in_process(
@@ -786,31 +805,30 @@ def run_tune_in_process(
         TuneRunError: if the run logs no metrics (as :func:`run_tune`), so that two
             runs that logged nothing can never compare equal.
     """
-    from torchtune._cli.tune import main as tune_main
-
-    log_dir = Path(output_dir) / "logs"
-    log_file = log_dir / f"metrics_{time.monotonic_ns()}.txt"
-    argv = ["tune", "run", recipe, "--config", str(config), *_override_list(overrides)]
-    argv += run_outputs(output_dir, log_file)
-    saved_argv, sys.argv = sys.argv, argv
+    output_dir = Path(output_dir)
+    log_file = _new_log_file(output_dir, reserve=False)
+    argv = tune_argv(recipe, config, overrides, output_dir, log_file)
     start = time.perf_counter()
-    try:
-        tune_main()
-    except SystemExit as e:  # a recipe file ends with sys.exit(recipe_main())
-        if e.code not in (None, 0):
-            raise
-    finally:
-        sys.argv = saved_argv
-    wall_s = time.perf_counter() - start
-    run = _logged_run(Path(output_dir), log_file, argv, "", wall_s)
-    if run is None:
-        raise TuneRunError(
-            f"tune run {recipe} returned but logged no metrics to {log_file}",
-            argv,
-            0,
-            "",
+    tune_main(argv)
+    return _logged_run(output_dir, log_file, argv, "", time.perf_counter() - start)
+
+
+def run_recipe(
+    recipe: str,
+    config: Path | str,
+    overrides: Mapping[str, Any] | Sequence[str] | None,
+    output_dir: Path,
+    *,
+    nproc: int = 2,
+) -> TuneRun:
+    """A recipe run the cheapest way: a single-device recipe in this process
+    (:func:`run_tune_in_process`), a distributed one on ``nproc`` forked processes
+    (:func:`run_tune_forked`)."""
+    if "distributed" in recipe:
+        return run_tune_forked(
+            recipe, config, overrides, nproc=nproc, output_dir=output_dir
         )
-    return run
+    return run_tune_in_process(recipe, config, overrides, output_dir)
 
 
 def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> TuneRun:
@@ -819,14 +837,12 @@ def read_run(output_dir: Path | str, log_file: Path | str | None = None) -> Tune
     configs' ``output_dir/logs/metrics.txt``) and its ``output_dir``.
 
     Raises:
-        AssertionError: if the file logs no metrics, so that two runs that logged
+        TuneRunError: if the file logs no metrics, so that two runs that logged
             nothing can never compare equal.
     """
     output_dir = Path(output_dir)
     log_file = Path(log_file) if log_file else output_dir / "logs" / "metrics.txt"
-    run = _logged_run(output_dir, log_file, [], "", 0.0)
-    assert run, f"{log_file} logs no metrics"
-    return run
+    return _logged_run(output_dir, log_file, [], "", 0.0)
 
 
 def load_recipe_class(recipe: str, class_name: str) -> type:
@@ -870,17 +886,30 @@ def full_optimizer_state(
     }
 
 
-def snapshot_files(root: Path) -> dict[str, tuple[str, int]]:
-    """Every file under ``root``: its content hash and modification time, to show that
-    a refused run left a folder's checkpoints untouched."""
-    return {
-        str(p.relative_to(root)): (
-            hashlib.sha256(p.read_bytes()).hexdigest(),
-            p.stat().st_mtime_ns,
-        )
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+def as_0_6_1_in_backward(
+    saved: Mapping[str, Any], *, checkpoint_wrapped: bool
+) -> dict[str, Any]:
+    """A full optimizer state dict keyed by parameter name (``saved``), as torchtune
+    0.6.1's distributed recipes saved it with ``optimizer_in_bwd``: one optimizer per
+    parameter, keyed by ``model.named_parameters()`` names (which include activation
+    checkpointing's wrapper where it was on), each saved as its own full state dict
+    (``get_optimizer_state_dict``: keyed by the clean name). Only the first one holds
+    the scheduler's ``initial_lr``: 0.6.1 built the scheduler on that one alone."""
+    (group,) = saved["param_groups"]
+    legacy = {}
+    for i, fqn in enumerate(group["params"]):
+        name = fqn
+        if checkpoint_wrapped:
+            name = re.sub(r"^(layers\.\d+)\.", r"\1._checkpoint_wrapped_module.", fqn)
+        hyperparameters = {k: v for k, v in group.items() if k != "params"}
+        if i > 0:
+            del hyperparameters["initial_lr"]
+        legacy[name] = {
+            "state": {fqn: saved["state"][fqn]} if fqn in saved["state"] else {},
+            "param_groups": [hyperparameters | {"params": [fqn]}],
+        }
+    assert any("_checkpoint_wrapped_module" in n for n in legacy) == checkpoint_wrapped
+    return legacy
 
 
 # -- comparing runs -----------------------------------------------------------------
@@ -987,6 +1016,21 @@ def assert_series_close(
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
+def assert_metrics_close(
+    run: TuneRun,
+    reference: TuneRun,
+    metrics: Iterable[str],
+    steps: Iterable[int],
+    *,
+    rtol: float,
+    atol: float,
+) -> None:
+    """:func:`assert_series_close` for each of ``metrics``."""
+    steps = list(steps)
+    for metric in metrics:
+        assert_series_close(run, reference, metric, steps, rtol=rtol, atol=atol)
+
+
 Tolerances = Mapping[str, Mapping[str, float]]
 """Per compared quantity (``"loss"``, ``"grad_norm"``, ``"weights"``), the ``rtol``
 and ``atol`` of ``torch.testing.assert_close``."""
@@ -1004,6 +1048,10 @@ def tolerances(
     if weights is not None:
         tol["weights"] = {"rtol": 0.0, "atol": weights}
     return tol
+
+
+BITWISE_TRAINING = tolerances(0.0, 0.0, 0.0)
+""":data:`Tolerances` of two runs that must train bitwise alike."""
 
 
 def assert_same_training(
@@ -1043,6 +1091,25 @@ def assert_same_training(
         if weights_match is None:
             weights_match = partial(assert_weights_close, **tol["weights"])
         weights_match(final_weights(run), final_weights(reference))
+
+
+def assert_trains_as_plain(
+    bwd: TuneRun,
+    plain: TuneRun,
+    tol: Tolerances,
+    steps: Iterable[int],
+    *,
+    final_weights: Callable[[TuneRun], Mapping[str, torch.Tensor]],
+) -> None:
+    """The in-backward run ``bwd`` trained as the ``plain`` one over ``steps``
+    (:func:`assert_same_training`, both logging exactly ``steps``), and the
+    comparison can fail: the loss moves, and ``bwd``'s grad norm is positive at every
+    step (the one the optimizer recorded during backward, read before ``step()``: 0
+    had no update run inside backward)."""
+    steps = list(steps)
+    assert abs(plain.losses[-1] - plain.losses[0]) > 1e-2, plain.losses
+    assert (series(bwd, "grad_norm", steps) > 0).all()
+    assert_same_training(bwd, plain, tol, steps, final_weights=final_weights)
 
 
 def load_weights(*paths: Path | str) -> dict[str, torch.Tensor]:

@@ -10,9 +10,8 @@ How the processes start (``start=``):
   machine saves 15 to 40 s per launch, and with none of the test process's state
   (its threads, a torch.compile worker pool, monkeypatched modules): a rank forked
   from a pytest process that had compiled can hang in its own compile.
-- ``"fork"``: forked from the test process itself (where the platform allows it),
-  so it inherits whatever that process holds.
-- ``"fresh"``: ``python -m MODULE OUT_DIR`` (see :func:`main_from_argv`).
+- ``"fork"``: forked from the test process itself, so it inherits whatever that
+  process holds.
 
 Each forked child uses one intra-op thread, which keeps OpenMP safe after ``fork``,
 and leads a process group of its own, so that a deadline kills what it started too.
@@ -30,7 +29,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -96,7 +94,8 @@ class DistributedRun:
         return "\n".join(problems) + f"\n--- output ---\n{self.output}"
 
 
-def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun gives a rank: its place in the group and where to meet."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -201,7 +200,7 @@ def _call(module: str, function: str, out_dir: str) -> None:
 
 
 def main_from_argv(fn: Callable[[Path], None]) -> None:
-    """Entry point for ``python -m MODULE OUT_DIR`` (the non-fork start)."""
+    """Entry point for ``torchrun ... -m MODULE OUT_DIR`` (a run by hand)."""
     fn(Path(sys.argv[1]))
 
 
@@ -219,15 +218,13 @@ def run_distributed(
 
     Args:
         module (str): dotted module name, importable from the repo root.
-        function (str): name of the function in ``module``; when processes cannot be
-            forked, ``python -m module out_dir`` must call it.
+        function (str): name of the function in ``module``.
         out_dir (Path): folder for the reports and logs.
         world_size (int): number of processes. Default: ``2``
         timeout_s (float): deadline for the whole run; processes still running then
             are killed. Default: ``300.0``
-        start (str): how the processes start (module docstring): ``"preloaded"``,
-            ``"fork"`` (this process, where the platform can fork; else ``"fresh"``)
-            or ``"fresh"``. Default: ``"fork"``
+        start (str): how the processes start (module docstring): ``"preloaded"``
+            or ``"fork"``. Default: ``"fork"``
 
     Returns:
         DistributedRun: the reports, return codes and output.
@@ -236,59 +233,31 @@ def run_distributed(
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_paths = [out_dir / f"rank{rank}.log" for rank in range(world_size)]
-    if start not in ("preloaded", "fork", "fresh"):
-        raise ValueError(f"start must be preloaded, fork or fresh, got {start!r}")
-    can_fork = start != "fresh" and "fork" in multiprocessing.get_all_start_methods()
-    if can_fork:
-        context = (
-            preloaded_context()
-            if start == "preloaded"
-            else multiprocessing.get_context("fork")
+    if start not in ("preloaded", "fork"):
+        raise ValueError(f"start must be preloaded or fork, got {start!r}")
+    if start == "preloaded":
+        context = preloaded_context()
+    else:
+        context = multiprocessing.get_context("fork")
+    procs = [
+        start_child(
+            context,
+            _call,
+            (module, function, str(out_dir)),
+            rank_env(rank, world_size, port),
+            log_paths[rank],
         )
-    procs: list = []
-    for rank in range(world_size):
-        env = _rank_env(rank, world_size, port)
-        if can_fork:
-            proc = start_child(
-                context,
-                _call,
-                (module, function, str(out_dir)),
-                env,
-                log_paths[rank],
-            )
-        else:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-            )
-            with open(log_paths[rank], "w") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", module, str(out_dir)],
-                    cwd=REPO_ROOT,
-                    env={**os.environ, **env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-        procs.append(proc)
-
+        for rank in range(world_size)
+    ]
     deadline = time.monotonic() + timeout_s
     returncodes: list[int | None] = []
     for proc in procs:
-        remaining = max(0.0, deadline - time.monotonic())
-        if can_fork:
-            proc.join(remaining)
-            returncodes.append(proc.exitcode)
-        else:
-            try:
-                returncodes.append(proc.wait(timeout=remaining))
-            except subprocess.TimeoutExpired:
-                returncodes.append(None)
+        proc.join(max(0.0, deadline - time.monotonic()))
+        returncodes.append(proc.exitcode)
     timed_out = any(code is None for code in returncodes)
     for proc in procs:  # only the processes started above
-        if can_fork and proc.is_alive():
+        if proc.is_alive():
             kill_child(proc)
-        elif not can_fork and proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     output = []
     for rank, path in enumerate(log_paths):

@@ -6,10 +6,9 @@ import copy
 import torch
 from torch import nn
 
+from tests.helpers import BITWISE
 from torchtune import training
 from torchtune.modules.optim import OptimizerInBackward
-
-BITWISE = {"rtol": 0, "atol": 0}
 
 
 def test_modules_optim_name_is_the_training_class() -> None:

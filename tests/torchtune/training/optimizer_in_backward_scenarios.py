@@ -1,7 +1,8 @@
 """Checks and helpers shared by the OptimizerInBackward tests.
 
-Single-process helpers (:func:`make_model`, :func:`train`, :func:`snapshot`, ...) that
-``test_optimizer_in_backward.py`` and the 0.6.1 compatibility tests share; and the
+Single-process helpers (:data:`ADAMW`, :func:`reference_after_6_steps`, state dict
+comparisons, ...) that ``test_optimizer_in_backward.py`` and the 0.6.1 compatibility
+tests share, over ``tests/helpers.py``'s model and loop; and the
 distributed checks of OptimizerInBackward and CheckpointManager, run on 2 CPU
 processes with gloo by ``tests/torchtune/conftest.py`` (one launch for all of them:
 starting processes costs more than every check together).
@@ -26,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +49,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
+from tests.helpers import BITWISE, make_model, train
 from tests.torchtune.distributed_launcher import main_from_argv, write_report
 from torchtune import training
 from torchtune.training import OptimizerInBackward
 
-BITWISE = {"rtol": 0, "atol": 0}
 ADAMW_KWARGS = {"lr": 0.01, "weight_decay": 0.1}
 
 SCENARIOS: dict[str, Callable[[Path], None]] = {}
@@ -63,42 +65,6 @@ ADAMW: tuple[type[torch.optim.Optimizer], dict[str, Any]] = (
     torch.optim.AdamW,
     {"lr": 0.05, "weight_decay": 0.1},
 )
-
-
-def make_model(seed: int = 0) -> nn.Sequential:
-    """Three linear layers with tanh between, whose parameters hold 192, 32, 256,
-    32, 96 and 12 bytes."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
-    )
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
-
-
-def loss_fn(model: nn.Module, step: int) -> torch.Tensor:
-    return model(batch(step)).square().mean()
-
-
-def train(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    steps: range,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-) -> None:
-    """The training loop every recipe uses, whatever the optimizer."""
-    for step in steps:
-        loss_fn(model, step).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def freeze_first_layer(model: nn.Module) -> nn.Module:
@@ -612,7 +578,7 @@ _UNINTERRUPTED: dict[str, dict[str, torch.Tensor]] = {}
 def check_manager_resume(
     tmp: Path,
     *,
-    asynchronous: bool,
+    asynchronous: bool = False,
     save_in_backward: bool,
     load_in_backward: bool,
     optimizer_name: str = "adamw",
@@ -636,56 +602,40 @@ def check_manager_resume(
     )
 
 
-@scenario
-def step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=True, load_in_backward=False
-    )
-
-
-@scenario
-def step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=False, load_in_backward=True
-    )
-
-
-@scenario
-def torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise(
-    tmp: Path,
-) -> None:
-    # Sharded step checkpoints save torchao's quantized state, which full-state
-    # (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
-    check_manager_resume(
-        tmp,
-        asynchronous=False,
-        save_in_backward=True,
-        load_in_backward=False,
-        optimizer_name="torchao_adamw8bit",
-    )
-
-
-@scenario
-def checkpoint_manager_async_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=True, save_in_backward=True, load_in_backward=True
-    )
-
-
-@scenario
-def checkpoint_manager_async_in_bwd_to_plain_resumes_mid_epoch_bitwise(
-    tmp: Path,
-) -> None:
-    check_manager_resume(
-        tmp, asynchronous=True, save_in_backward=True, load_in_backward=False
-    )
-
-
-@scenario
-def checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise(tmp: Path) -> None:
-    check_manager_resume(
-        tmp, asynchronous=False, save_in_backward=True, load_in_backward=True
-    )
+# Each a scenario of its own: where the run saves (in backward or plain) and what
+# loads it; sharded step checkpoints also save torchao's quantized state, which
+# full-state (all-gather) and asynchronous (deep copy) epoch checkpoints cannot.
+_MANAGER_RESUMES: dict[str, dict[str, Any]] = {
+    "step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": False,
+    },
+    "step_checkpoint_fsdp_plain_to_in_bwd_resumes_bitwise": {
+        "save_in_backward": False,
+        "load_in_backward": True,
+    },
+    "torchao_adamw8bit_step_checkpoint_fsdp_in_bwd_to_plain_resumes_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": False,
+        "optimizer_name": "torchao_adamw8bit",
+    },
+    "checkpoint_manager_async_in_bwd_resumes_mid_epoch_bitwise": {
+        "asynchronous": True,
+        "save_in_backward": True,
+        "load_in_backward": True,
+    },
+    "checkpoint_manager_async_in_bwd_to_plain_resumes_mid_epoch_bitwise": {
+        "asynchronous": True,
+        "save_in_backward": True,
+        "load_in_backward": False,
+    },
+    "checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise": {
+        "save_in_backward": True,
+        "load_in_backward": True,
+    },
+}
+for _name, _kwargs in _MANAGER_RESUMES.items():
+    SCENARIOS[_name] = partial(check_manager_resume, **_kwargs)
 
 
 def main(out_dir: Path) -> None:

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from tests.helpers import BITWISE
 from torchtune.training import scale_and_clip_grads_
-
-BITWISE = {"rtol": 0, "atol": 0}
 
 
 def _params_with_grads(seed: int = 0) -> list[nn.Parameter]:

@@ -25,6 +25,7 @@ import inspect
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -40,11 +41,7 @@ from torch.optim.lr_scheduler import (
 )
 from torch.testing import assert_close
 
-from tests.torchtune.training.optimizer_in_backward_scenarios import (
-    loss_fn,
-    make_model,
-    snapshot,
-)
+from tests.helpers import BITWISE, loss_fn, make_model, train, weights_of
 from torchtune.training import (
     OptimizerInBackward,
     OptimizerInBackwardWrapper,
@@ -53,7 +50,6 @@ from torchtune.training import (
     register_optim_in_bwd_hooks,
 )
 
-BITWISE = {"rtol": 0.0, "atol": 0.0}
 STEPS = 8  # optimizer steps of every run, all compared
 RESUME_AT = 3  # an interrupted run saves after 3 steps; the resumed one takes 5
 
@@ -109,25 +105,17 @@ class Trajectory:
     momenta: list[float | None] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
 
+    def of(self, optimizer: Any) -> Callable[[torch.Tensor], None]:
+        """``train``'s ``after_backward``: records the step's lr and momentum (read
+        from ``optimizer``'s param group, which only the scheduler changes) and loss."""
 
-def train(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step_scheduler: Callable[[], None],
-    steps: range,
-    record: Trajectory,
-) -> None:
-    """The recipes' loop, the same for both modes; ``record`` gets every step."""
-    for step in steps:
-        group = optimizer.param_groups[0]
-        record.lrs.append(group["lr"])
-        record.momenta.append(momentum_of(group))
-        loss = loss_fn(model, step)
-        loss.backward()  # in backward: every parameter is updated here
-        record.losses.append(loss.detach().clone())
-        optimizer.step()  # in backward: nothing left to do
-        optimizer.zero_grad(set_to_none=True)
-        step_scheduler()
+        def record(loss: torch.Tensor) -> None:
+            group = optimizer.param_groups[0]
+            self.lrs.append(group["lr"])
+            self.momenta.append(momentum_of(group))
+            self.losses.append(loss.detach().clone())
+
+        return record
 
 
 def build(
@@ -159,8 +147,10 @@ def uninterrupted(
 ) -> tuple[Trajectory, dict[str, torch.Tensor]]:
     model, optimizer, scheduler = build(mode, optimizer_name, scheduler_name, seed=0)
     record = Trajectory()
-    train(model, optimizer, scheduler.step, range(STEPS), record)
-    return record, snapshot(model)
+    train(
+        model, optimizer, range(STEPS), scheduler, after_backward=record.of(optimizer)
+    )
+    return record, weights_of(model)
 
 
 def interrupted_and_resumed(
@@ -173,7 +163,13 @@ def interrupted_and_resumed(
         first_mode, optimizer_name, scheduler_name, seed=0
     )
     record = Trajectory()
-    train(model, optimizer, scheduler.step, range(RESUME_AT), record)
+    train(
+        model,
+        optimizer,
+        range(RESUME_AT),
+        scheduler,
+        after_backward=record.of(optimizer),
+    )
     saved = through_a_file(
         {
             "model": model.state_dict(),
@@ -189,8 +185,14 @@ def interrupted_and_resumed(
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    train(model, optimizer, scheduler.step, range(RESUME_AT, STEPS), record)
-    return record, snapshot(model)
+    train(
+        model,
+        optimizer,
+        range(RESUME_AT, STEPS),
+        scheduler,
+        after_backward=record.of(optimizer),
+    )
+    return record, weights_of(model)
 
 
 def assert_same_trajectory(
@@ -288,12 +290,9 @@ def train_0_6_1(
 ) -> None:
     """A 0.6.1 recipe's loop: backward updates; no optimizer step() or zero_grad()."""
     for step in steps:
-        group = wrapper.param_groups[0]
-        record.lrs.append(group["lr"])
-        record.momenta.append(momentum_of(group))
         loss = loss_fn(model, step)
         loss.backward()
-        record.losses.append(loss.detach().clone())
+        record.of(wrapper)(loss)
         wrapper.step_lr_scheduler()
 
 
@@ -305,8 +304,10 @@ def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes(
     plain = cls(model.parameters(), **kwargs)
     plain_scheduler = _sequential(plain)
     expected = Trajectory()
-    train(model, plain, plain_scheduler.step, range(STEPS), expected)
-    reference = (expected, snapshot(model))
+    train(
+        model, plain, range(STEPS), plain_scheduler, after_backward=expected.of(plain)
+    )
+    reference = (expected, weights_of(model))
     # Warmup from 0.005 to 0.05, then the cosine: the lr changes at every step.
     assert len(set(expected.lrs)) == STEPS
 
@@ -314,7 +315,7 @@ def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes(
     record = Trajectory()
     train_0_6_1(model, wrapper, range(STEPS), record)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
-    assert_same_trajectory((record, snapshot(model)), reference)
+    assert_same_trajectory((record, weights_of(model)), reference)
 
     # Interrupted after RESUME_AT steps, saved, and resumed in a fresh 0.6.1 setup.
     model, wrapper, scheduler = _0_6_1_in_backward(seed=0)
@@ -335,4 +336,4 @@ def test_sequential_lr_through_0_6_1_set_lr_scheduler_matches_plain_and_resumes(
     scheduler.load_state_dict(saved["scheduler"])
     train_0_6_1(model, wrapper, range(RESUME_AT, STEPS), record)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
-    assert_same_trajectory((record, snapshot(model)), reference)
+    assert_same_trajectory((record, weights_of(model)), reference)

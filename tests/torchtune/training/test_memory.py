@@ -14,11 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torchtune.training.optimizer_in_backward_scenarios import (
-    BITWISE,
-    loss_fn,
-    make_model,
-)
+from tests.helpers import BITWISE, loss_fn, make_model
 from torchtune.training.memory import (
     cleanup_before_training,
     get_memory_stats,

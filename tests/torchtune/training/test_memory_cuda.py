@@ -49,6 +49,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import BITWISE
+from tests.helpers import train as recipe_loop
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     assert_same_params,
     assert_same_state_dict,
@@ -67,7 +69,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)",
 )
 
-BITWISE = {"rtol": 0, "atol": 0}
 GRAD_NORM = BITWISE  # see the module docstring
 STEPS = 5
 RESUME_AT = 3
@@ -137,18 +138,24 @@ def train(
     dtype: torch.dtype,
     grad_norms: list[torch.Tensor] | None = None,
 ) -> None:
-    """The recipes' loop, whatever the optimizer. ``grad_norms`` collects each step's
-    gradient norm: the in-backward optimizer's own, or for a plain optimizer the one
-    the recipes log (the reference; see the module docstring)."""
-    for step in steps:
-        loss_fn(model, step, dtype).backward()
-        if grad_norms is not None:
-            if isinstance(optimizer, OptimizerInBackward):
-                grad_norms.append(optimizer.grad_norm)
-            else:
-                grad_norms.append(training.scale_and_clip_grads_(model.parameters()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    """The recipes' loop (``tests.helpers.train``) on this module's batches.
+    ``grad_norms`` collects each step's gradient norm: the in-backward optimizer's
+    own, or for a plain optimizer the one the recipes log (the reference; see the
+    module docstring)."""
+
+    def record_norm(loss: torch.Tensor) -> None:
+        if isinstance(optimizer, OptimizerInBackward):
+            grad_norms.append(optimizer.grad_norm)
+        else:
+            grad_norms.append(training.scale_and_clip_grads_(model.parameters()))
+
+    recipe_loop(
+        model,
+        optimizer,
+        steps,
+        loss_of=functools.partial(loss_fn, dtype=dtype),
+        after_backward=None if grad_norms is None else record_norm,
+    )
 
 
 def build(

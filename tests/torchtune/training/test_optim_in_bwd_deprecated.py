@@ -30,18 +30,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 from torch.testing import assert_close
 
+from tests.helpers import BITWISE, batch, loss_fn, make_model, train, weights_of
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
-    BITWISE,
     assert_same_state_dict,
-    batch,
     freeze_first_layer,
-    loss_fn,
-    make_model,
     reference_after_6_steps,
     round_trip,
-    snapshot,
-    train,
 )
 from tests.torchtune.training.test_optim_in_bwd_legacy_state_dict import (
     legacy_checkpoint,
@@ -110,7 +105,7 @@ def test_0_6_1_recipe_calls_update_each_parameter_once_on_the_schedule(
         warnings.simplefilter("error", UserWarning)  # no scheduler-order warnings
         wrapper.set_lr_scheduler(scheduler)
         train_like_0_6_1(model, range(6), scheduler)
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert wrapper.get_last_lr() == plain_scheduler.get_last_lr()[0]
     assert wrapper.get_optim_key("lr") == plain.param_groups[0]["lr"]
     assert wrapper.get_optim_key("betas") == plain.param_groups[0]["betas"]
@@ -136,7 +131,7 @@ def test_a_wrapper_built_after_the_hooks_takes_them_over() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optim_dict[model[0].weight], 1, 0.5)
     wrapper.set_lr_scheduler(scheduler)
     train_like_0_6_1(model, range(3), scheduler)
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_a_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> None:
@@ -154,7 +149,7 @@ def test_a_hand_written_0_6_1_hook_that_steps_and_clears_is_not_doubled() -> Non
     with pytest.warns(DeprecationWarning):
         create_optim_in_bwd_wrapper(model, optim_dict)
     train_like_0_6_1(model, range(3))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_the_0_6_1_calls_take_over_the_params_of_an_optimizer_in_backward() -> None:
@@ -169,7 +164,7 @@ def test_the_0_6_1_calls_take_over_the_params_of_an_optimizer_in_backward() -> N
     )
     set_up_like_0_6_1(model, adamw)
     train_like_0_6_1(model, range(2))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert not earlier.state
 
 
@@ -183,7 +178,7 @@ def test_an_optimizer_in_backward_takes_over_the_params_of_the_0_6_1_calls() -> 
     wrapper = set_up_like_0_6_1(model, lambda p: torch.optim.AdamW(p, lr=0.5))
     optimizer = training.OptimizerInBackward(model.parameters(), cls, **kwargs)
     train(model, optimizer, range(2))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert not any(o.state for o in wrapper.optim_map.values())
 
 
@@ -271,7 +266,7 @@ def test_0_6_1_checkpoints_load_and_the_wrapper_saves_0_6_1s_format(
         wrapper = create_optim_in_bwd_wrapper(model, optim_dict)
     wrapper.load_state_dict(legacy)
     train_like_0_6_1(model, range(3, 6))
-    assert_close(snapshot(model), snapshot(reference_after_6_steps()), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference_after_6_steps()), **BITWISE)
     # What 0.6.1's per-parameter optimizers held after the same 6 steps.
     expected_model = make_model()
     expected = run_like_0_6_1(expected_model, range(6))
@@ -302,7 +297,7 @@ def test_state_loaded_through_a_per_parameter_optimizer_is_used_and_saved() -> N
     for name, optimizer in wrapper.optim_map.items():
         optimizer.load_state_dict(legacy[name])
     train_like_0_6_1(model, range(3, 6))
-    assert_close(snapshot(model), snapshot(reference_after_6_steps()), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference_after_6_steps()), **BITWISE)
 
 
 class _LoadsWithoutTorchHooks(torch.optim.SGD):
@@ -347,7 +342,7 @@ def test_per_parameter_optimizers_that_stepped_before_keep_their_state() -> None
     train_like_0_6_1(model, range(1, 3))
     reference = make_model()
     train(reference, adamw(list(reference.parameters())), range(3))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_bitsandbytes_8bit_per_parameter_optimizers_resume_through_the_wrapper() -> (
@@ -387,7 +382,7 @@ def test_bitsandbytes_8bit_per_parameter_optimizers_resume_through_the_wrapper()
     resumed_wrapper.load_state_dict(saved["optim"])
     for step in range(3, 5):
         wide_loss(resumed, step).backward()
-    assert_close(snapshot(resumed), snapshot(reference), **BITWISE)
+    assert_close(weights_of(resumed), weights_of(reference), **BITWISE)
 
 
 @pytest.fixture
@@ -425,8 +420,8 @@ def test_0_6_1_checkpoint_with_frozen_entries_resumes_through_optim_map(
             )
     train_like_0_6_1(model, range(3, 6))
     assert_close(
-        snapshot(model),
-        snapshot(reference_after_6_steps(frozen_first_layer=True)),
+        weights_of(model),
+        weights_of(reference_after_6_steps(frozen_first_layer=True)),
         **BITWISE,
     )
     # And what a 0.6.1-API recipe saves (one entry per name) holds every parameter,

@@ -25,15 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tests.helpers import BITWISE, loss_fn, make_model, train, weights_of
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
-    BITWISE,
     freeze_first_layer,
-    loss_fn,
-    make_model,
     reference_after_6_steps,
-    snapshot,
-    train,
 )
 from torchtune.training import (
     OptimizerInBackward,
@@ -92,10 +88,10 @@ def with_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def unwrapped_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+def unwrapped_weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name.replace(_CHECKPOINT_PREFIX, ""): value
-        for name, value in snapshot(model).items()
+        for name, value in weights_of(model).items()
     }
 
 
@@ -154,21 +150,33 @@ def test_an_entry_that_holds_more_than_one_parameter_is_refused(named: bool) -> 
 # -- keyed by name (without named_params) ----------------------------------------------
 
 
-@pytest.mark.parametrize("in_backward", [True, False], ids=["in_bwd", "plain"])
+@pytest.mark.parametrize(
+    ("form", "build"),
+    # Keyed by name (without named_params): set_optimizer_state_dict loads it, into
+    # either mode; keyed by index (with named_params): load_state_dict, into any.
+    [("name_keyed", build) for build in ("in_bwd", "plain")]
+    + [("index_keyed", build) for build in BUILDS],
+)
 @pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_name_keyed_form_loads_with_set_optimizer_state_dict_and_resumes_bitwise(
-    style: str, in_backward: bool
+def test_either_form_loads_and_resumes_bitwise(
+    style: str, form: str, build: str
 ) -> None:
     model = make_model()
     saved = copy.deepcopy(legacy_checkpoint(model, style))
     cls, kwargs = ADAMW
-    optimizer = BUILDS["in_bwd" if in_backward else "plain"](cls, model, kwargs)
-    set_optimizer_state_dict(
-        model, optimizer, convert_legacy_optim_in_bwd_state_dict(saved)
-    )
+    optimizer = BUILDS[build](cls, model, kwargs)
+    if form == "name_keyed":
+        set_optimizer_state_dict(
+            model, optimizer, convert_legacy_optim_in_bwd_state_dict(saved)
+        )
+    else:
+        optimizer.load_state_dict(
+            convert_legacy_optim_in_bwd_state_dict(saved, model.named_parameters())
+        )
+        assert len(optimizer.state) == 6
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -187,7 +195,7 @@ def test_name_keyed_form_drops_the_activation_checkpointing_prefix() -> None:
     set_optimizer_state_dict(model, optimizer, converted)
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        unwrapped_snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        unwrapped_weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -203,25 +211,6 @@ def test_name_keyed_form_takes_the_first_entrys_hyperparameters() -> None:
 
 
 # -- keyed by index (with named_params) ------------------------------------------------
-
-
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("style", ["single_device", "distributed"])
-def test_index_form_loads_with_load_state_dict_and_resumes_bitwise(
-    style: str, build: str
-) -> None:
-    model = make_model()
-    saved = copy.deepcopy(legacy_checkpoint(model, style))
-    cls, kwargs = ADAMW
-    optimizer = BUILDS[build](cls, model, kwargs)
-    optimizer.load_state_dict(
-        convert_legacy_optim_in_bwd_state_dict(saved, model.named_parameters())
-    )
-    assert len(optimizer.state) == 6
-    train(model, optimizer, range(3, 6))
-    torch.testing.assert_close(
-        snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
-    )
 
 
 @pytest.mark.parametrize(
@@ -247,7 +236,7 @@ def test_index_form_matches_names_with_or_without_the_prefix_on_either_side(
     )
     train(model, optimizer, range(3, 6))
     torch.testing.assert_close(
-        unwrapped_snapshot(model), snapshot(reference_after_6_steps()), **BITWISE
+        unwrapped_weights_of(model), weights_of(reference_after_6_steps()), **BITWISE
     )
 
 
@@ -270,9 +259,9 @@ def test_index_form_gives_params_named_none_no_state(build: str) -> None:
     assert not any(p in optimizer.state for p in policy.parameters())
     train(value, optimizer, range(3, 6))
     torch.testing.assert_close(
-        snapshot(value), snapshot(reference_after_6_steps()), **BITWISE
+        weights_of(value), weights_of(reference_after_6_steps()), **BITWISE
     )
-    torch.testing.assert_close(snapshot(policy), snapshot(make_model(seed=1)))
+    torch.testing.assert_close(weights_of(policy), weights_of(make_model(seed=1)))
 
 
 def test_index_form_names_the_missing_and_the_extra_params() -> None:
@@ -313,7 +302,7 @@ def test_index_form_takes_frozen_params_with_or_without_an_entry(
     train(model, optimizer, range(3, 6))
     reference = freeze_first_layer(make_model())
     train(reference, cls(reference.parameters(), **kwargs), range(6))
-    torch.testing.assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    torch.testing.assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_index_form_takes_the_hyperparameters_of_the_first_saved_param() -> None:

@@ -43,20 +43,15 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 from torch.testing import assert_close
 
+from tests.helpers import BITWISE, batch, loss_fn, make_model, train, weights_of
 from tests.torchtune.distributed_launcher import DistributedRun
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
-    BITWISE,
     SCENARIOS,
     assert_same_params,
     assert_same_state_dict,
-    batch,
     freeze_first_layer,
-    loss_fn,
-    make_model,
     round_trip,
-    snapshot,
-    train,
 )
 from torchtune import config, training
 from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
@@ -169,7 +164,7 @@ def test_optimizer_cls_can_be_a_config_instantiate_partial_without_kwargs() -> N
     )
     train(reference, plain, range(3))
     train(model, in_bwd, range(3))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 def test_params_and_optimizer_cls_may_be_keywords_and_the_cap_is_keyword_only() -> None:
@@ -238,7 +233,7 @@ def test_in_backward_training_with_scheduler_matches_plain_bitwise(
     for step in range(6):
         train(reference, plain, range(step, step + 1), plain_scheduler)
         train(model, in_bwd, range(step, step + 1), in_bwd_scheduler)
-        assert_close(snapshot(model), snapshot(reference), **BITWISE)
+        assert_close(weights_of(model), weights_of(reference), **BITWISE)
         assert in_bwd_scheduler.get_last_lr() == plain_scheduler.get_last_lr()
     assert_close(in_bwd.state_dict()["state"], plain.state_dict()["state"], **BITWISE)
 
@@ -250,10 +245,10 @@ def test_warmup_from_zero_lr_holds_every_parameter_at_step_zero() -> None:
         model.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, 3, 10)
-    before = snapshot(model)
+    before = weights_of(model)
     train(model, optimizer, range(1), scheduler)
-    assert_close(snapshot(model), before, **BITWISE)
-    after_first = snapshot(model)
+    assert_close(weights_of(model), before, **BITWISE)
+    after_first = weights_of(model)
     train(model, optimizer, range(1, 2), scheduler)
     for name, param in model.named_parameters():
         assert not torch.equal(param, after_first[name]), name
@@ -283,7 +278,7 @@ def test_loaded_hyperparameters_are_the_ones_later_updates_use() -> None:
             train(resumed_model, resumed, range(step, step + 1))
             for group in resumed.param_groups:
                 group["lr"] *= 3.0
-        return snapshot(resumed_model)
+        return weights_of(resumed_model)
 
     assert_close(run(True), run(False), **BITWISE)
 
@@ -448,7 +443,7 @@ def test_dcp_state_initialization_creates_the_plain_optimizers_state() -> None:
     in_bwd_state = get_optimizer_state_dict(model, in_bwd)
     assert_close(in_bwd_state["state"], plain_state["state"], **BITWISE)
     # The zero-gradient step DCP takes runs with lr=0: the weights do not move.
-    assert_close(snapshot(model), snapshot(make_model()), **BITWISE)
+    assert_close(weights_of(model), weights_of(make_model()), **BITWISE)
 
 
 # -- step() and zero_grad() -------------------------------------------------------------
@@ -459,9 +454,9 @@ def test_step_after_backward_changes_nothing() -> None:
     optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW, lr=0.1)
     loss_fn(model, 0).backward()
     assert all(p.grad is None for p in model.parameters())
-    after_backward = snapshot(model)
+    after_backward = weights_of(model)
     optimizer.step()
-    assert_close(snapshot(model), after_backward, **BITWISE)
+    assert_close(weights_of(model), after_backward, **BITWISE)
 
 
 def test_step_updates_params_holding_a_grad_exactly_like_plain_step() -> None:
@@ -471,7 +466,7 @@ def test_step_updates_params_holding_a_grad_exactly_like_plain_step() -> None:
         b.grad = torch.full_like(b, 0.5)
     plain.step()
     in_bwd.step()
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert all(p.grad is None for p in model.parameters())
     assert_close(in_bwd.state_dict()["state"], plain.state_dict()["state"], **BITWISE)
 
@@ -524,7 +519,7 @@ def test_a_second_optimizer_over_the_same_params_takes_them_over(
     reference = make_model()
     plain = cls(reference.parameters(), **kwargs)
     train(reference, plain, range(2))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert_same_state_dict(second.state_dict(), plain.state_dict())
     # The first keeps its param_groups (and so its state dict's layout), no state.
     assert len(first.param_groups[0]["params"]) == 6 and not first.state
@@ -551,7 +546,7 @@ def test_the_earlier_optimizers_step_leaves_the_params_taken_over_alone() -> Non
     first.step()
     assert all(p.grad is not None for p in model[4].parameters())
     second.step()
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
 
 
 # -- frozen and added parameters --------------------------------------------------------
@@ -566,7 +561,7 @@ def test_frozen_params_get_no_update_no_state_and_stay_in_param_groups() -> None
     assert len(optimizer.param_groups[0]["params"]) == 6  # as in the plain optimizer
     train(reference, plain, range(3))
     train(model, optimizer, range(3))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert_close(model[0].weight, make_model()[0].weight, **BITWISE)
     assert model[0].weight not in optimizer.state
     assert optimizer.state_dict()["state"].keys() == {2, 3, 4, 5}
@@ -580,7 +575,7 @@ def test_frozen_params_get_no_update_no_state_and_stay_in_param_groups() -> None
     assert_close(fresh.state_dict(), plain.state_dict(), **BITWISE)
     train(reference, plain, range(3, 5))
     train(fresh_reference, fresh, range(3, 5))
-    assert_close(snapshot(fresh_reference), snapshot(reference), **BITWISE)
+    assert_close(weights_of(fresh_reference), weights_of(reference), **BITWISE)
 
 
 def test_param_unfrozen_later_is_updated_like_with_the_plain_optimizer() -> None:
@@ -595,7 +590,7 @@ def test_param_unfrozen_later_is_updated_like_with_the_plain_optimizer() -> None
     model[0].requires_grad_(True)
     train(reference, plain, range(2, 5))
     train(model, optimizer, range(2, 5))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     loss_fn(model, 5).backward()
     assert model[0].weight.grad is None  # now updated inside backward
 
@@ -610,7 +605,7 @@ def test_add_param_group_params_are_updated_in_backward_and_saved() -> None:
         opt.add_param_group({"params": list(m[4].parameters())})
     train(reference, plain, range(3))
     train(model, optimizer, range(3))
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert_close(optimizer.state_dict(), plain.state_dict(), **BITWISE)
     loss_fn(model, 3).backward()
     assert all(p.grad is None for p in model.parameters())
@@ -751,7 +746,7 @@ def test_bucket_whose_param_gets_no_gradient_updates_at_the_end_of_backward(
         skipping_loss(model, step).backward()
         # Every update happened inside backward, none is left for step().
         assert all(p.grad is None for p in model.parameters())
-        assert_close(snapshot(model), snapshot(reference), **BITWISE)
+        assert_close(weights_of(model), weights_of(reference), **BITWISE)
         assert_close(in_bwd.grad_norm, expected_norm, **BITWISE)
         in_bwd.step()
         in_bwd.zero_grad()
@@ -778,10 +773,10 @@ def test_a_backward_pass_that_raises_keeps_the_updates_already_made() -> None:
         torch.optim.AdamW,
         bucket_cap_mb=BUCKET_CAPS["two_per_bucket"],
     )
-    before = snapshot(model)
+    before = weights_of(model)
     with pytest.raises(RuntimeError, match="failed in backward"):
         failing_loss(model).backward()
-    after = snapshot(model)
+    after = weights_of(model)
     for name in before:
         changed = not torch.equal(after[name], before[name])
         assert changed == (not name.startswith("0.")), name
@@ -806,7 +801,7 @@ def test_after_a_backward_pass_that_raised_zero_grad_starts_clean() -> None:
         loss_fn(model, step).backward()
         assert all(p.grad is None for p in model.parameters()), step
         in_bwd.zero_grad()
-    assert_close(snapshot(model), snapshot(reference), **BITWISE)
+    assert_close(weights_of(model), weights_of(reference), **BITWISE)
     assert_close(in_bwd.state_dict()["state"], plain.state_dict()["state"], **BITWISE)
 
 
@@ -1567,8 +1562,9 @@ def test_dcp_get_and_set_optimizer_state_dict_resume_like_plain(
 # -- distributed (2 processes, gloo) ----------------------------------------------------
 
 
+# The checkpoint_manager_* scenarios are checkpointing/test_checkpoint_manager.py's.
 @pytest.mark.parametrize(
-    "scenario", [n for n in SCENARIOS if not n.startswith("checkpoint_client")]
+    "scenario", [n for n in SCENARIOS if not n.startswith("checkpoint_manager")]
 )
 def test_two_gloo_processes(
     optimizer_in_backward_distributed_run: DistributedRun, scenario: str
@@ -1594,7 +1590,7 @@ def test_a_non_finite_loss_updates_nothing_and_reads_a_non_finite_norm(
     )
     loss = model(torch.randn(4, 3)).sum() * float("nan")
     optimizer.backward(loss)
-    assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert_close(model.state_dict(), before, **BITWISE)
     assert not torch.isfinite(optimizer.grad_norm)
     assert all(p.grad is None for p in model.parameters())
 
@@ -1612,5 +1608,5 @@ def test_with_clipping_a_non_finite_norm_updates_nothing() -> None:
     loss = model(torch.randn(4, 3)).square().sum().mul(0).sqrt()
     assert torch.isfinite(loss)
     optimizer.backward(loss)
-    assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert_close(model.state_dict(), before, **BITWISE)
     assert not torch.isfinite(optimizer.grad_norm)
