@@ -36,9 +36,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-if sys.version_info >= (3, 11):  # noqa: UP036 - the backend also runs on 3.9+
+try:
     import tomllib
-else:  # pragma: no cover - exercised only on older interpreters
+except ModuleNotFoundError:  # Python 3.10: the backport
     import tomli as tomllib
 
 ROOT = Path.cwd()

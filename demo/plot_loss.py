@@ -21,12 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+# A Figure made directly (not through pyplot) draws with Agg: no display needed.
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
-from tests.recipes.utils import run_tune  # noqa: E402
+from tests.recipes.utils import run_tune
 
 DEFAULT_CONFIG = Path("demo/single_device.yaml")
 DEFAULT_OUT = Path("docs/source/_static/demo_loss.png")
@@ -43,14 +41,8 @@ def plot(losses: dict[bool, list[float]], out: Path, title: str) -> None:
     """
     steps = range(1, len(losses[True]) + 1)
     diff = [abs(a - b) for a, b in zip(losses[True], losses[False], strict=True)]
-    fig, (top, bottom) = plt.subplots(
-        2,
-        1,
-        sharex=True,
-        figsize=(6.4, 4.8),
-        gridspec_kw={"height_ratios": [3, 1]},
-        layout="constrained",
-    )
+    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     top.plot(steps, losses[False], color="tab:blue", lw=3.5, alpha=0.45)
     top.plot(steps, losses[True], color="tab:orange", lw=1.2)
     top.legend(
@@ -68,7 +60,6 @@ def plot(losses: dict[bool, list[float]], out: Path, title: str) -> None:
     bottom.grid(alpha=0.3)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,9 +268,9 @@ def _preload(test_files: list[str]) -> None:
             continue
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a module the child imports itself
+        except Exception:  # a module the child imports itself
             pass
-    import pytest  # noqa: F401
+    importlib.import_module("pytest")
 
     leaked = [m for m in sys.modules if m.split(".")[0] in ("torchtune", "tests")]
     if leaked:
@@ -294,7 +294,7 @@ def _run_child(argv: list[str], cwd: str, timeout: float) -> tuple[int, str]:
                 rc = int(pytest.main(argv))
                 sys.stdout.flush()
                 sys.stderr.flush()
-            except BaseException:  # noqa: BLE001
+            except BaseException:
                 import traceback
 
                 traceback.print_exc()

@@ -114,11 +114,10 @@ def test_wheel_record_hashes_every_file(built_wheel):
 
 def test_wheel_installs_and_serves_the_patched_package(built_wheel, tmp_path):
     target = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-         "--target", str(target), str(built_wheel)],
-        check=True, timeout=300,
-    )  # fmt: skip
+        [*pip, "--target", str(target), str(built_wheel)], check=True, timeout=300
+    )
     assert (target / "bin" / "tune").is_file()
     code = "import torchtune, torchtune.training as t; print(torchtune.__file__)"
     proc = subprocess.run(

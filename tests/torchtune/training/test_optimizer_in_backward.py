@@ -983,13 +983,13 @@ def test_public_attributes_are_the_wrapped_optimizers() -> None:
     optimizer = OptimizerInBackward(model.parameters(), _FlavouredSGD, lr=0.1)
     assert optimizer.flavour == "vanilla" and optimizer.describe() == "vanilla SGD"
     with pytest.raises(AttributeError, match="no attribute 'not_there'"):
-        optimizer.not_there  # noqa: B018
+        _ = optimizer.not_there
     with pytest.raises(AttributeError, match="'OptimizerInBackward' object has no"):
-        optimizer._private_of_the_wrapped  # noqa: B018
+        _ = optimizer._private_of_the_wrapped
     # Before __init__ has run (as during unpickling) nothing is forwarded.
     bare = OptimizerInBackward.__new__(OptimizerInBackward)
     with pytest.raises(AttributeError, match="no attribute 'flavour'"):
-        bare.flavour  # noqa: B018
+        _ = bare.flavour
 
 
 def test_state_param_groups_and_defaults_are_read_and_written_through() -> None:

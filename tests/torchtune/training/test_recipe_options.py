@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from torchtune import training
-from torchtune.training.recipe_options import BOOL_KEYS, warn_unknown_keys
+from torchtune.training.recipe_options import BOOL_KEYS, COUNT_KEYS, warn_unknown_keys
 
 CPU = torch.device("cpu")
 TORCH_PROFILER = "torchtune.training.setup_torch_profiler"
@@ -425,6 +425,25 @@ def test_every_flag_refuses_what_is_not_a_bool(key, value):
         ValueError,
         match=re.escape(
             f"{key}={value!r} is not a bool: set {key}=True or {key}=False."
+        ),
+    ):
+        training.RecipeOptions.from_config(cfg)
+
+
+@pytest.mark.parametrize("key", COUNT_KEYS)
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_every_count_refuses_what_is_not_a_positive_integer(key, value):
+    # epochs=0 would train nothing and still export; a quoted '2' or a float would
+    # fail deep in the data loader; True is an int to Python. Each is refused first,
+    # naming key, value and fix.
+    cfg = _cfg()
+    OmegaConf.update(cfg, key, value, force_add=True)
+    null = " or null (no limit)" if key == "max_steps_per_epoch" else ""
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{key}={value!r} is not a positive integer: set {key} to a whole number "
+            f">= 1{null}."
         ),
     ):
         training.RecipeOptions.from_config(cfg)

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tests.helpers import BITWISE, make_model, snapshot_files
 from tests.recipes.utils import held_by_another_process
 from tests.torchtune.distributed_launcher import (
     DistributedRun,
@@ -90,7 +91,6 @@ from torchtune.training.checkpointing._step_format import (
     verify,
 )
 
-BITWISE = {"rtol": 0, "atol": 0}
 EXPORT_FILE = "model-00001-of-00001.bin"
 STEPS_PER_EPOCH = 4  # 8 samples, batch_size 2
 
@@ -111,16 +111,11 @@ class Samples(Dataset):
         return torch.randn(6, generator=torch.Generator().manual_seed(self.offset + i))
 
 
-def make_model(seed: int = 0, *, dropout: bool = False) -> nn.Sequential:
-    """With ``dropout``, training draws from the global RNG, so an exact resume needs
-    the RNG state too."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 8),
-        nn.Dropout(0.5) if dropout else nn.Identity(),
-        nn.Tanh(),
-        nn.Linear(8, 3),
-    )
+def two_layer_model(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    """The model of these tests: Linear(6, 8), a dropout (training draws from the
+    global RNG when it is not 0, so that an exact resume needs the RNG state too),
+    tanh, Linear(8, 3)."""
+    return make_model(seed, sizes=(6, 8, 3), dropout=dropout)
 
 
 class TinyLoRA(nn.Module):
@@ -151,7 +146,7 @@ def make_config(
     folder = tmp_path / "base"
     if not folder.exists():
         folder.mkdir(parents=True)
-        weights = make_model(seed=1).state_dict() if base is None else base
+        weights = two_layer_model(seed=1).state_dict() if base is None else base
         torch.save(weights, folder / "model.pt")
     cfg = OmegaConf.create(
         {
@@ -180,14 +175,15 @@ def make_config(
     return OmegaConf.merge(cfg, {"checkpointer": checkpointer or {}}, options)
 
 
-def base_model(state: dict[str, Any], **kwargs: Any) -> nn.Module:
-    model = make_model(seed=2, **kwargs)  # other weights: the base replaces them
+def base_model(state: dict[str, Any], dropout: float = 0.0) -> nn.Module:
+    # Other weights than the base's, which replace them.
+    model = two_layer_model(seed=2, dropout=dropout)
     model.load_state_dict(state[training.MODEL_KEY])
     return model
 
 
 def dropout_model(state: dict[str, Any]) -> nn.Module:
-    return base_model(state, dropout=True)
+    return base_model(state, dropout=0.5)
 
 
 def frozen_model(state: dict[str, Any]) -> nn.Module:
@@ -336,14 +332,6 @@ def step_names(out: Path) -> list[str]:
     )
 
 
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under ``root``."""
-    return {
-        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-        for p in sorted(root.rglob("*"))
-    }
-
-
 def rewrite(step_dir: Path, name: str, obj: Any) -> None:
     """Replace a file of a step checkpoint and its manifest entry: a checkpoint that
     verifies, holding ``obj``."""
@@ -440,7 +428,9 @@ def test_a_resume_loads_the_base_weights_through_the_checkpointer(
     loaded = manager.load_base_checkpoint()
     assert set(loaded) == {training.MODEL_KEY}
     torch.testing.assert_close(
-        loaded[training.MODEL_KEY], make_model(seed=1).state_dict(), **BITWISE
+        loaded[training.MODEL_KEY],
+        two_layer_model(seed=1).state_dict(),
+        **BITWISE,
     )
     train(cfg, stop_after=5)
     # Resuming a step checkpoint, the checkpointer reads the base again (its trained
@@ -449,7 +439,9 @@ def test_a_resume_loads_the_base_weights_through_the_checkpointer(
     loaded = manager.load_base_checkpoint()
     assert set(loaded) == {training.MODEL_KEY}
     torch.testing.assert_close(
-        loaded[training.MODEL_KEY], make_model(seed=1).state_dict(), **BITWISE
+        loaded[training.MODEL_KEY],
+        two_layer_model(seed=1).state_dict(),
+        **BITWISE,
     )
 
 
@@ -465,8 +457,9 @@ def test_training_progress_round_trips_but_keeps_the_configs_total_epochs() -> N
     assert resumed == TrainingProgress(total_epochs=5, epochs_run=2, global_step=9)
 
 
+@pytest.mark.parametrize("torn_export", [False, True], ids=["whole", "torn_export"])
 def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, torn_export: bool
 ) -> None:
     cfg = make_config(tmp_path)
     out = tmp_path / "out"
@@ -477,14 +470,27 @@ def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
         "resumable state is kept (checkpointer.keep_last_n_checkpoints=10: step_8, "
         "step_6, step_4, step_3," in caplog.text
     )
+    export = out / "epoch_1" / EXPORT_FILE
+    exported = export.read_bytes()
+    if torn_export:  # killed, or the disk filled, while the final export was written
+        export.write_bytes(exported[: len(exported) // 2])
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         run = resume(cfg)
     assert run.resumed_at == 8
+    warnings = warnings_text(caplog)
     assert (
         f"resume_from_checkpoint=True: {out / 'step_8'} is at the end of training (2 "
-        "epochs done, epochs=2): nothing left to do." in warnings_text(caplog)
+        "epochs done, epochs=2): nothing left to do." in warnings
     )
+    rewritten = (
+        f"The export of epoch 1 is not this checkpoint's ({out / 'epoch_1'}" in warnings
+        and f"rewriting it from {out / 'step_8'}" in warnings
+    )
+    assert rewritten == torn_export
+    # Whole again, with the bytes the run wrote (the same weights, saved alike).
+    assert export.read_bytes() == exported
+    verify(out / "epoch_1", export_manifest(out / "epoch_1"))
     assert not (out / LOCK_FILE).exists()
 
 
@@ -502,7 +508,7 @@ def gloo_world_of_one() -> Iterator[None]:
 def sharded_model(state: dict[str, Any]) -> nn.Module:
     """The model FSDP2-sharded over the one process, as a distributed recipe run on
     one device shards it."""
-    model = make_model(seed=2)
+    model = two_layer_model(seed=2)
     mesh = init_device_mesh("cpu", (1,))
     for layer in (model[0], model[3]):
         fully_shard(layer, mesh=mesh)
@@ -646,6 +652,9 @@ def test_keep_last_n_keeps_the_newest(tmp_path: Path) -> None:
     )
     train(cfg)
     assert step_names(tmp_path / "out") == ["step_7", "step_8"]
+    # Exports are not step checkpoints: every epoch's stays.
+    exports = sorted(p.name for p in (tmp_path / "out").glob("epoch_*"))
+    assert exports == ["epoch_0", "epoch_1"]
 
 
 def test_saving_a_step_again_sets_the_earlier_one_aside(tmp_path: Path) -> None:
@@ -924,7 +933,7 @@ def test_keep_previous_runs_moves_an_earlier_runs_files_aside_but_not_its_base(
     out = tmp_path / "out"
     train(make_config(tmp_path))
     earlier = read_run_file(out)
-    before = snapshot(out)
+    before = snapshot_files(out)
     named = {"checkpoint_dir": str(out / "epoch_1"), "checkpoint_files": [EXPORT_FILE]}
     if base == "its files":
         named = {
@@ -941,11 +950,10 @@ def test_keep_previous_runs_moves_an_earlier_runs_files_aside_but_not_its_base(
     assert read_run_file(aside) == earlier and (aside / RUN_FILE).is_file()
     assert step_names(out) == []  # stopped before its first save
     # Every file is still there, unchanged: the base in place, the rest set aside.
-    for name, data in before.items():
-        where = out / name if name.startswith("epoch_1") else aside / name
-        assert where.exists(), name
-        if data is not None:
-            assert where.read_bytes() == data, name
+    in_place, set_aside = snapshot_files(out), snapshot_files(aside)
+    for name, entry in before.items():
+        after = in_place if name.startswith("epoch_1") else set_aside
+        assert after.get(name) == entry, name
     torch.testing.assert_close(
         torch.load(out / "epoch_1" / EXPORT_FILE, weights_only=True),
         torch.load(aside / "step_8" / MODEL_OPTIMIZER_FILE, weights_only=False)[
@@ -995,7 +1003,7 @@ def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
     # Someone moves two of run A's checkpoints back.
     for name in ("step_1", "step_7"):
         os.replace(out / PREVIOUS_RUNS / f"run_{run_a}" / name, out / name)
-    a_files = snapshot(out / "step_1")
+    a_files = snapshot_files(out / "step_1")
     cfg = make_config(
         tmp_path, checkpointer={"keep_last_n_checkpoints": 1}, keep_previous_runs=True
     )
@@ -1005,23 +1013,25 @@ def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
     # Pruning to 1 kept run B's newest and left run A's step_1 as it was; run A's
     # later step_7 was set aside, not deleted.
     assert step_names(out) == ["step_1", "step_8"]
-    assert snapshot(out / "step_1") == a_files
+    assert snapshot_files(out / "step_1") == a_files
     assert json.loads((out / "step_1" / MANIFEST).read_text())["run_id"] == run_a
     assert [p.parent.name for p in (out / PREVIOUS_RUNS).rglob(MANIFEST)].count(
         "step_7"
     ) == 1
 
 
+# A step checkpoint's folder, or its recipe state as torchtune 0.6.1 named it.
+@pytest.mark.parametrize("named", ["step_3", f"step_3/{RECIPE_STATE}"])
 def test_resuming_an_earlier_step_branches_and_prunes_within_the_branch(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, named: str
 ) -> None:
     out = tmp_path / "out"
     train(make_config(tmp_path))  # step_3, step_4, step_6, step_8, epoch_0, epoch_1
     run_id = read_run_file(out)
-    before = snapshot(out)
+    before = snapshot_files(out)
     cfg = make_config(
         tmp_path,
-        checkpointer={"recipe_checkpoint": "step_3", "keep_last_n_checkpoints": 2},
+        checkpointer={"recipe_checkpoint": named, "keep_last_n_checkpoints": 2},
         keep_previous_runs=True,
     )
     with caplog.at_level(logging.WARNING):
@@ -1036,11 +1046,10 @@ def test_resuming_an_earlier_step_branches_and_prunes_within_the_branch(
         "step_6",
         "step_8",
     ]
-    for name, data in before.items():  # set aside whole
+    set_aside = snapshot_files(branch)
+    for name, entry in before.items():  # set aside whole
         if name.split("/")[0] in ("step_4", "step_6", "step_8", "epoch_0", "epoch_1"):
-            assert (branch / name).exists() and (
-                data is None or (branch / name).read_bytes() == data
-            ), name
+            assert set_aside.get(name) == entry, name
     # The old timeline's newer step_6 and step_8 no longer count: pruning to 2 keeps
     # the branch's new step_4.
     assert step_names(out) == ["step_3", "step_4"]
@@ -1237,7 +1246,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
     recipe_state = torch.load(out / "step_3" / RECIPE_STATE, weights_only=False)
     recipe_state["optimizer_component"] = "torch.optim.SGD"
     rewrite(out / "step_3", RECIPE_STATE, recipe_state)
-    before = snapshot(tmp_path)
+    before = snapshot_files(tmp_path)
     with pytest.raises(
         ValueError,
         match=rf"^optimizer._component_=torch.optim.AdamW cannot resume from "
@@ -1245,7 +1254,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
         r"torch.optim.SGD",
     ):
         resume(cfg)
-    assert snapshot(tmp_path) == before
+    assert snapshot_files(tmp_path) == before
 
 
 @pytest.mark.parametrize(
@@ -1286,10 +1295,10 @@ def test_a_resume_with_another_trajectory_is_refused_before_any_file_changes(
     change = dict(change)
     dataset = change.pop("dataset", None)
     resuming = OmegaConf.merge(cfg, change)
-    before = snapshot(tmp_path)
+    before = snapshot_files(tmp_path)
     with pytest.raises(CheckpointError, match=f"{key}: {message}"):
         resume(resuming, dataset=dataset)
-    assert snapshot(tmp_path) == before
+    assert snapshot_files(tmp_path) == before
 
 
 def test_resume_allow_changes_continues_with_another_trajectory_and_warns(
@@ -1448,7 +1457,7 @@ def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_writte
     manager = build_manager(cfg)
     model = base_model(manager.load_base_checkpoint())
     loader = make_loader(Samples(1), batch_size=2)  # no full batch
-    before = snapshot(tmp_path)
+    before = snapshot_files(tmp_path)
     with pytest.raises(
         ValueError, match="^An epoch has no optimizer step: 1 samples make 0 batches"
     ):
@@ -1459,7 +1468,7 @@ def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_writte
             TrainingProgress(total_epochs=2),
             steps_per_epoch=0,
         )
-    assert snapshot(tmp_path) == before
+    assert snapshot_files(tmp_path) == before
 
 
 @pytest.mark.parametrize(
@@ -1876,7 +1885,10 @@ def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_sta
     out = tmp_path / "out"
     (out / "epoch_0").mkdir(parents=True)
     (out / "recipe_state").mkdir()
-    torch.save(make_model(seed=5).state_dict(), out / "epoch_0" / EXPORT_FILE)
+    torch.save(
+        two_layer_model(seed=5).state_dict(),
+        out / "epoch_0" / EXPORT_FILE,
+    )
     torch.save(
         {
             training.SEED_KEY: 0,
@@ -1895,7 +1907,10 @@ def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_sta
         checkpointer={"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]},
     )
     manager = build_manager(cfg)
-    policy, value = base_model(manager.load_base_checkpoint()), make_model(seed=6)
+    policy, value = (
+        base_model(manager.load_base_checkpoint()),
+        two_layer_model(seed=6),
+    )
     optimizer = make_optimizer(nn.ModuleList([policy, value]), cfg, in_backward=True)
     progress = TrainingProgress(total_epochs=2)
     models = {"policy": policy, "value": value}
@@ -1967,7 +1982,7 @@ def test_checkpoint_files_naming_an_epoch_whose_state_is_gone_are_refused_first(
         make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1}), stop_after=7
     )
     out = tmp_path / "out"
-    before = snapshot(out)
+    before = snapshot_files(out)
     docs = {"checkpoint_files": [f"epoch_0/{EXPORT_FILE}"]}
     cfg = make_config(tmp_path, checkpointer=docs, resume_from_checkpoint=True)
     with pytest.raises(
@@ -1981,7 +1996,7 @@ def test_checkpoint_files_naming_an_epoch_whose_state_is_gone_are_refused_first(
         ),
     ):
         build_manager(cfg)
-    assert snapshot(out) == before
+    assert snapshot_files(out) == before
 
 
 def test_files_naming_several_epochs_are_refused() -> None:
@@ -2164,7 +2179,7 @@ def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
     out = tmp_path / "out"
     train(make_config(tmp_path))  # run A: step_3, step_4, step_6, step_8, exports
     earlier = read_run_file(out)
-    a_files = snapshot(out)
+    a_files = snapshot_files(out)
     cfg = make_config(tmp_path, keep_previous_runs=True)
     # Run B dies after moving one of A's entries (an error stands in for SIGKILL).
     replace, moves = os.replace, []
@@ -2188,8 +2203,9 @@ def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
     )
     # All of run A in one folder, byte for byte; no second, partial one.
     assert sorted(p.name for p in (out / PREVIOUS_RUNS).iterdir()) == [aside.name]
-    for name, data in a_files.items():
-        assert data is None or (aside / name).read_bytes() == data, name
+    set_aside = snapshot_files(aside)
+    for name, entry in a_files.items():
+        assert set_aside.get(name) == entry, name
 
 
 def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
