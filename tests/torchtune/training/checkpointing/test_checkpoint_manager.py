@@ -376,23 +376,18 @@ def test_a_mid_epoch_resume_continues_bitwise_with_either_optimizer(
     assert_same_weights(run.model, uninterrupted(tmp_path))
 
 
-def test_an_epoch_end_resume_restores_the_rng_state(tmp_path: Path) -> None:
+# Killed after step 5 (the newest checkpoint is epoch 0's end) or 7 (mid-epoch 1).
+@pytest.mark.parametrize(
+    ("stop_after", "resumed_at"), [(5, 4), (7, 6)], ids=["epoch_end", "mid_epoch"]
+)
+def test_a_resume_restores_the_rng_state_a_model_with_dropout_draws_from(
+    tmp_path: Path, stop_after: int, resumed_at: int
+) -> None:
     # Dropout draws from the global RNG; resume() starts from another RNG state.
     cfg = make_config(tmp_path)
-    train(cfg, stop_after=5, build=dropout_model)
+    train(cfg, stop_after=stop_after, build=dropout_model)
     run = resume(cfg, build=dropout_model)
-    assert run.resumed_at == 4
-    expected = uninterrupted(tmp_path, build=dropout_model)
-    assert_same_weights(run.model, expected)
-
-
-def test_a_mid_epoch_resume_of_a_model_with_dropout_continues_bitwise(
-    tmp_path: Path,
-) -> None:
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=7, build=dropout_model)
-    run = resume(cfg, build=dropout_model)
-    assert run.resumed_at == 6
+    assert run.resumed_at == resumed_at
     expected = uninterrupted(tmp_path, build=dropout_model)
     assert_same_weights(run.model, expected)
 
