@@ -386,8 +386,9 @@ class CheckpointManager:
         for root in {self._out, self._export_dir}:
             _finish_moves(root, first=int(os.environ.get("RANK", 0)) == 0)
         # A resume continues from the first whole one of these step checkpoints, or
-        # else from torchtune 0.6.1's "epoch" or "dcp" (asynchronous) checkpoint.
-        self._steps, self._legacy = self._resume_points()
+        # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
+        # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
+        self._steps, self._checkpoint_0_6_1 = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
         self._release_output_dir: Callable[[], Any] = lambda: None
 
@@ -399,29 +400,33 @@ class CheckpointManager:
         the epoch whose export the checkpointer's files name), or else a 0.6.1 epoch
         checkpoint. Read now, before anything is built, are only names, recipe
         states and the newest one's optimizer class; :meth:`load` verifies every byte."""
-        named, out, export = self.options.recipe_checkpoint, self._out, self._export_dir
+        requested, out, export = (
+            self.options.recipe_checkpoint,
+            self._out,
+            self._export_dir,
+        )
         if not self.options.resume:
             return [], None
-        folder = out / (named or "")
+        folder = out / (requested or "")
         folder = folder if step_of(folder) is not None else folder.parent
-        if named and step_of(folder) is None:  # torchtune 0.6.1's recipe_state.pt
-            if not (export / named).is_file():
+        if requested and step_of(folder) is None:  # torchtune 0.6.1's recipe_state.pt
+            if not (export / requested).is_file():
                 raise CheckpointError(
-                    f"checkpointer.recipe_checkpoint={named}: {export / named} does "
+                    f"checkpointer.recipe_checkpoint={requested}: {export / requested} does "
                     "not exist. Name the run's recipe_state.pt, or leave it unset."
                 )
-            self._check_optimizer(export / named)
+            self._check_optimizer(export / requested)
             return [], "epoch"
-        if named and not folder.is_dir():
+        if requested and not folder.is_dir():
             raise CheckpointError(
-                f"checkpointer.recipe_checkpoint={named} names the step checkpoint "
+                f"checkpointer.recipe_checkpoint={requested} names the step checkpoint "
                 f"{folder}, which does not exist. The step checkpoints in {out} are "
                 f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
             )
-        steps = [folder] if named else _step_dirs(out, read_run_file(out))
+        steps = [folder] if requested else _step_dirs(out, read_run_file(out))
         epoch_state = export / "recipe_state" / RECIPE_STATE
-        if not named and self.options.named_epoch is not None:
-            steps = self._epoch_end(steps, legacy=epoch_state.is_file())
+        if not requested and self.options.named_epoch is not None:
+            steps = self._epoch_end(steps, written_by_0_6_1=epoch_state.is_file())
         if steps or (epoch_state.is_file() and not self.options.async_save):
             self._check_optimizer(steps[0] if steps else epoch_state)
             return steps, None if steps else "epoch"
@@ -443,17 +448,18 @@ class CheckpointManager:
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
         )
 
-    def _epoch_end(self, steps: list[Path], legacy: bool) -> list[Path]:
+    def _epoch_end(self, steps: list[Path], *, written_by_0_6_1: bool) -> list[Path]:
         """The step checkpoint saved at the end of the epoch whose export the
         checkpointer's files name (torchtune 0.6.1's way to resume), or none where
-        the folder is one 0.6.1 wrote (``legacy``: its recipe state goes with them).
+        the folder is one 0.6.1 wrote (``written_by_0_6_1``: its recipe state goes
+        with them).
 
         Raises:
             CheckpointError: if that checkpoint is gone, naming those that remain.
         """
         epoch = self.options.named_epoch
         ended = [step for step in steps if _epoch_ended(step) == epoch]
-        if ended or (legacy and not steps):
+        if ended or (written_by_0_6_1 and not steps):
             return ended
         if self.options.checkpointer.get("adapter_checkpoint"):
             key, newest = "adapter_checkpoint", "unset it"
@@ -498,7 +504,7 @@ class CheckpointManager:
             dict[str, Any]: ``MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
-        epoch, cfg = self._legacy == "epoch", self.options.checkpointer
+        epoch, cfg = self._checkpoint_0_6_1 == "epoch", self.options.checkpointer
         if self._steps and self.options.named_epoch is not None:
             # The files named under epoch_{N}/ are read from the output folder, as
             # in 0.6.1, which then also reads a recipe state: the step checkpoint's,
@@ -515,7 +521,7 @@ class CheckpointManager:
         if not epoch:
             return state
         weights = (MODEL_KEY, ADAPTER_KEY)
-        self._legacy_state = {k: state.pop(k) for k in list(state) if k not in weights}
+        self._state_0_6_1 = {k: state.pop(k) for k in list(state) if k not in weights}
         if self.adapter_config and ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
@@ -571,8 +577,8 @@ class CheckpointManager:
                 ``resume_allow_changes``), or another run holds ``output_dir``.
             ValueError: if an epoch would have no optimizer step.
         """
-        self._named = isinstance(model, Mapping)
-        self._models = dict(model) if self._named else {MODEL_KEY: model}
+        self._models_by_name = isinstance(model, Mapping)
+        self._models = dict(model) if self._models_by_name else {MODEL_KEY: model}
         self._optimizer, self._dataloader = optimizer, dataloader
         self._progress, self._steps_per_epoch = progress, steps_per_epoch
         self._states = dict(states or {})
@@ -598,7 +604,7 @@ class CheckpointManager:
         _on_rank_zero(take_lock)
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
-        if folder is None and self._legacy is None:
+        if folder is None and self._checkpoint_0_6_1 is None:
             folders = {self._out, self._export_dir, *self._export_roots}
             self._run_id = _on_rank_zero(
                 lambda: start_run(
@@ -723,7 +729,7 @@ class CheckpointManager:
         else:
             state = _load(folder / MODEL_OPTIMIZER_FILE)
             for name, model in self._models.items():
-                saved = state["model"][name] if self._named else state["model"]
+                saved = state["model"][name] if self._models_by_name else state["model"]
                 missing, unexpected = model.load_state_dict(saved, strict=False)
                 missing = sorted(set(missing) & set(_trainable(model)))
                 if missing or unexpected:
@@ -794,7 +800,7 @@ class CheckpointManager:
 
         self._run_id = _on_rank_zero(name_the_run)
         models, optimizer = list(self._models.values()), self._optimizer
-        if self._legacy == "dcp":
+        if self._checkpoint_0_6_1 == "dcp":
             (model,) = models
             dsd._init_optim_state(optimizer)  # DCP loads into existing tensors
             state = {MODEL_KEY: model.state_dict(), EPOCHS_KEY: 0}
@@ -807,13 +813,13 @@ class CheckpointManager:
                 model, optimizer, model_state_dict=weights, optim_state_dict=optim
             )
         else:
-            state, optim = self._legacy_state, self._legacy_state[OPT_KEY]
+            state, optim = self._state_0_6_1, self._state_0_6_1[OPT_KEY]
             if legacy_format.is_legacy_in_bwd_state_dict(optim):
                 # Several models (PPO): 0.6.1 saved the last one's parameters only.
                 pairs = [(m, n, p) for m in models for n, p in m.named_parameters()]
-                named = [(n if m is models[-1] else None, p) for m, n, p in pairs]
+                names = [(n if m is models[-1] else None, p) for m, n, p in pairs]
                 convert = legacy_format.convert_legacy_optim_in_bwd_state_dict
-                optim = convert(optim, None if _sharded() else named)
+                optim = convert(optim, None if _sharded() else names)
             if _sharded():
                 load_from_full_optimizer_state_dict(
                     models[0], optimizer, optim, self.options.device
@@ -932,7 +938,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=where)
         else:
             models = {n: _trainable(m) for n, m in self._models.items()}
-            model = models if self._named else models[MODEL_KEY]
+            model = models if self._models_by_name else models[MODEL_KEY]
             state = {"model": model, "optimizer": self._optimizer.state_dict()}
             _save_file(state, partial / MODEL_OPTIMIZER_FILE)
         rng = {"torch": torch.get_rng_state()}
