@@ -90,6 +90,7 @@ _KEEP = {
 # Each was checked by hand; listed in benchmarks/results/mutation_testing.md.
 _MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
+_STEP_FORMAT = "torchtune/training/checkpointing/_step_format.py"
 _DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
 _LEGACY = "torchtune/training/optim_in_bwd_legacy_state_dict.py"
 _ONE_GROUP = (
@@ -192,8 +193,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             "checkpoint replaces with the saved value"
         )
         for line in (
-            "state = {training.MODEL_KEY: model.state_dict(), "
-            f"training.EPOCHS_KEY: {value}}}"
+            f"state = {{MODEL_KEY: model.state_dict(), EPOCHS_KEY: {value}}}"
             for value in (1, -1)
         )
     },
@@ -204,12 +204,12 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
 # mutation run), or one with CUDA. Reported apart ("ELSEWHERE"), out of the score.
 ELSEWHERE: dict[tuple[str, str, str, str], str] = {
     (
-        _MANAGER,
+        _STEP_FORMAT,
         "_on_rank_zero",
         "core/NumberReplacer",
         "dist.broadcast_object_list(outcome, src= 1)",
     ): "2 processes: rank 0's result is the one broadcast",
-    (_MANAGER, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
+    (_STEP_FORMAT, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
         "2 processes: the other ranks get rank 0's result"
     ),
     (

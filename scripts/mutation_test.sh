@@ -2,13 +2,15 @@
 # Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
 # (torchtune/training/optimizer_in_backward.py), the deprecated 0.6.1 in-backward API
 # (optim_in_bwd_deprecated.py), the 0.6.1 checkpoint converter
-# (optim_in_bwd_legacy_state_dict.py) and the checkpoint manager
-# (torchtune/training/checkpointing/_checkpoint_manager.py), against the unit tests
-# (tests/torchtune/..., no recipe runs, no multi-process runs). Slow; not part of CI.
+# (optim_in_bwd_legacy_state_dict.py) and the four checkpointing modules
+# (torchtune/training/checkpointing/: the manager, the step format, the run folder,
+# the export), against the unit tests (tests/torchtune/..., no recipe runs, no
+# multi-process runs). Slow; not part of CI.
 # See "Mutation testing" in CONTRIBUTING.md; scores in benchmarks/results/mutation_testing.md.
 #
 #   bash scripts/mutation_test.sh [optimizer_in_backward] [deprecated] [legacy_state_dict]
-#                                 [checkpoint_manager]         (default: all four)
+#                                 [checkpoint_manager] [step_format] [run_folder]
+#                                 [export]                     (default: all seven)
 #
 # cosmic-ray rewrites the mutated file in place, so this never runs in the checkout it
 # is started from: it clones the committed HEAD into $MUT_DIR (default
@@ -27,8 +29,12 @@ COSMIC_RAY_VERSION=8.7.0
 MEMORY=torchtune/training/optimizer_in_backward.py
 DEPRECATED=torchtune/training/optim_in_bwd_deprecated.py
 LEGACY=torchtune/training/optim_in_bwd_legacy_state_dict.py
-CLIENT=torchtune/training/checkpointing/_checkpoint_manager.py
-MUTATED=("$MEMORY" "$DEPRECATED" "$LEGACY" "$CLIENT")
+CHECKPOINTING=torchtune/training/checkpointing
+MANAGER=$CHECKPOINTING/_checkpoint_manager.py
+STEP_FORMAT=$CHECKPOINTING/_step_format.py
+RUN_FOLDER=$CHECKPOINTING/_run_folder.py
+EXPORT=$CHECKPOINTING/_export.py
+MUTATED=("$MEMORY" "$DEPRECATED" "$LEGACY" "$MANAGER" "$STEP_FORMAT" "$RUN_FOLDER" "$EXPORT")
 
 if [ "$REPO" != "$(realpath -m "$MUT_DIR")" ]; then
   if [ -d "$MUT_DIR/.git" ]; then
@@ -92,13 +98,19 @@ LEGACY_TESTS=(
 LEGACY_TARGETS=(
   is_legacy_in_bwd_state_dict _unwrapped _entries convert_legacy_optim_in_bwd_state_dict
 )
-CLIENT_TESTS=("$TT/checkpointing/test_checkpoint_manager.py")
-CLIENT_CONTRACT="$TT/checkpointing/test_checkpoint_manager.py"
-CLIENT_TARGETS=(
-  TrainingProgress _on_rank_zero _load _read_json file_checksum verify step_of _step_dirs
-  _set_aside check_writable _check_lock _take_lock _differs _dataset_identity
-  CheckpointOptions CheckpointManager
+# The checkpointing modules, each against the checkpoint manager's unit tests.
+CHECKPOINT_TESTS="$TT/checkpointing/test_checkpoint_manager.py"
+MANAGER_TARGETS=(
+  TrainingProgress _differs _dataset_identity CheckpointOptions CheckpointManager
 )
+STEP_FORMAT_TARGETS=(
+  _on_rank_zero _load _read_json file_checksum write_manifest verify step_of _step_dirs
+)
+RUN_FOLDER_TARGETS=(
+  _set_aside check_writable _check_lock _take_lock start_run _clear_earlier_run
+  _set_earlier_run_aside branch_at
+)
+EXPORT_TARGETS=(_FinalEpochNotes export_state save_export not_this_runs_export)
 # Multi-process (gloo) scenarios take minutes each; the import-order check runs
 # fresh interpreters and cannot see a mutant that the other tests miss.
 DESELECT="not two_gloo and not without_a_cycle"
@@ -111,7 +123,7 @@ existing() {
 # of it that imports torchtune (with the mutant) from disk.
 # shellcheck disable=SC2046
 "$PY" scripts/mutation_test.py serve "$SOCK" \
-  $(existing "${MEMORY_TESTS[@]}" "${DEPRECATED_TESTS[@]}" "${CLIENT_TESTS[@]}") \
+  $(existing "${MEMORY_TESTS[@]}" "${DEPRECATED_TESTS[@]}" "$CHECKPOINT_TESTS") \
   >"$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true' EXIT
@@ -153,7 +165,9 @@ EOF
     tee "$WORK/$name.report.txt" | grep -v '^[-+@]\|^SURVIVED\|^EQUIVALENT\|^ELSEWHERE'
 }
 
-for what in "${@:-optimizer_in_backward deprecated legacy_state_dict checkpoint_manager}"; do
+ALL="optimizer_in_backward deprecated legacy_state_dict checkpoint_manager step_format"
+ALL="$ALL run_folder export"
+for what in "${@:-$ALL}"; do
   for name in $what; do
     case "$name" in
       optimizer_in_backward)
@@ -169,12 +183,23 @@ for what in "${@:-optimizer_in_backward deprecated legacy_state_dict checkpoint_
           "${LEGACY_TARGETS[*]}" "$TT/test_optim_in_bwd_legacy_state_dict.py"
         ;;
       checkpoint_manager)
-        run_session checkpoint_manager "$CLIENT" "$(existing "${CLIENT_TESTS[@]}")" \
-          "${CLIENT_TARGETS[*]}" "$CLIENT_CONTRACT"
+        run_session checkpoint_manager "$MANAGER" "$CHECKPOINT_TESTS" \
+          "${MANAGER_TARGETS[*]}" "$CHECKPOINT_TESTS"
+        ;;
+      step_format)
+        run_session step_format "$STEP_FORMAT" "$CHECKPOINT_TESTS" \
+          "${STEP_FORMAT_TARGETS[*]}" "$CHECKPOINT_TESTS"
+        ;;
+      run_folder)
+        run_session run_folder "$RUN_FOLDER" "$CHECKPOINT_TESTS" \
+          "${RUN_FOLDER_TARGETS[*]}" "$CHECKPOINT_TESTS"
+        ;;
+      export)
+        run_session export "$EXPORT" "$CHECKPOINT_TESTS" \
+          "${EXPORT_TARGETS[*]}" "$CHECKPOINT_TESTS"
         ;;
       *)
-        echo "unknown target $name (optimizer_in_backward, deprecated, legacy_state_dict," \
-          "checkpoint_manager)" >&2
+        echo "unknown target $name (one of: $ALL)" >&2
         exit 2
         ;;
     esac
