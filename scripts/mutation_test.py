@@ -164,6 +164,13 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ),
     (
         _MANAGER,
+        "_epoch_end",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def _epoch_end(self, steps: list[Path], /, written_by_0_6_1: bool) -> "
+        "list[Path]:",
+    ): "its one caller passes written_by_0_6_1 by keyword, which both signatures accept",
+    (
+        _MANAGER,
         "_write_step",
         "core/ReplaceBinaryOperator_Mul_Div",
         "def _write_step(self, /, mid_epoch: bool, wait: bool = False) -> None:",

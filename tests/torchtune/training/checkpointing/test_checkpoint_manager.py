@@ -489,6 +489,40 @@ def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
     assert not (out / LOCK_FILE).exists()
 
 
+def test_resuming_a_finished_run_leaves_what_its_options_ask(tmp_path: Path) -> None:
+    # Trained keeping its step checkpoints, resumed without keep_last_n_checkpoints:
+    # the run is finished as one that never kept them, its exports only.
+    train(make_config(tmp_path))
+    out = tmp_path / "out"
+    assert step_names(out) == ["step_3", "step_4", "step_6", "step_8"]
+    resume(make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None}))
+    assert step_names(out) == []
+    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+
+
+def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
+    tmp_path: Path,
+) -> None:
+    finite, nan = torch.tensor(0.5), torch.tensor(float("nan"))
+    early = train(make_config(tmp_path / "early"), stop_after=1)  # nothing saved yet
+    with pytest.raises(FloatingPointError, match="No step checkpoint was saved yet"):
+        early.manager.stop_if_not_finite(finite, torch.tensor(float("inf")), batch=1)
+    run = train(make_config(tmp_path), stop_after=5)  # step_3 and step_4 saved
+    run.manager.stop_if_not_finite(finite, finite, batch=1)  # finite: goes on
+    with pytest.raises(FloatingPointError) as stopped:
+        run.manager.stop_if_not_finite(nan, finite, batch=1)
+    assert str(stopped.value) == (
+        "Step 6 (epoch 1, up to batch 1 of the epoch) has a non-finite loss (nan) or "
+        "gradient norm (0.5) on at least one process: stopping before anything is "
+        "saved, and before the optimizer steps (an in-backward update without "
+        "clipping is applied as gradients arrive; with a non-finite loss, nothing is "
+        f"applied). The newest step checkpoint, {tmp_path / 'out' / 'step_4'}, was "
+        "saved before it: resume from it (resume_from_checkpoint=True) once the cause "
+        "is fixed (a learning rate too high, an overflow in low precision, bad data "
+        "in these batches)."
+    )
+
+
 @pytest.fixture
 def gloo_world_of_one() -> Iterator[None]:
     """A one-process gloo group, torn down after the test."""
@@ -630,10 +664,10 @@ def test_without_save_every_n_steps_only_the_newest_epoch_end_checkpoint_is_kept
     tmp_path: Path,
 ) -> None:
     unset = {"keep_last_n_checkpoints": None}
-    cfg = make_config(tmp_path, save_every_n_steps=None, checkpointer=unset)
+    cfg = make_config(tmp_path, epochs=3, save_every_n_steps=None, checkpointer=unset)
     out = tmp_path / "out"
-    train(cfg, stop_after=5)
-    assert step_names(out) == ["step_4"]
+    train(cfg, stop_after=9)  # after the ends of epochs 0 (step 4) and 1 (step 8)
+    assert step_names(out) == ["step_8"]
     # Once the final export is whole, the run leaves what torchtune 0.6.1 leaves.
     train(make_config(tmp_path / "full", save_every_n_steps=None, checkpointer=unset))
     out = tmp_path / "full" / "out"
