@@ -163,6 +163,22 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "which both signatures accept"
     ),
     (
+        _STEP_FORMAT,
+        "write_manifest",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def write_manifest(root: Path, path: Path, /, run_id: str | None, step: int) "
+        "-> None:",
+    ): "every caller passes run_id and step by keyword, which both signatures accept",
+    **{
+        (_STEP_FORMAT, "write_manifest", "core/NumberReplacer", line): (
+            "the manifest's indentation, which JSON readers ignore"
+        )
+        for line in (
+            "text = json.dumps(manifest, indent= 2)",
+            "text = json.dumps(manifest, indent= 0)",
+        )
+    },
+    (
         _MANAGER,
         "_epoch_end",
         "core/ReplaceBinaryOperator_Mul_Div",
