@@ -91,6 +91,7 @@ _KEEP = {
 _MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _STEP_FORMAT = "torchtune/training/checkpointing/_step_format.py"
+_RUN_FOLDER = "torchtune/training/checkpointing/_run_folder.py"
 _DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
 _LEGACY = "torchtune/training/optim_in_bwd_legacy_state_dict.py"
 _ONE_GROUP = (
@@ -178,6 +179,14 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             "text = json.dumps(manifest, indent= 0)",
         )
     },
+    (_RUN_FOLDER, "branch_at", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
+        "its one caller passes every argument after the folder by keyword, which "
+        "both signatures accept"
+    ),
+    (_RUN_FOLDER, "_take_lock", "core/NumberReplacer", "os.ftruncate(lock.fd, 1)"): (
+        "the owner written next at offset 0 is longer than one byte, so the file "
+        "holds the same either way"
+    ),
     (
         _MANAGER,
         "_epoch_end",

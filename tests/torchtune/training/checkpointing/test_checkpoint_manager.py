@@ -20,6 +20,7 @@ restored something wrongly, not rounding.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import multiprocessing
@@ -76,6 +77,7 @@ from torchtune.training.checkpointing._run_folder import (
     RUN_FILE,
     _release_lock,
     _take_lock,
+    check_writable,
     read_run_file,
 )
 from torchtune.training.checkpointing._step_format import (
@@ -1687,6 +1689,51 @@ def judge_lock_on_two_hosts(out_dir: Path) -> None:
     write_report(out_dir, rank, {"outcome": outcome})
 
 
+def test_a_stopped_runs_lock_is_taken_over_saying_so_and_a_new_one_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    crashed = subprocess.Popen(["true"])
+    crashed.wait()
+    stale = write_lock(tmp_path / "stale", crashed.pid, socket.gethostname())
+    with caplog.at_level(logging.WARNING):
+        locks = [_take_lock(tmp_path / "new"), _take_lock(tmp_path / "stale")]
+    try:
+        assert warnings_text(caplog) == (
+            f"Taking over {stale}, left by a run that stopped: process {crashed.pid} "
+            f"on host {socket.gethostname()}, started 2026-01-02 03:04:05 UTC"
+        )
+        assert_held_by_this_process(stale)
+        assert_held_by_this_process(tmp_path / "new" / LOCK_FILE)
+    finally:
+        for lock in locks:
+            _release_lock(lock)
+
+
+def test_a_lock_file_deleted_by_its_releasing_owner_is_locked_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The run before deletes the file as it releases its lock, after this run
+    # opened it: a lock on the deleted file would lock nothing.
+    folder = tmp_path / "out"
+    write_lock(folder, 0, "another-host")
+    flock, locked = fcntl.flock, []
+
+    def released_meanwhile(fd: int, operation: int) -> None:
+        if not locked:
+            (folder / LOCK_FILE).unlink()
+        locked.append(fd)
+        flock(fd, operation)
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", released_meanwhile)
+    lock = _take_lock(folder)
+    try:
+        assert len(locked) == 2  # the deleted file's, then the new file's
+        assert os.fstat(lock.fd).st_ino == os.stat(folder / LOCK_FILE).st_ino
+        assert_held_by_this_process(folder / LOCK_FILE)
+    finally:
+        _release_lock(lock)
+
+
 def test_every_rank_of_a_two_node_run_judges_a_stale_lock_alike(
     tmp_path: Path,
 ) -> None:
@@ -2166,6 +2213,9 @@ def test_a_folder_name_longer_than_the_file_system_allows_is_refused(
         r"more than the 255 this file system allows",
     ):
         build_manager(make_config(tmp_path, output_dir=str(out)))
+    # A name of exactly the limit can be made.
+    name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
+    check_writable("output_dir", tmp_path / ("x" * name_max) / "run")
 
 
 @pytest.mark.parametrize(
