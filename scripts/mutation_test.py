@@ -92,6 +92,11 @@ _MEMORY = "torchtune/training/optimizer_in_backward.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _STEP_FORMAT = "torchtune/training/checkpointing/_step_format.py"
 _RUN_FOLDER = "torchtune/training/checkpointing/_run_folder.py"
+_EXPORT = "torchtune/training/checkpointing/_export.py"
+_BY_KEYWORD = (
+    "every caller passes the arguments after the marker by keyword and the ones "
+    "before it by position, which both signatures accept"
+)
 _DEPRECATED = "torchtune/training/optim_in_bwd_deprecated.py"
 _LEGACY = "torchtune/training/optim_in_bwd_legacy_state_dict.py"
 _ONE_GROUP = (
@@ -179,6 +184,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
             "text = json.dumps(manifest, indent= 0)",
         )
     },
+    (_EXPORT, "export_state", "core/ReplaceBinaryOperator_Mul_Div", "/,"): _BY_KEYWORD,
+    (_EXPORT, "save_export", "core/ReplaceBinaryOperator_Mul_Div", "/,"): _BY_KEYWORD,
+    (
+        _EXPORT,
+        "not_this_runs_export",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def not_this_runs_export(folder: Path, /, run_id: str | None, step: int) -> "
+        "str | None:",
+    ): _BY_KEYWORD,
     (_RUN_FOLDER, "branch_at", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
         "its one caller passes every argument after the folder by keyword, which "
         "both signatures accept"
