@@ -122,6 +122,33 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "core/ReplaceTrueWithFalse",
         "for param, norm in zip(params, norms, strict=False):",
     ): "tensor_norms returns one norm per gradient given, so the lengths agree",
+    (
+        _MEMORY,
+        "_release",
+        "core/NumberReplacer",
+        'bucket.optimizer.param_groups[ -1]["params"] = list(bucket.params)',
+    ): "a bucket's optimizer has one param group",
+    (
+        _MEMORY,
+        "_finite",
+        "core/ReplaceBinaryOperator_Mul_Div",
+        "def _finite(self, value: torch.Tensor, /, on_every_rank: bool) -> bool:",
+    ): "every caller passes on_every_rank by keyword, which both signatures accept",
+    (
+        _MEMORY,
+        "_finite",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+        "distributed = dist.is_initialized() and dist.get_world_size() >= 1",
+    ): "an all-reduce over one process returns the value it is given",
+    (
+        _MEMORY,
+        "backward",
+        "core/ReplaceFalseWithTrue",
+        "if not self._finite(norm, on_every_rank=True):",
+    ): (
+        "the measured global norm is already the same on every rank: agreeing on it "
+        "costs a collective and changes nothing"
+    ),
     (_MEMORY, "backward", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
         "every caller passes the loss by position and the rest by keyword, which "
         "both signatures accept"
@@ -258,6 +285,22 @@ ELSEWHERE: dict[tuple[str, str, str, str], str] = {
     (_STEP_FORMAT, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
         "2 processes: the other ranks get rank 0's result"
     ),
+    **{
+        (_MEMORY, "_finite", operator, line): (
+            "2 processes: a loss that is not finite on one rank only "
+            "(fsdp_loss_not_finite_on_one_rank_updates_no_rank)"
+        )
+        for operator, line in (
+            (
+                "core/ReplaceComparisonOperator_Gt_LtE",
+                "distributed = dist.is_initialized() and dist.get_world_size() <= 1",
+            ),
+            (
+                "core/NumberReplacer",
+                "distributed = dist.is_initialized() and dist.get_world_size() > 2",
+            ),
+        )
+    },
     (
         _MANAGER,
         "_restore",

@@ -326,6 +326,25 @@ def fsdp_clipped_training_matches_plain_bitwise(tmp: Path) -> None:
 
 
 @scenario
+def fsdp_loss_not_finite_on_one_rank_updates_no_rank(tmp: Path) -> None:
+    """A loss that is not finite on rank 1 only: no rank updates (the gradients,
+    reduced over the ranks, are not finite on any), and every rank keeps the same
+    weights, so the shards of one model never diverge."""
+    model = build_model("fsdp")
+    before = full_params(model)
+    optimizer = OptimizerInBackward(
+        model.parameters(), torch.optim.AdamW, **ADAMW_KWARGS
+    )
+    loss = model(rank_batch(0, "fsdp")).square().mean()
+    if rank() == 1:
+        loss = loss * float("nan")
+    optimizer.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch.testing.assert_close(full_params(model), before, **BITWISE)
+
+
+@scenario
 def torchao_adamw8bit_fsdp_training_matches_plain_bitwise(tmp: Path) -> None:
     width = OPTIMIZERS["torchao_adamw8bit"][2]
     reference, model = (
