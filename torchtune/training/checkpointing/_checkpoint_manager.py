@@ -5,9 +5,10 @@ A run's resumable state is a *step checkpoint*, ``output_dir/step_{N}/``, writte
 anything of it is loaded (its files and their manifest: :mod:`._step_format`). After
 each epoch the configured checkpointer exports ``epoch_{N}/``, the weights users take
 away, with a manifest beside it, so that a torn export, or one another run wrote, is
-found and rewritten (:mod:`._export`). The manager decides what a resume continues from, refuses one
-that would not continue the same run (the trajectory), and writes and prunes step
-checkpoints; the output folder's own rules (one live run, what earlier runs left) are
+found and rewritten (:mod:`._export`). The manager decides what a resume continues
+from, refuses one that would not continue the same run (the trajectory), and writes
+and prunes step checkpoints; the output folder's own rules (one live run, what
+earlier runs left, what a branching resume leaves) are
 :mod:`._run_folder`'s. A finished run leaves what torchtune 0.6.1 left, plus small
 metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpoints.
 """
@@ -400,11 +401,8 @@ class CheckpointManager:
         the epoch whose export the checkpointer's files name), or else a 0.6.1 epoch
         checkpoint. Read now, before anything is built, are only names, recipe
         states and the newest one's optimizer class; :meth:`load` verifies every byte."""
-        requested, out, export = (
-            self.options.recipe_checkpoint,
-            self._out,
-            self._export_dir,
-        )
+        requested = self.options.recipe_checkpoint
+        out, export = self._out, self._export_dir
         if not self.options.resume:
             return [], None
         folder = out / (requested or "")
@@ -412,8 +410,8 @@ class CheckpointManager:
         if requested and step_of(folder) is None:  # torchtune 0.6.1's recipe_state.pt
             if not (export / requested).is_file():
                 raise CheckpointError(
-                    f"checkpointer.recipe_checkpoint={requested}: {export / requested} does "
-                    "not exist. Name the run's recipe_state.pt, or leave it unset."
+                    f"checkpointer.recipe_checkpoint={requested}: {export / requested} "
+                    "does not exist. Name the run's recipe_state.pt, or leave it unset."
                 )
             self._check_optimizer(export / requested)
             return [], "epoch"
@@ -577,15 +575,15 @@ class CheckpointManager:
                 ``resume_allow_changes``), or another run holds ``output_dir``.
             ValueError: if an epoch would have no optimizer step.
         """
-        self._models_by_name = isinstance(model, Mapping)
-        self._models = dict(model) if self._models_by_name else {MODEL_KEY: model}
+        self._models_given_by_name = isinstance(model, Mapping)
+        self._models = dict(model) if self._models_given_by_name else {MODEL_KEY: model}
         self._optimizer, self._dataloader = optimizer, dataloader
         self._progress, self._steps_per_epoch = progress, steps_per_epoch
         self._states = dict(states or {})
         configured = (self._checkpointer, self._export_dir)
         exporters = {name: configured for name in self._models} | dict(exporters or {})
-        self._exporters = {name: pair[0] for name, pair in exporters.items()}
-        self._export_roots = sorted({Path(pair[1]) for pair in exporters.values()})
+        self._exporters = {name: exporter for name, (exporter, _) in exporters.items()}
+        self._export_roots = sorted({Path(folder) for _, folder in exporters.values()})
         dataset = dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
@@ -729,7 +727,11 @@ class CheckpointManager:
         else:
             state = _load(folder / MODEL_OPTIMIZER_FILE)
             for name, model in self._models.items():
-                saved = state["model"][name] if self._models_by_name else state["model"]
+                saved = (
+                    state["model"][name]
+                    if self._models_given_by_name
+                    else state["model"]
+                )
                 missing, unexpected = model.load_state_dict(saved, strict=False)
                 missing = sorted(set(missing) & set(_trainable(model)))
                 if missing or unexpected:
@@ -938,7 +940,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=where)
         else:
             models = {n: _trainable(m) for n, m in self._models.items()}
-            model = models if self._models_by_name else models[MODEL_KEY]
+            model = models if self._models_given_by_name else models[MODEL_KEY]
             state = {"model": model, "optimizer": self._optimizer.state_dict()}
             _save_file(state, partial / MODEL_OPTIMIZER_FILE)
         rng = {"torch": torch.get_rng_state()}
