@@ -10,7 +10,7 @@ Modes (``--modes``):
 - ``in_bwd_per_param``: :class:`torchtune.training.OptimizerInBackward` with
   ``bucket_cap_mb=0``: one optimizer call per parameter, the lowest memory.
 - ``in_bwd_bucketed``: ``OptimizerInBackward`` with its default bucket cap
-  (:data:`torchtune.training.optimizer_in_backward.DEFAULT_BUCKET_CAP_MB`).
+  (:data:`torchtune.training.memory.DEFAULT_BUCKET_CAP_MB`).
 - ``in_bwd_cap<N>``: ``OptimizerInBackward`` with ``bucket_cap_mb=N``, to compare caps.
 - ``plain_clip``: the plain step with global-norm gradient clipping on:
   ``training.scale_and_clip_grads_(params, max_norm=MAX_NORM)`` (which also gives the
@@ -814,7 +814,7 @@ def environment(args: argparse.Namespace) -> str:
         import bitsandbytes
 
         versions += f", bitsandbytes {bitsandbytes.__version__}"
-    from torchtune.training.optimizer_in_backward import DEFAULT_BUCKET_CAP_MB
+    from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
 
     return (
         f"Device: {args.device} ({where}); {versions}; {threads} intra-op thread(s); "

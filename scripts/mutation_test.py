@@ -88,7 +88,7 @@ _KEEP = {
 # Surviving mutants that no test can kill, with the reason: (module, enclosing
 # definition, operator, the mutated line as the diff shows it, stripped) -> reason.
 # Each was checked by hand; listed in benchmarks/results/mutation_testing.md.
-_MEMORY = "torchtune/training/optimizer_in_backward.py"
+_MEMORY = "torchtune/training/memory.py"
 _MANAGER = "torchtune/training/checkpointing/_checkpoint_manager.py"
 _STEP_FORMAT = "torchtune/training/checkpointing/_step_format.py"
 _RUN_FOLDER = "torchtune/training/checkpointing/_run_folder.py"

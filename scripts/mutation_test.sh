@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing with cosmic-ray: OptimizerInBackward and its helpers
-# (torchtune/training/optimizer_in_backward.py), the deprecated 0.6.1 in-backward API
+# (torchtune/training/memory.py), the deprecated 0.6.1 in-backward API
 # (optim_in_bwd_deprecated.py), the 0.6.1 checkpoint converter
 # (optim_in_bwd_legacy_state_dict.py) and the four checkpointing modules
 # (torchtune/training/checkpointing/: the manager, the step format, the run folder,
@@ -26,7 +26,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 MUT_DIR="${MUT_DIR:-/tmp/torchtune-mutation}"
 COSMIC_RAY_VERSION=8.7.0
-MEMORY=torchtune/training/optimizer_in_backward.py
+MEMORY=torchtune/training/memory.py
 DEPRECATED=torchtune/training/optim_in_bwd_deprecated.py
 LEGACY=torchtune/training/optim_in_bwd_legacy_state_dict.py
 CHECKPOINTING=torchtune/training/checkpointing

@@ -21,23 +21,23 @@ CHECKED_WITH = ("2.13.0",)
 PRIVATE_TORCH_APIS = [
     (
         "torch._C._current_graph_task_id",
-        "torchtune/training/optimizer_in_backward.py",
+        "torchtune/training/memory.py",
         "tells which backward pass a gradient hook runs in, to queue one end-of-pass "
         "update of the buckets whose gradients did not all arrive",
     ),
     (
         "torch.autograd.Variable._execution_engine.queue_callback",
-        "torchtune/training/optimizer_in_backward.py",
+        "torchtune/training/memory.py",
         "runs that end-of-pass update when the backward pass finishes",
     ),
     (
         "torch.optim.Optimizer._patch_step_function",
-        "torchtune/training/optimizer_in_backward.py",
+        "torchtune/training/memory.py",
         "installs the step hooks LR schedulers and profilers expect on an optimizer",
     ),
     (
         "torch._C._log_api_usage_once",
-        "torchtune/training/optimizer_in_backward.py",
+        "torchtune/training/memory.py",
         "the usage log every torch.optim optimizer writes when built",
     ),
     (

@@ -2,6 +2,6 @@
 torchtune releases use; it is the same class as
 :class:`torchtune.training.OptimizerInBackward`."""
 
-from torchtune.training.optimizer_in_backward import OptimizerInBackward
+from torchtune.training.memory import OptimizerInBackward
 
 __all__ = ["OptimizerInBackward"]

@@ -71,6 +71,8 @@ from torchtune.training.loop import (
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
+    OptimizerInBackward,
+    build_optimizer,
     cleanup_before_training,
     get_memory_stats,
     log_memory_stats,
@@ -80,10 +82,6 @@ from torchtune.training.optim_in_bwd_deprecated import (
     OptimizerInBackwardWrapper,
     create_optim_in_bwd_wrapper,
     register_optim_in_bwd_hooks,
-)
-from torchtune.training.optimizer_in_backward import (
-    OptimizerInBackward,
-    build_optimizer,
 )
 from torchtune.training.pooling import get_unmasked_sequence_lengths
 from torchtune.training.precision import (

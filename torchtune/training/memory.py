@@ -1,28 +1,47 @@
-"""Memory utilities: activation checkpointing and memory statistics.
+"""Memory: optimizer-in-backward, activation checkpointing and memory statistics.
 
-torchtune 0.6.1's deprecated optimizer-in-backward functions
-(:mod:`torchtune.training.optim_in_bwd_deprecated`) are importable from here too, as
-in 0.6.1; :class:`~torchtune.training.OptimizerInBackward` and
-:func:`~torchtune.training.build_optimizer` live in
-:mod:`torchtune.training.optimizer_in_backward`."""
+:class:`OptimizerInBackward` updates each parameter inside ``backward()``, a bucket of
+them at a time, as soon as its gradients are ready, and frees them: the gradients'
+bytes of peak memory saved (how it works, what it saves and costs:
+``docs/source/optimizer_in_backward.rst``). :func:`build_optimizer` builds it or the
+plain optimizer a recipe asks for. torchtune 0.6.1's deprecated optimizer-in-backward
+functions (:mod:`torchtune.training.optim_in_bwd_deprecated`) are importable from here
+too, as in 0.6.1.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
+import math
 import sys
-from collections.abc import Callable
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeAlias
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
-from torchtune.utils import get_device_support, get_logger
+from torchtune.training.gradients import (
+    GradNorm,
+    clip_coefficient,
+    scale_grads_,
+    tensor_norms,
+    total_norm,
+)
+from torchtune.utils import get_device_support, get_logger, log_rank_zero
 
 _log: logging.Logger = get_logger()
 
@@ -187,6 +206,716 @@ def log_memory_stats(
 # Plain or in backward
 # ---------------------------------------------------------------------------
 
+#: Default most gradient bytes, in MiB, that :class:`OptimizerInBackward` updates in
+#: one optimizer call.
+DEFAULT_BUCKET_CAP_MB = 4.0
+
+
+def is_valid_bucket_cap(bucket_cap_mb: object) -> bool:
+    """Whether ``bucket_cap_mb`` is a valid bucket cap: a finite number ``>= 0`` (not
+    a bool, not NaN or infinite) or ``None`` for the default."""
+    if bucket_cap_mb is None:
+        return True
+    return (
+        isinstance(bucket_cap_mb, int | float)
+        and not isinstance(bucket_cap_mb, bool)
+        and 0 <= bucket_cap_mb < math.inf
+    )
+
+
+def _bucket_cap_bytes(bucket_cap_mb: float | None) -> int:
+    if not is_valid_bucket_cap(bucket_cap_mb):
+        raise ValueError(
+            f"bucket_cap_mb must be a finite number >= 0, got {bucket_cap_mb!r}: 0 updates "
+            "each parameter on its own, larger values update up to that many MiB of "
+            "gradients in one optimizer call"
+        )
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    return int(bucket_cap_mb * 1024**2)
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of a param group: every key but ``params`` and
+    ``param_names``.
+
+    Args:
+        group (Mapping[str, Any]): a param group, as in ``optimizer.param_groups``.
+
+    Returns:
+        dict[str, Any]: a new dict of its other entries (``lr``, ``betas``, ...).
+    """
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _wrapped_attribute(name: str) -> property:
+    """An attribute that is the wrapped optimizer's own, read and written through."""
+
+    def fget(self: OptimizerInBackward) -> Any:
+        return getattr(self._optimizer, name)
+
+    def fset(self: OptimizerInBackward, value: Any) -> None:
+        setattr(self._optimizer, name, value)
+
+    return property(fget, fset, doc=f"The wrapped optimizer's ``{name}``.")
+
+
+class _BucketState(MutableMapping):
+    """What a bucket's optimizer sees as its ``state``: the entries of the outer
+    optimizer's ``state`` that belong to the bucket's parameters.
+
+    Entries are looked up in ``owner.state`` on every access, so the moments live in
+    one place and stay linked after ``owner.load_state_dict`` replaces ``owner.state``.
+    Like a ``defaultdict(dict)``, reading a missing entry creates it.
+    """
+
+    __slots__ = ("_owner", "_params")
+
+    def __init__(self, owner: OptimizerInBackward, params: list[torch.Tensor]) -> None:
+        self._owner = owner
+        # Keyed by identity, in the bucket's order.
+        self._params = {id(p): p for p in params}
+
+    def _check(self, key: Any) -> None:
+        if self._params.get(id(key)) is not key:
+            raise KeyError(
+                "this bucket's optimizer only holds state for the bucket's parameters"
+            )
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check(key)
+        return self._owner.state[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._check(key)
+        self._owner.state[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        self._check(key)
+        del self._owner.state[key]
+
+    def __contains__(self, key: object) -> bool:
+        return self._params.get(id(key)) is key and key in self._owner.state
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        # Unlike __getitem__, never creates an entry (as for a defaultdict).
+        return self._owner.state[key] if key in self else default
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([p for p in self._params.values() if p in self._owner.state])
+
+    def __len__(self) -> int:
+        return sum(1 for p in self._params.values() if p in self._owner.state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+class _Bucket:
+    """Parameters of one param group that one ``optimizer_cls`` instance updates
+    together, once every one of them has its gradient."""
+
+    __slots__ = ("params", "optimizer", "ready")
+
+    def __init__(self, params: list[torch.Tensor], optimizer: Optimizer) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        # Parameters whose gradient arrived in this backward pass, by identity.
+        self.ready: set[int] = set()
+
+
+# Parameter -> a weak reference to the OptimizerInBackward that updates it in backward.
+# A new instance over a parameter takes it over from the one before, so that no
+# parameter is ever updated by two of them. Weak both ways: the map keeps neither a
+# parameter nor an optimizer alive.
+_UPDATED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _updater(param: torch.Tensor) -> OptimizerInBackward | None:
+    """The live :class:`OptimizerInBackward` that updates ``param``, if any."""
+    ref = _UPDATED_BY.get(param)
+    return None if ref is None else ref()
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param``'s gradient on this rank (its local shard for a DTensor)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
+
+
+class OptimizerInBackward(Optimizer):
+    r"""An optimizer that updates each parameter inside ``backward()`` as soon as its
+    gradient is ready and frees it, saving about the gradients' bytes of peak memory.
+
+    It *is* ``optimizer_cls(params, **optimizer_kwargs)`` but for the update: that
+    instance's ``param_groups``, ``state``, ``state_dict()`` and ``load_state_dict()``
+    are this object's, so plain and in-backward checkpoints are the same thing and LR
+    schedulers, ``torch.distributed.checkpoint`` and FSDP2 work on it unchanged. Each
+    bucket (consecutive trainable parameters of a group, up to ``bucket_cap_mb`` MiB of
+    gradients) is updated by an ``optimizer_cls`` of its own, on the bucket's entries of
+    ``state``, with the group's current hyperparameters: the plain optimizer's numbers
+    for any optimizer whose update of a parameter reads only its gradient and state.
+    :meth:`backward` also scales and clips the gradients, bitwise as
+    :func:`~torchtune.training.scale_and_clip_grads_` does after a plain backward.
+
+    .. warning::
+        ``.grad`` is ``None`` after backward: no gradient accumulation. With
+        ``max_norm``, call :meth:`backward` (``loss.backward()`` raises). A second
+        instance over parameters this one updates takes them over (with a warning):
+        this one then no longer updates them, though they stay in its
+        ``param_groups`` and ``state_dict()``.
+
+    Args:
+        params (Iterable[Any]): parameters, group dicts or ``(name, parameter)`` pairs.
+        optimizer_cls (Callable[..., Optimizer]): builds the optimizer from a list of
+            parameters and ``optimizer_kwargs``, e.g. ``torch.optim.AdamW``.
+        bucket_cap_mb (float | None): most MiB of gradients (this rank's shards) per
+            bucket, ``0`` for one parameter each. Default: :data:`DEFAULT_BUCKET_CAP_MB`
+        max_norm (float | None): the global norm :meth:`backward` clips gradients to;
+            ``None`` or ``inf``: no clipping. Default: ``None``
+        **optimizer_kwargs: hyperparameters passed to ``optimizer_cls``.
+
+    Raises:
+        TypeError: if ``optimizer_cls`` does not build a ``torch.optim.Optimizer``.
+        ValueError: if ``params`` is empty, ``bucket_cap_mb`` or ``max_norm`` invalid.
+
+    Example:
+        >>> optimizer = OptimizerInBackward(model.parameters(), torch.optim.AdamW)
+        >>> for batch in dataloader:
+        ...     optimizer.backward(loss_fn(model(batch["tokens"]), batch["labels"]))
+        ...     optimizer.step()  # nothing left to do: the loop stays the plain one
+        ...     optimizer.zero_grad(set_to_none=True)
+    """
+
+    state = _wrapped_attribute("state")
+    param_groups = _wrapped_attribute("param_groups")
+    defaults = _wrapped_attribute("defaults")
+    # torch's hooks around state_dict() and load_state_dict(): the wrapped optimizer's
+    # own methods run them.
+    _optimizer_state_dict_pre_hooks = _wrapped_attribute(
+        "_optimizer_state_dict_pre_hooks"
+    )
+    _optimizer_state_dict_post_hooks = _wrapped_attribute(
+        "_optimizer_state_dict_post_hooks"
+    )
+    _optimizer_load_state_dict_pre_hooks = _wrapped_attribute(
+        "_optimizer_load_state_dict_pre_hooks"
+    )
+    _optimizer_load_state_dict_post_hooks = _wrapped_attribute(
+        "_optimizer_load_state_dict_post_hooks"
+    )
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_cls: Callable[..., Optimizer],
+        *,
+        bucket_cap_mb: float | None = None,
+        max_norm: float | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError("OptimizerInBackward got an empty parameter list")
+        self._bucket_cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
+        if max_norm is not None and not (
+            isinstance(max_norm, int | float)
+            and not isinstance(max_norm, bool)
+            and max_norm > 0
+        ):
+            raise ValueError(
+                f"max_norm must be a positive number or None, got {max_norm!r}"
+            )
+        optimizer = optimizer_cls(params, **optimizer_kwargs)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                "optimizer_cls must build a torch.optim.Optimizer, but "
+                f"{optimizer_cls!r} returned {type(optimizer).__name__}"
+            )
+        # Not Optimizer.__init__: param_groups, state and defaults are the wrapped
+        # optimizer's; only the step hooks, run around this object's step(), are ours.
+        torch._C._log_api_usage_once("python.optimizer")
+        self._optimizer = optimizer
+        self._optimizer_cls = optimizer_cls
+        self._optimizer_kwargs = optimizer_kwargs
+        #: The largest global gradient norm :meth:`backward` clips to; ``None``: none.
+        self.max_norm = max_norm
+        # The buckets in the order they were made, and the one of each parameter.
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[torch.Tensor, _Bucket] = {}
+        # Each trainable parameter's post-accumulate-grad hook, to remove it when a
+        # newer instance takes the parameter over.
+        self._hooks: dict[torch.Tensor, RemovableHandle] = {}
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        # The backward pass (autograd graph task) whose end updates the buckets it
+        # left unfinished, if one was queued.
+        self._flush_task: int | None = None
+        # The norms of the gradients used since zero_grad(), by parameter.
+        self._grad_norms: dict[torch.Tensor, list[GradNorm]] = {}
+        # Inside backward(): None outside it, "measure" in the pass that only measures
+        # the gradients, "update" in the pass that updates; the factor every gradient
+        # is multiplied by first, and the clip coefficient of the measuring pass.
+        self._phase: str | None = None
+        self._grad_scale: torch.Tensor | float | None = None
+        self._clip_coef: torch.Tensor | None = None
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        self._index_groups()
+        for group in self.param_groups:
+            self._attach_in_buckets([p for p in group["params"] if p.requires_grad])
+        self._take_over(list(self._hooks))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names this object does not have. Public ones are the
+        # wrapped optimizer's (bitsandbytes' is_paged, a schedule-free train(), ...).
+        wrapped = self.__dict__.get("_optimizer")
+        if name.startswith("_") or wrapped is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+            )
+        return getattr(wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: it holds autograd "
+            "hooks on its parameters. Save state_dict() instead and load it into a "
+            "new instance."
+        )
+
+    # -- buckets ---------------------------------------------------------------------
+
+    def _attach_in_buckets(self, params: list[torch.Tensor]) -> None:
+        """Update ``params`` (of one param group, in its order) in consecutive
+        buckets of at most the cap's gradient bytes each."""
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for param in params:
+            nbytes = _local_bytes(param)
+            if bucket and size + nbytes > self._bucket_cap_bytes:
+                self._attach(bucket)
+                bucket, size = [], 0
+            bucket.append(param)
+            size += nbytes
+        if bucket:
+            self._attach(bucket)
+
+    def _attach(self, params: list[torch.Tensor]) -> None:
+        """Update ``params`` (of one param group, in its order) as one bucket, by an
+        ``optimizer_cls`` instance that sees their entries of this object's state."""
+        inner = self._optimizer_cls(params, **self._optimizer_kwargs)
+        inner.state = _BucketState(self, params)
+        bucket = _Bucket(params, inner)
+        self._buckets.append(bucket)
+        for param in params:
+            self._bucket_of[param] = bucket
+            if param.requires_grad:
+                hook = param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                self._hooks[param] = hook
+
+    def _take_over(self, params: list[torch.Tensor]) -> None:
+        """Become the one instance that updates ``params`` in backward: any earlier
+        one stops updating those it held, so no parameter is updated twice."""
+        taken: dict[OptimizerInBackward, int] = {}
+        for param in params:
+            previous = _updater(param)
+            if previous is not None and previous is not self:
+                previous._release(param)
+                taken[previous] = taken.get(previous, 0) + 1
+            _UPDATED_BY[param] = weakref.ref(self)
+        for previous, count in taken.items():
+            _log.warning(
+                f"A new OptimizerInBackward ({type(self._optimizer).__name__}) took "
+                f"over {count} parameters that an earlier one "
+                f"({type(previous._optimizer).__name__}) updated in backward. The "
+                "earlier one no longer updates them, but they stay in its param_groups"
+                " and state_dict(), with the state they had then. Build one "
+                "OptimizerInBackward per set of parameters, and drop the earlier one."
+            )
+
+    def _release(self, param: torch.Tensor) -> None:
+        """Stop updating ``param``, which a newer instance has taken over: remove its
+        hook and take it out of its bucket, whose optimizer would step it otherwise."""
+        hook = self._hooks.pop(param, None)  # none if it was frozen when attached
+        if hook is not None:
+            hook.remove()
+        bucket = self._bucket_of.pop(param)
+        bucket.ready.discard(id(param))
+        bucket.params = [p for p in bucket.params if p is not param]
+        # An emptied bucket is never stepped again: its optimizer is left as it was
+        # (the deprecated API's is the user's own per-parameter optimizer).
+        if bucket.params:
+            bucket.optimizer.param_groups[0]["params"] = list(bucket.params)
+        else:
+            self._buckets.remove(bucket)
+
+    def _index_groups(self) -> None:
+        # Parameter -> the group that holds it: a scan of the groups in every hook
+        # would be quadratic in the number of parameters.
+        self._group_of = {
+            p: group for group in self.param_groups for p in group["params"]
+        }
+
+    # -- the update ------------------------------------------------------------------
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        # A None grad means another hook already used it (e.g. a hand-written 0.6.1
+        # hook that steps and clears): never update a parameter twice.
+        if param.grad is None:
+            return
+        if self._phase is None and self._clips:
+            raise RuntimeError(
+                f"This OptimizerInBackward clips gradients (max_norm={self.max_norm}), "
+                "so it cannot update inside a plain loss.backward(): the global norm "
+                "is not known yet. Call optimizer.backward(loss) instead, or set "
+                "optimizer.max_norm = None to train without clipping."
+            )
+        if self._phase == "measure":
+            # The updating pass computes the gradient again: scale it, record its
+            # norm and free it.
+            if self._grad_scale is not None:
+                scale_grads_([param.grad], self._grad_scale)
+            self._record_norms([param])
+            param.grad = None
+            return
+        bucket = self._bucket_of[param]
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params):
+            self._update(bucket)
+            return
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            # Not called from autograd (e.g. by hand): there is nothing to wait for.
+            self._update(bucket)
+        elif task != self._flush_task:
+            # Some parameters of the bucket may get no gradient in this backward
+            # pass (unused, or frozen since): update the bucket when it ends.
+            Variable._execution_engine.queue_callback(self._flush)
+            self._flush_task = task
+
+    def _flush(self) -> None:
+        """At the end of backward: update the buckets whose gradients did not all
+        arrive."""
+        self._flush_task = None
+        for bucket in self._buckets:
+            if bucket.ready:
+                self._update(bucket)
+
+    @torch.no_grad()
+    def _update(self, bucket: _Bucket) -> None:
+        """Step ``bucket``'s optimizer on its parameters that hold a gradient, then
+        free those gradients. Each gradient first gets what a plain step does to it
+        after backward, with the same operations: the scale, the norm, the clip."""
+        bucket.ready.clear()
+        params = [p for p in bucket.params if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        if self._grad_scale is not None:
+            scale_grads_(grads, self._grad_scale)
+        if self._clip_coef is None:
+            self._record_norms(params)
+        else:  # the measuring pass recorded the norms
+            scale_grads_(grads, self._clip_coef)
+        inner = bucket.optimizer
+        # The outer group is the one schedulers and load_state_dict write to; all of
+        # a bucket's parameters are in the same one.
+        inner.param_groups[0].update(hyperparameters(self._group_of[params[0]]))
+        inner.step()
+        for param in params:
+            param.grad = None
+
+    def _record_norms(self, params: list[torch.Tensor]) -> None:
+        norms = tensor_norms([p.grad for p in params])
+        for param, norm in zip(params, norms, strict=True):
+            self._grad_norms.setdefault(param, []).append(norm)
+
+    def _clip_coefficient(
+        self, measure: Callable[[], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``measure``, which records the norms of the gradients about to be
+        used, and return the global norm of those alone and its clip coefficient;
+        they are kept after any recorded earlier since zero_grad()."""
+        earlier, self._grad_norms = self._grad_norms, {}
+        measure()
+        norm = self._total_norm(self._grad_norms)
+        for param, norms in earlier.items():
+            self._grad_norms[param] = norms + self._grad_norms.get(param, [])
+        return norm, clip_coefficient(self.max_norm, norm)
+
+    def _finite(self, value: torch.Tensor, *, on_every_rank: bool) -> bool:
+        """Whether ``value`` is finite; ``on_every_rank`` for a value that differs
+        between ranks (a loss): a sharded (DTensor) model's ranks must all update,
+        or none. A global norm is the same on every rank already."""
+        finite = torch.isfinite(value.detach()).to(torch.int32)
+        sharded = any(isinstance(p, DTensor) for p in self._group_of)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if on_every_rank and sharded and distributed:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
+
+    def _total_norm(self, norms: Mapping[torch.Tensor, list[GradNorm]]) -> torch.Tensor:
+        # In parameter order, as a plain step combines them.
+        return total_norm(
+            norm
+            for group in self.param_groups
+            for p in group["params"]
+            for norm in norms.get(p, ())
+        )
+
+    @property
+    def _clips(self) -> bool:
+        # clip_grad_norm_ with an infinite max_norm multiplies by 1: nothing to do.
+        return self.max_norm is not None and self.max_norm != float("inf")
+
+    # -- torch.optim.Optimizer API ---------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group through the wrapped optimizer's own ``add_param_group``;
+        its trainable parameters are updated in backward from the next backward pass.
+
+        Args:
+            param_group (dict[str, Any]): ``params`` plus any hyperparameters to
+                override the defaults for this group.
+        """
+        self._optimizer.add_param_group(param_group)
+        self._index_groups()
+        trainable = [p for p in self.param_groups[-1]["params"] if p.requires_grad]
+        self._attach_in_buckets(trainable)
+        self._take_over(trainable)
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """Update every parameter that still holds a gradient, as the plain optimizer
+        would, and set its ``.grad`` to ``None``; after a backward pass there is none
+        left. Gradients are present when set by hand (e.g. the zero gradients with
+        ``lr=0`` that ``torch.distributed.checkpoint`` steps to create state) or for a
+        parameter frozen at construction, which is updated in backward from then on.
+
+        Args:
+            closure (None): not supported; must be ``None``.
+
+        Raises:
+            NotImplementedError: if a closure is given: its backward pass would
+                already update the parameters.
+        """
+        if closure is not None:
+            raise NotImplementedError(
+                "OptimizerInBackward.step() does not take a closure: the closure's "
+                "backward pass would already update the parameters. Call step() "
+                "without arguments."
+            )
+        # Not the parameters a newer instance took over: that one updates them.
+        params = [
+            p
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and _updater(p) in (None, self)
+        ]
+        for param in params:
+            if param not in self._bucket_of:
+                self._attach([param])
+                self._take_over([param])
+        due = {id(b): b for b in map(self._bucket_of.__getitem__, params)}
+        # Clip the gradients present by their global norm, as clip_grad_norm_ would.
+        clips_here = self._clips and self._phase is None
+        if clips_here:
+            _, self._clip_coef = self._clip_coefficient(
+                lambda: self._record_norms(params)
+            )
+        try:
+            for bucket in due.values():
+                self._update(bucket)
+        finally:
+            if clips_here:
+                self._clip_coef = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and restart
+        :attr:`grad_norm` from zero: call it once per step.
+
+        Args:
+            set_to_none (bool): set gradients to ``None`` rather than zero them.
+                Default: ``True``
+        """
+        super().zero_grad(set_to_none=set_to_none)
+        self._grad_norms = {}
+        # A backward pass that raised may have left buckets half counted.
+        for bucket in self._buckets:
+            bucket.ready.clear()
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        grad_scale: torch.Tensor | float | None = None,
+        before_update_pass: Callable[[], Any] | None = None,
+    ) -> None:
+        """Backpropagate ``loss`` and update every parameter inside backward, with each
+        gradient first multiplied by ``grad_scale`` and, when :attr:`max_norm` is set,
+        clipped: the numbers a plain optimizer computes after ``loss.backward()``,
+        ``training.scale_and_clip_grads_(params, grad_scale, max_norm)`` and ``step()``.
+
+        With clipping this is two backward passes over one graph: the first measures
+        each gradient and frees it, so the global norm is known before any update; the
+        second computes the gradients again and updates with them scaled by
+        ``clamp(max_norm / (norm + 1e-6), max=1)``, ``clip_grad_norm_``'s rule.
+
+        Args:
+            loss (torch.Tensor): a scalar to backpropagate.
+            grad_scale (torch.Tensor | float | None): the factor every gradient is
+                multiplied by first, e.g. ``1 / num_tokens`` for a summed loss.
+                Default: ``None``
+            before_update_pass (Callable[[], Any] | None): with clipping, called
+                between the two passes. FSDP2 gathers a unit's parameters again only
+                when backward reaches the unit's outputs, so parameters used outside
+                their unit's forward need ``before_update_pass=model.unshard``.
+                Default: ``None``
+
+        A non-finite ``loss`` (on any rank), or with clipping a non-finite measured
+        norm, updates nothing: the pass only measures, so :attr:`grad_norm` reads
+        non-finite, for the caller to stop before anything is saved. Without
+        clipping, a finite loss whose gradients overflow is seen only as each
+        bucket updates: :attr:`grad_norm` reads non-finite after the update.
+
+        Raises:
+            RuntimeError: if called from inside another :meth:`backward`.
+        """
+        if self._phase is not None:
+            raise RuntimeError("OptimizerInBackward.backward() is already running")
+        self._grad_scale = grad_scale
+        try:
+            if not self._finite(loss, on_every_rank=True):
+                self._phase = "measure"
+                loss.backward()
+                return
+            if self._clips:
+                self._phase = "measure"
+                norm, self._clip_coef = self._clip_coefficient(
+                    lambda: loss.backward(retain_graph=True)
+                )
+                if not self._finite(norm, on_every_rank=False):
+                    return
+                if before_update_pass is not None:
+                    before_update_pass()
+            self._phase = "update"
+            loss.backward()
+        finally:
+            self._phase = self._grad_scale = self._clip_coef = None
+
+    @property
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients used since the last :meth:`zero_grad`
+        (after ``grad_scale``, before clipping), a 0-dim tensor (``0.`` if none),
+        bitwise what :func:`~torchtune.training.scale_and_clip_grads_` returns after a
+        plain backward when the parameters are in the model's order. For DTensor
+        parameters reading it is a collective: read it on every rank."""
+        return self._total_norm(self._grad_norms)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's own ``state_dict()``, in its class's format.
+
+        Returns:
+            dict[str, Any]: the state dict.
+        """
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load through the wrapped optimizer's own ``load_state_dict()``: what the
+        plain ``optimizer_cls`` accepts, saved from this class or from the plain one.
+
+        Args:
+            state_dict (Mapping[str, Any]): the state to load.
+
+        Raises:
+            ValueError: if it is not in the torch format (e.g. a torchtune 0.6.1
+                in-backward checkpoint: convert it with
+                :func:`~torchtune.training.optim_in_bwd_legacy_state_dict.convert_legacy_optim_in_bwd_state_dict`),
+                or its groups or parameters do not match this optimizer's.
+        """
+        if not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                "optimizer state dict has no 'state' and 'param_groups' entries; got "
+                f"keys {list(state_dict)[:5]}. A torchtune 0.6.1 in-backward checkpoint "
+                "(keyed by parameter name) loads after "
+                "torchtune.training.optim_in_bwd_legacy_state_dict."
+                "convert_legacy_optim_in_bwd_state_dict(state_dict, "
+                "model.named_parameters())."
+            )
+        # torch checks the counts of groups and of their parameters, not which ids
+        # hold state nor param_names: a mismatch there would load silently.
+        saved = state_dict["param_groups"]
+        ids = {i for group in saved for i in group["params"]}
+        unknown = [i for i in state_dict["state"] if i not in ids]
+        if unknown:
+            raise ValueError(
+                f"optimizer state dict has state for ids {unknown} in no param group"
+            )
+        for ours, theirs in zip(self.param_groups, saved, strict=False):
+            names = [
+                list(g["param_names"]) for g in (ours, theirs) if "param_names" in g
+            ]
+            if len(names) == 2 and names[0] != names[1]:
+                raise ValueError(
+                    f"optimizer state dict holds parameters {names[1]}, this "
+                    f"optimizer {names[0]}"
+                )
+        self._optimizer.load_state_dict(state_dict)
+        self._index_groups()
+
+
+def build_optimizer(
+    params: Iterable[torch.Tensor],
+    make_optimizer: Callable[[list[torch.Tensor]], Optimizer],
+    *,
+    in_backward: bool = False,
+    bucket_cap_mb: float | None = None,
+    max_norm: float | None = None,
+) -> Optimizer:
+    """The optimizer a recipe trains with: ``make_optimizer(params)``, or with
+    ``in_backward`` an :class:`OptimizerInBackward` that runs the same class inside
+    backward.
+
+    Give it every parameter of the model, frozen ones too, as torchtune 0.6.1 did:
+    a frozen parameter gets no state (and no in-backward hook), and the state dicts
+    of either mode, and 0.6.1's, then hold the same parameters, so each loads into
+    the other.
+
+    Args:
+        params (Iterable[torch.Tensor]): the parameters, in model order.
+        make_optimizer (Callable[[list[torch.Tensor]], Optimizer]): builds the plain
+            optimizer over a list of parameters, e.g.
+            ``functools.partial(config.instantiate, cfg.optimizer)``.
+        in_backward (bool): update inside backward. Default: ``False``
+        bucket_cap_mb (float | None): MiB of gradients per in-backward optimizer
+            call; ``None``: the default.
+        max_norm (float | None): with ``in_backward``, the global gradient norm
+            :meth:`OptimizerInBackward.backward` clips to; a plain optimizer's loop
+            clips after backward itself. Default: ``None``
+
+    Returns:
+        Optimizer: the optimizer.
+
+    Example:
+        >>> optimizer = build_optimizer(
+        ...     model.parameters(), torch.optim.AdamW, in_backward=True
+        ... )
+        >>> type(optimizer).__name__
+        'OptimizerInBackward'
+    """
+    params = list(params)
+    if in_backward:
+        optimizer = OptimizerInBackward(
+            params, make_optimizer, bucket_cap_mb=bucket_cap_mb, max_norm=max_norm
+        )
+    else:
+        optimizer = make_optimizer(params)
+    log_rank_zero(_log, f"Optimizer is initialized: {type(optimizer).__name__}.")
+    return optimizer
+
 
 # torchtune 0.6.1's optimizer-in-backward functions, which 0.6.1 code imports from
 # this module; imported on first use, so that this module imports no optimizer.
@@ -207,9 +936,14 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ACWrapPolicyType",
+    "DEFAULT_BUCKET_CAP_MB",
     "DEFAULT_LOG_MESSAGE",
+    "OptimizerInBackward",
+    "build_optimizer",
     "cleanup_before_training",
     "get_memory_stats",
+    "hyperparameters",
+    "is_valid_bucket_cap",
     "log_memory_stats",
     "set_activation_checkpointing",
     *_DEPRECATED,

@@ -858,7 +858,7 @@ def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
 
         return run
 
-    from torchtune.training.optimizer_in_backward import OptimizerInBackward
+    from torchtune.training.memory import OptimizerInBackward
 
     group_cls = _fsdp_param_group.FSDPParamGroup
     patches = [
@@ -979,7 +979,7 @@ def estimate(
     if nproc > 1 and not RECIPES[recipe]:
         raise ValueError(f"{recipe} runs on one device: --nproc must be 1")
     length, length_note = _seq_len(cfg, seq_len)
-    from torchtune.training.optimizer_in_backward import DEFAULT_BUCKET_CAP_MB
+    from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
 
     results = {}
     setups = {}

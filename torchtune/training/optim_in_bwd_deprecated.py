@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from torchtune.training.optimizer_in_backward import (
+from torchtune.training.memory import (
     OptimizerInBackward,
     hyperparameters,
 )

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import utils
 from torchtune.config._errors import InstantiationError
 from torchtune.config._utils import _get_component_from_path
-from torchtune.training.optimizer_in_backward import is_valid_bucket_cap
+from torchtune.training.memory import is_valid_bucket_cap
 from torchtune.training.precision import get_dtype
 
 log = utils.get_logger("DEBUG")

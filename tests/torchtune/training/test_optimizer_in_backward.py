@@ -1,4 +1,4 @@
-"""Tests for torchtune/training/optimizer_in_backward.py: ``OptimizerInBackward``.
+"""Tests for torchtune/training/memory.py: ``OptimizerInBackward``.
 
 Sections: the plain optimizer's face; training with LR schedulers; state dicts;
 ``step()`` and ``zero_grad()``; frozen and added parameters; buckets and gradient
@@ -55,7 +55,7 @@ from tests.torchtune.training.optimizer_in_backward_scenarios import (
 )
 from torchtune import config, training
 from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
-from torchtune.training.optimizer_in_backward import (
+from torchtune.training.memory import (
     DEFAULT_BUCKET_CAP_MB,
     _BucketState,
     _local_bytes,
@@ -130,6 +130,16 @@ def gloo_world_of_one() -> Iterator[DeviceMesh]:
 
 
 # -- the plain optimizer's face ---------------------------------------------------------
+
+
+def test_the_class_and_build_optimizer_are_defined_in_training_memory() -> None:
+    """Where torchtune 0.6.1 kept its in-backward pieces: importable from there, and
+    defined there (not re-exported from another module)."""
+    from torchtune.training import memory
+
+    for name in ("OptimizerInBackward", "build_optimizer"):
+        assert getattr(memory, name).__module__ == "torchtune.training.memory"
+        assert getattr(training, name) is getattr(memory, name)
 
 
 def test_param_groups_and_defaults_are_those_of_the_plain_optimizer() -> None:

@@ -90,7 +90,7 @@ from torchtune.training.checkpointing._utils import (
     OPT_KEY,
     TOTAL_EPOCHS_KEY,
 )
-from torchtune.training.optimizer_in_backward import hyperparameters
+from torchtune.training.memory import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
