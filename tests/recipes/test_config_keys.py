@@ -188,24 +188,44 @@ def _counting_aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> Calla
     return run
 
 
+# Under every step's grad norm of the tiny run (they are above 1): clips each step.
+CLIP_GRAD_NORM = 0.5
+
+
 @pytest.fixture(scope="module")
 def compiled_runs(
     train_single: Callable[..., TuneRun],
 ) -> Iterator[dict[str, CountedRun]]:
-    """``compile=True`` in each mode; the recipes compile through torchtune's
+    """``compile=True`` in each mode, without clipping and with ``clip_grad_norm``
+    (``in_bwd_clipped``, ``plain_clipped``); the recipes compile through torchtune's
     ``compile_model`` / ``compile_loss``, which take the backend from
-    ``TORCH_COMPILE_BACKEND`` (default inductor)."""
+    ``TORCH_COMPILE_BACKEND`` (default inductor). Graphs are compiled for dynamic
+    shapes from the first step (as after a batch of another length), so their
+    backward is compiled ahead of time, with donated buffers by default: the case
+    a clipped in-backward step, which runs a compiled backward twice, failed on."""
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
     if COUNTING_BACKEND not in _COMPILER_FNS:
         register_backend(_counting_aot_eager, name=COUNTING_BACKEND)
     runs = {}
-    with pytest.MonkeyPatch.context() as mp:
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        torch._functorch.config.patch(donated_buffer=True),  # torch's default
+        torch._dynamo.config.patch(assume_static_by_default=False),
+    ):
         mp.setenv("TORCH_COMPILE_BACKEND", COUNTING_BACKEND)
-        for name, optimizer_in_bwd in (("in_bwd", True), ("plain", False)):
+        for name, optimizer_in_bwd, clip in (
+            ("in_bwd", True, None),
+            ("plain", False, None),
+            ("in_bwd_clipped", True, CLIP_GRAD_NORM),
+            ("plain_clipped", False, CLIP_GRAD_NORM),
+        ):
             before = dict(_compiled_graph_calls)
+            torch._dynamo.reset()  # each run compiles its graphs, as a new process
             run = train_single(
-                f"compile_{name}", compile=True, **_mode(optimizer_in_bwd)
+                f"compile_{name}",
+                compile=True,
+                **_mode(optimizer_in_bwd) | {"clip_grad_norm": clip},
             )
             runs[name] = CountedRun(
                 run, {k: n - before[k] for k, n in _compiled_graph_calls.items()}
@@ -215,7 +235,7 @@ def compiled_runs(
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("mode", ["in_bwd", "plain"])
+@pytest.mark.parametrize("mode", ["in_bwd", "plain", "in_bwd_clipped", "plain_clipped"])
 def test_compile_runs_the_compiled_model_and_loss(
     compiled_runs: dict[str, CountedRun], mode: str
 ) -> None:
@@ -232,6 +252,24 @@ def test_compile_in_backward_matches_compile_plain(
 ) -> None:
     assert_same_training(
         compiled_runs["in_bwd"].run, compiled_runs["plain"].run, ACROSS_MODES, ALL_STEPS
+    )
+
+
+def test_compile_with_clipping_in_backward_matches_compile_plain(
+    compiled_runs: dict[str, CountedRun],
+) -> None:
+    clipped, plain = (
+        compiled_runs["in_bwd_clipped"].run,
+        compiled_runs["plain_clipped"].run,
+    )
+    assert_same_training(clipped, plain, ACROSS_MODES, ALL_STEPS)
+    # Clipping acted: every step's norm is above the limit, and the run differs
+    # from the unclipped one after its first update.
+    assert bool((series(plain, "grad_norm", ALL_STEPS) > CLIP_GRAD_NORM).all())
+    unclipped = compiled_runs["in_bwd"].run
+    assert (
+        series(clipped, "loss", EPOCH_1).tolist()
+        != series(unclipped, "loss", EPOCH_1).tolist()
     )
 
 

@@ -36,6 +36,17 @@ PRIVATE_TORCH_APIS = [
         "installs the step hooks LR schedulers and profilers expect on an optimizer",
     ),
     (
+        "torch._functorch.config.donated_buffer",
+        "torchtune/training/memory.py",
+        "turned off when OptimizerInBackward clips, so a compiled backward can run "
+        "twice over one graph (the measuring pass, then the updating pass)",
+    ),
+    (
+        "torch._dynamo.reset",
+        "torchtune/training/memory.py",
+        "drops graphs compiled with donated buffers before clipping turns them off",
+    ),
+    (
         "torch._C._log_api_usage_once",
         "torchtune/training/memory.py",
         "the usage log every torch.optim optimizer writes when built",
@@ -100,4 +111,9 @@ def test_each_private_torch_api_still_exists(name: str, where: str, used_for: st
             f"{name} is gone in torch {torch.__version__} (checked with "
             f"{', '.join(CHECKED_WITH)}): {where} uses it ({used_for}). {e}"
         )
-    assert callable(found), f"{name} is no longer callable in torch {torch.__version__}"
+    if ".config." in name:  # a setting, which this project sets to a bool
+        assert isinstance(found, bool), f"{name} is no longer a bool setting"
+    else:
+        assert callable(found), (
+            f"{name} is no longer callable in torch {torch.__version__}"
+        )

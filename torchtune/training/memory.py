@@ -31,6 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -337,6 +338,63 @@ def _updater(param: torch.Tensor) -> OptimizerInBackward | None:
     return None if ref is None else ref()
 
 
+def _refuse_other_steps(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook of every optimizer: refuse a step of an optimizer that is not
+    the one updating its parameters in backward, for it would see no gradient (the
+    update freed them) and silently do nothing. An OptimizerInBackward's own
+    step() leaves alone the parameters another one took over."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = _updater(param)
+            if owner is None or owner._steps(param, optimizer):
+                continue
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called on parameters that an "
+                f"OptimizerInBackward ({type(owner._optimizer).__name__}) updates "
+                "inside backward, which frees their gradients: this optimizer would "
+                "see none and change nothing. Step only the OptimizerInBackward (its "
+                "step() and zero_grad() keep a plain loop working), or build this "
+                "optimizer over other parameters."
+            )
+
+
+# The handle of _refuse_other_steps, once the first OptimizerInBackward is built.
+_REFUSE_OTHER_STEPS: list[RemovableHandle] = []
+
+
+def _check_max_norm(max_norm: object) -> None:
+    if max_norm is not None and not (
+        isinstance(max_norm, int | float)
+        and not isinstance(max_norm, bool)
+        and max_norm > 0
+    ):
+        raise ValueError(
+            f"max_norm must be a positive number or None, got {max_norm!r}"
+        )
+
+
+def _let_compiled_backward_run_twice() -> None:
+    """Make torch.compile's graphs safe to backpropagate twice, as a clipped
+    :meth:`OptimizerInBackward.backward` does.
+
+    AOTAutograd lets a compiled backward reuse ("donate") the memory of the tensors
+    its forward saved, which ``retain_graph=True`` forbids; it compiles a backward
+    ahead of time, with donation, for dynamic shapes (a batch of another length).
+    Graphs compiled before are dropped, to be compiled again without donation.
+    """
+    if torch._functorch.config.donated_buffer:
+        torch._functorch.config.donated_buffer = False
+        torch._dynamo.reset()
+        _log.info(
+            "OptimizerInBackward clips gradients: turned off torch.compile's donated "
+            "buffers (torch._functorch.config.donated_buffer) and dropped the graphs"
+            " compiled so far (torch._dynamo.reset()), so that the measuring pass "
+            "can run a compiled backward before the updating pass runs it again."
+        )
+
+
 def _local_bytes(param: torch.Tensor) -> int:
     """Bytes of ``param``'s gradient on this rank (its local shard for a DTensor)."""
     local = param.to_local() if isinstance(param, DTensor) else param
@@ -359,11 +417,14 @@ class OptimizerInBackward(Optimizer):
     :func:`~torchtune.training.scale_and_clip_grads_` does after a plain backward.
 
     .. warning::
-        ``.grad`` is ``None`` after backward: no gradient accumulation. With
-        ``max_norm``, call :meth:`backward` (``loss.backward()`` raises). A second
-        instance over parameters this one updates takes them over (with a warning):
-        this one then no longer updates them, though they stay in its
-        ``param_groups`` and ``state_dict()``.
+        ``.grad`` is ``None`` after backward: no gradient accumulation, nothing for
+        ``clip_grad_norm_`` to read (use ``max_norm`` and :attr:`grad_norm`), and
+        another optimizer over these parameters refuses to step. With
+        ``max_norm``, call :meth:`backward` (``loss.backward()`` raises). No loss
+        scaling (``torch.amp.GradScaler``): train in bf16. A second instance over
+        parameters this one updates takes them over (with a warning): this one
+        then no longer updates them, though they stay in its ``param_groups`` and
+        ``state_dict()``.
 
     Args:
         params (Iterable[Any]): parameters, group dicts or ``(name, parameter)`` pairs.
@@ -418,14 +479,7 @@ class OptimizerInBackward(Optimizer):
         if not params:
             raise ValueError("OptimizerInBackward got an empty parameter list")
         self._bucket_cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
-        if max_norm is not None and not (
-            isinstance(max_norm, int | float)
-            and not isinstance(max_norm, bool)
-            and max_norm > 0
-        ):
-            raise ValueError(
-                f"max_norm must be a positive number or None, got {max_norm!r}"
-            )
+        _check_max_norm(max_norm)
         optimizer = optimizer_cls(params, **optimizer_kwargs)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -438,8 +492,9 @@ class OptimizerInBackward(Optimizer):
         self._optimizer = optimizer
         self._optimizer_cls = optimizer_cls
         self._optimizer_kwargs = optimizer_kwargs
-        #: The largest global gradient norm :meth:`backward` clips to; ``None``: none.
         self.max_norm = max_norm
+        # Whether a loss.backward() that updated has been announced (once).
+        self._told_grads_are_freed = False
         # The buckets in the order they were made, and the one of each parameter.
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[torch.Tensor, _Bucket] = {}
@@ -450,8 +505,12 @@ class OptimizerInBackward(Optimizer):
         # The backward pass (autograd graph task) whose end updates the buckets it
         # left unfinished, if one was queued.
         self._flush_task: int | None = None
-        # The norms of the gradients used since zero_grad(), by parameter.
-        self._grad_norms: dict[torch.Tensor, list[GradNorm]] = {}
+        # The norm of each gradient of the last backward pass (of the last step()
+        # that found gradients set by hand), and that pass's autograd graph task:
+        # the first norm a new pass records replaces the last pass's, so they never
+        # pile up, whichever zero_grad() a loop calls or does not call.
+        self._grad_norms: dict[torch.Tensor, GradNorm] = {}
+        self._norms_task: int | None = None
         # Inside backward(): None outside it, "measure" in the pass that only measures
         # the gradients, "update" in the pass that updates; the factor every gradient
         # is multiplied by first, and the clip coefficient of the measuring pass.
@@ -465,6 +524,28 @@ class OptimizerInBackward(Optimizer):
         for group in self.param_groups:
             self._attach_in_buckets([p for p in group["params"] if p.requires_grad])
         self._take_over(list(self._hooks))
+        if not _REFUSE_OTHER_STEPS:
+            hook = register_optimizer_step_pre_hook(_refuse_other_steps)
+            _REFUSE_OTHER_STEPS.append(hook)
+
+    @property
+    def max_norm(self) -> float | None:
+        """The largest global gradient norm :meth:`backward` clips to; ``None`` or
+        ``inf``: no clipping. Setting it turns off torch.compile's donated buffers
+        when it clips, for graphs compiled from then on."""
+        return self._max_norm
+
+    @max_norm.setter
+    def max_norm(self, max_norm: float | None) -> None:
+        _check_max_norm(max_norm)
+        self._max_norm = max_norm
+        if self._clips:
+            _let_compiled_backward_run_twice()
+
+    def _steps(self, param: torch.Tensor, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` is the one that updates ``param``'s bucket."""
+        bucket = self._bucket_of.get(param)
+        return bucket is not None and bucket.optimizer is optimizer
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names this object does not have. Public ones are the
@@ -573,6 +654,15 @@ class OptimizerInBackward(Optimizer):
                 "is not known yet. Call optimizer.backward(loss) instead, or set "
                 "optimizer.max_norm = None to train without clipping."
             )
+        if self._phase is None and not self._told_grads_are_freed:
+            self._told_grads_are_freed = True
+            _log.warning(
+                "OptimizerInBackward updates parameters inside loss.backward() and "
+                "frees their gradients: .grad is None after it, so code that reads "
+                "gradients after backward sees none (torch.nn.utils.clip_grad_norm_ "
+                "returns 0 and clips nothing). Read optimizer.grad_norm for the norm, "
+                "and to clip set max_norm and call optimizer.backward(loss)."
+            )
         if self._phase == "measure":
             # The updating pass computes the gradient again: scale it, record its
             # norm and free it.
@@ -629,21 +719,22 @@ class OptimizerInBackward(Optimizer):
             param.grad = None
 
     def _record_norms(self, params: list[torch.Tensor]) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self._norms_task:
+            # The first gradients of a new backward pass.
+            self._grad_norms = {}
+            self._norms_task = task
         norms = tensor_norms([p.grad for p in params])
-        for param, norm in zip(params, norms, strict=True):
-            self._grad_norms.setdefault(param, []).append(norm)
+        self._grad_norms.update(zip(params, norms, strict=True))
 
     def _clip_coefficient(
         self, measure: Callable[[], Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``measure``, which records the norms of the gradients about to be
-        used, and return the global norm of those alone and its clip coefficient;
-        they are kept after any recorded earlier since zero_grad()."""
-        earlier, self._grad_norms = self._grad_norms, {}
+        used, and return their global norm and its clip coefficient."""
+        self._grad_norms = {}
         measure()
         norm = self._total_norm(self._grad_norms)
-        for param, norms in earlier.items():
-            self._grad_norms[param] = norms + self._grad_norms.get(param, [])
         return norm, clip_coefficient(self.max_norm, norm)
 
     def _finite(self, value: torch.Tensor, *, on_every_rank: bool) -> bool:
@@ -657,13 +748,13 @@ class OptimizerInBackward(Optimizer):
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite)
 
-    def _total_norm(self, norms: Mapping[torch.Tensor, list[GradNorm]]) -> torch.Tensor:
+    def _total_norm(self, norms: Mapping[torch.Tensor, GradNorm]) -> torch.Tensor:
         # In parameter order, as a plain step combines them.
         return total_norm(
-            norm
+            norms[p]
             for group in self.param_groups
             for p in group["params"]
-            for norm in norms.get(p, ())
+            if p in norms
         )
 
     @property
@@ -687,26 +778,49 @@ class OptimizerInBackward(Optimizer):
         self._attach_in_buckets(trainable)
         self._take_over(trainable)
 
+    # torch.amp.GradScaler.step() then passes itself to step(), which refuses it.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: None = None, *, grad_scaler: Any = None
+    ) -> None:
         """Update every parameter that still holds a gradient, as the plain optimizer
         would, and set its ``.grad`` to ``None``; after a backward pass there is none
         left. Gradients are present when set by hand (e.g. the zero gradients with
         ``lr=0`` that ``torch.distributed.checkpoint`` steps to create state) or for a
         parameter frozen at construction, which is updated in backward from then on.
 
+        The step hooks (``register_step_pre_hook`` and ``register_step_post_hook``)
+        run around this call, as on any optimizer, so after a backward pass a
+        pre-hook sees the parameters already updated: the update ran in backward.
+
         Args:
             closure (None): not supported; must be ``None``.
+            grad_scaler (Any): what ``torch.amp.GradScaler.step`` passes; refused.
 
         Raises:
             NotImplementedError: if a closure is given: its backward pass would
                 already update the parameters.
+            RuntimeError: if called by ``torch.amp.GradScaler.step``: loss scaling
+                needs every gradient checked for infs before any update.
         """
         if closure is not None:
             raise NotImplementedError(
                 "OptimizerInBackward.step() does not take a closure: the closure's "
                 "backward pass would already update the parameters. Call step() "
                 "without arguments."
+            )
+        # GradScaler passes itself, or (as it plans to) sets found_inf first.
+        if grad_scaler is not None or "found_inf" in self.__dict__:
+            raise RuntimeError(
+                "OptimizerInBackward does not support loss scaling "
+                "(torch.amp.GradScaler): it updates each parameter inside backward, "
+                "before the scaler can unscale the gradients and skip a step whose "
+                "gradients overflowed, so this backward applied scaled gradients. "
+                "Train in bf16 (dtype: bf16, or torch.autocast with "
+                "dtype=torch.bfloat16), which needs no loss scaling, or use the "
+                "plain optimizer (optimizer_in_bwd: False) with the scaler."
             )
         # Not the parameters a newer instance took over: that one updates them.
         params = [
@@ -719,7 +833,11 @@ class OptimizerInBackward(Optimizer):
             if param not in self._bucket_of:
                 self._attach([param])
                 self._take_over([param])
+        if not params:  # after backward: nothing left to do
+            return
         due = {id(b): b for b in map(self._bucket_of.__getitem__, params)}
+        # A step of its own: grad_norm is that of these gradients.
+        self._grad_norms, self._norms_task = {}, None
         # Clip the gradients present by their global norm, as clip_grad_norm_ would.
         clips_here = self._clips and self._phase is None
         if clips_here:
@@ -734,15 +852,15 @@ class OptimizerInBackward(Optimizer):
                 self._clip_coef = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does, and restart
-        :attr:`grad_norm` from zero: call it once per step.
+        """Reset gradients as ``torch.optim.Optimizer.zero_grad`` does (after a
+        backward pass there are none left), and :attr:`grad_norm` to zero.
 
         Args:
             set_to_none (bool): set gradients to ``None`` rather than zero them.
                 Default: ``True``
         """
         super().zero_grad(set_to_none=set_to_none)
-        self._grad_norms = {}
+        self._grad_norms, self._norms_task = {}, None
         # A backward pass that raised may have left buckets half counted.
         for bucket in self._buckets:
             bucket.ready.clear()
@@ -786,6 +904,12 @@ class OptimizerInBackward(Optimizer):
         """
         if self._phase is not None:
             raise RuntimeError("OptimizerInBackward.backward() is already running")
+        if loss.numel() != 1:
+            # torch's words for loss.backward() of a non-scalar.
+            raise RuntimeError(
+                "grad can be implicitly created only for scalar outputs: "
+                f"OptimizerInBackward.backward() got a loss of shape {tuple(loss.shape)}"
+            )
         self._grad_scale = grad_scale
         try:
             if not self._finite(loss, on_every_rank=True):
@@ -808,8 +932,9 @@ class OptimizerInBackward(Optimizer):
 
     @property
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients used since the last :meth:`zero_grad`
-        (after ``grad_scale``, before clipping), a 0-dim tensor (``0.`` if none),
+        """Global L2 norm of the gradients of the last backward pass (or of the last
+        :meth:`step` that found gradients set by hand) since :meth:`zero_grad`, after
+        ``grad_scale``, before clipping: a 0-dim tensor (``0.`` if none),
         bitwise what :func:`~torchtune.training.scale_and_clip_grads_` returns after a
         plain backward when the parameters are in the model's order. For DTensor
         parameters reading it is a collective: read it on every rank."""

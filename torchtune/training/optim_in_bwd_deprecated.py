@@ -73,11 +73,24 @@ def _in_backward(
         return owner
     first = optimizers[0]
     shared = hyperparameters(first.param_groups[0])
-    if any(hyperparameters(o.param_groups[0]) != shared for o in optimizers):
-        raise ValueError(
-            "per-parameter optimizers with different hyperparameters are not supported: "
-            "every update takes those of one param group, which the LR scheduler drives"
-        )
+    for optimizer in optimizers:
+        differ = {
+            key: (value, optimizer.param_groups[0].get(key))
+            for key, value in shared.items()
+            if optimizer.param_groups[0].get(key) != value
+        }
+        if differ:
+            raise ValueError(
+                "per-parameter optimizers with different hyperparameters are not "
+                f"supported (first vs another, by key: {differ}): every update takes "
+                "those of one param group, which the LR scheduler drives. Give each "
+                "setting a param group of one OptimizerInBackward instead, e.g. "
+                "OptimizerInBackward([{'params': decayed, 'weight_decay': 0.01}, "
+                "{'params': norms_and_biases, 'weight_decay': 0.0}], "
+                "torch.optim.AdamW, lr=2e-5), and drop register_optim_in_bwd_hooks "
+                "and create_optim_in_bwd_wrapper: it is the optimizer, for LR "
+                "schedulers and checkpoints too."
+            )
 
     def build(params: list[Any]) -> Optimizer:
         # First the param group's optimizer, which only holds the group (it never

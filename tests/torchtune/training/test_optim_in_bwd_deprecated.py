@@ -11,6 +11,7 @@ agree bitwise (``rtol=0, atol=0``).
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import warnings
@@ -43,7 +44,7 @@ from tests.torchtune.training.test_optim_in_bwd_legacy_state_dict import (
     run_like_0_6_1,
 )
 from torchtune import training
-from torchtune.training import get_cosine_schedule_with_warmup
+from torchtune.training import OptimizerInBackward, get_cosine_schedule_with_warmup
 from torchtune.training.memory import (
     OptimizerInBackwardWrapper,
     create_optim_in_bwd_wrapper,
@@ -233,14 +234,30 @@ def test_the_deprecation_warnings_point_at_the_callers_line() -> None:
 
 
 def test_per_parameter_optimizers_with_different_hyperparameters_are_refused() -> None:
+    """The refusal names the key that differs with both values, and the way that
+    works: one OptimizerInBackward with a param group per setting (its example is
+    checked to train, in-backward, with the two weight decays)."""
     model = make_model()
     optim_dict = {
-        p: torch.optim.SGD([p], lr=0.5 if i < 2 else 0.1)
-        for i, p in enumerate(model.parameters())
+        p: torch.optim.AdamW([p], weight_decay=0.01 if p.dim() > 1 else 0.0)
+        for p in model.parameters()
     }
     with pytest.warns(DeprecationWarning):
-        with pytest.raises(ValueError, match="different hyperparameters"):
+        with pytest.raises(ValueError, match="different hyperparameters") as refused:
             register_optim_in_bwd_hooks(model, optim_dict)
+    message = str(refused.value)
+    assert "'weight_decay': (0.01, 0.0)" in message
+    example = re.search(r"OptimizerInBackward\(\[.*?lr=2e-5\)", message).group(0)
+    decayed = [p for p in model.parameters() if p.dim() > 1]
+    norms_and_biases = [p for p in model.parameters() if p.dim() == 1]
+    optimizer = eval(
+        example,
+        {"OptimizerInBackward": OptimizerInBackward, "torch": torch},
+        {"decayed": decayed, "norms_and_biases": norms_and_biases},
+    )
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    loss_fn(model, 0).backward()
+    assert len(optimizer.state) == len(list(model.parameters()))
 
 
 def test_an_optimizer_over_several_parameters_is_refused() -> None:

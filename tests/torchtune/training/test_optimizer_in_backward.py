@@ -846,27 +846,38 @@ def test_grad_norm_is_bitwise_clip_grad_norms_total_norm_of_a_plain_run() -> Non
         in_bwd.zero_grad()
 
 
-def test_clipped_grad_norm_covers_every_backward_since_zero_grad() -> None:
-    # Two clipped backward passes without zero_grad(): grad_norm is the norm of both
-    # passes' gradients. The second pass alone is measured on a twin run that calls
-    # zero_grad() in between (the same values, bitwise). The combination is computed
-    # two ways (one stack of per-parameter norms vs sqrt(a^2 + b^2)), so fp32's
-    # default tolerance; without the first pass the norm would be ~1/sqrt(2) off.
-    def run(zero_between: bool) -> tuple[torch.Tensor, torch.Tensor]:
+@pytest.mark.parametrize("max_norm", [None, 1e-3], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("reset", ["none", "model.zero_grad"])
+def test_grad_norm_is_the_last_backward_passs_whatever_the_loop_resets(
+    max_norm: float | None, reset: str
+) -> None:
+    """Without optimizer.zero_grad() (nothing, or model.zero_grad(), which plain torch
+    lets a loop call instead), grad_norm reads the last pass's gradients alone,
+    bitwise a twin run's that calls optimizer.zero_grad(), and holds one norm per
+    parameter: after 50 steps as many as after one."""
+
+    def run(zero: Callable[[nn.Module, OptimizerInBackward], None]) -> tuple:
         model = make_model()
         optimizer = OptimizerInBackward(
-            model.parameters(), torch.optim.SGD, lr=0.1, max_norm=1e-3
+            model.parameters(), torch.optim.SGD, lr=0.1, max_norm=max_norm
         )
-        optimizer.backward(loss_fn(model, 0))
-        first = optimizer.grad_norm
-        if zero_between:
-            optimizer.zero_grad()
-        optimizer.backward(loss_fn(model, 1))
-        return first, optimizer.grad_norm
+        norms, recorded = [], []
+        for step in range(50):
+            optimizer.backward(loss_fn(model, step))
+            norms.append(optimizer.grad_norm)
+            recorded.append(len(optimizer._grad_norms))
+            optimizer.step()
+            zero(model, optimizer)
+        return torch.stack(norms), max(recorded)
 
-    first, both = run(zero_between=False)
-    _, second = run(zero_between=True)
-    assert_close(both, torch.linalg.vector_norm(torch.stack([first, second])))
+    def by_loop(model: nn.Module, _: OptimizerInBackward) -> None:
+        if reset == "model.zero_grad":
+            model.zero_grad()
+
+    norms, recorded = run(by_loop)
+    expected, expected_recorded = run(lambda _, optimizer: optimizer.zero_grad())
+    assert_close(norms, expected, **BITWISE)
+    assert recorded == expected_recorded == len(list(make_model().parameters()))
 
 
 def test_an_added_groups_params_are_updated_in_the_next_backward() -> None:
@@ -1620,3 +1631,165 @@ def test_with_clipping_a_non_finite_norm_updates_nothing() -> None:
     optimizer.backward(loss)
     assert_close(model.state_dict(), before, **BITWISE)
     assert not torch.isfinite(optimizer.grad_norm)
+
+
+# -- loops users write: compile with clipping, loss scaling, code ported from plain ----
+
+
+def _compiled_lm_loss(model: nn.Module, step: int) -> torch.Tensor:
+    """A batch of another length each step: after the second, torch.compile builds
+    a graph for dynamic shapes, whose backward it compiles ahead of time."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, (2, 4 + 3 * step), generator=g)
+    torch.manual_seed(100 + step)  # the same dropout masks in every run
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+@pytest.fixture
+def fresh_compile() -> Iterator[None]:
+    """torch.compile as in a new process: no graph compiled, donated buffers on (the
+    default) before, and both restored after."""
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=True):
+        yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_with_clipping_trains_as_plain_compiled_bitwise(
+    fresh_compile: None,
+) -> None:
+    """The clipped backward runs the compiled backward twice; with the default
+    donated buffers the second batch length made it raise at step 3. aot_eager runs
+    the traced aten ops eagerly: the plain run's kernels."""
+    plain_model, bwd_model = _lm(), _lm()
+    in_bwd = OptimizerInBackward(bwd_model.parameters(), _adamw, max_norm=CLIPS)
+    plain = _adamw(plain_model.parameters())
+    compiled_plain = torch.compile(plain_model, backend="aot_eager")
+    compiled_bwd = torch.compile(bwd_model, backend="aot_eager")
+    for step in range(4):
+        _compiled_lm_loss(compiled_plain, step).backward()
+        norm = training.scale_and_clip_grads_(plain_model.parameters(), None, CLIPS)
+        plain.step()
+        plain.zero_grad()
+        in_bwd.backward(_compiled_lm_loss(compiled_bwd, step))
+        assert_close(in_bwd.grad_norm, norm, **BITWISE)
+        assert norm > CLIPS  # clipped
+    _assert_same(plain_model, bwd_model, plain, in_bwd)
+
+
+def test_a_model_compiled_and_trained_before_the_optimizer_is_compiled_again(
+    fresh_compile: None,
+) -> None:
+    """Graphs compiled before the clipping optimizer was built, with donated
+    buffers, would run their backward twice on memory it may reuse: they are
+    compiled again (counted here), and training goes on bitwise as the same model's
+    without compile."""
+    compiles = []
+
+    def counting_aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        compiles.append(1)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def run(compiled: bool) -> nn.Module:
+        model = _lm()
+        forward = (
+            torch.compile(model, backend=counting_aot_eager) if compiled else model
+        )
+        plain = _adamw(model.parameters())
+        for step in range(2):  # the second length compiles the dynamic graph
+            _compiled_lm_loss(forward, step).backward()
+            plain.step()
+            plain.zero_grad()
+        compiled_before = len(compiles)
+        optimizer = OptimizerInBackward(model.parameters(), _adamw, max_norm=CLIPS)
+        optimizer.load_state_dict(plain.state_dict())
+        del plain
+        for step in range(2, 4):
+            optimizer.backward(_compiled_lm_loss(forward, step))
+        if compiled:
+            assert len(compiles) > compiled_before == 2
+        return model
+
+    assert_close(
+        weights_of(run(compiled=True)), weights_of(run(compiled=False)), **BITWISE
+    )
+
+
+def test_grad_scaler_step_is_refused_naming_bf16() -> None:
+    """torch.amp.GradScaler unscales and checks for infs after backward, too late
+    for updates made in it: its step() is refused with what to do instead (it used
+    to fail on "No inf checks were recorded")."""
+    model = make_model()
+    optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_fn(model, 0)).backward()
+    with pytest.raises(RuntimeError, match=r"loss scaling.*bf16.*optimizer_in_bwd"):
+        scaler.step(optimizer)
+
+
+def test_a_plain_backward_that_updates_says_once_that_gradients_are_freed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Code ported from a plain loop reads gradients after backward
+    (clip_grad_norm_ returns 0 and clips nothing): the first loss.backward() that
+    updates names what to use instead; optimizer.backward() is the documented way
+    and says nothing."""
+    model = make_model()
+    optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    optimizer.backward(loss_fn(model, 0))
+    assert "frees their gradients" not in caplog.text
+    for step in range(2):
+        loss_fn(model, step).backward()
+    assert caplog.text.count("frees their gradients") == 1
+    for what in (
+        "clip_grad_norm_",
+        "optimizer.grad_norm",
+        "max_norm",
+        "backward(loss)",
+    ):
+        assert what in caplog.text
+
+
+def test_a_plain_optimizer_over_params_updated_in_backward_is_refused() -> None:
+    """It would see no gradient and silently change nothing: refused before it
+    steps, naming the OptimizerInBackward; over other parameters it steps as ever."""
+    model = make_model()
+    OptimizerInBackward(list(model[0].parameters()), torch.optim.AdamW)
+    other = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    both = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, 0).backward()
+    before = model[2].weight.detach().clone()
+    other.step()
+    assert not torch.equal(model[2].weight, before)
+    with pytest.raises(
+        RuntimeError, match=r"SGD.step\(\).*OptimizerInBackward \(AdamW\)"
+    ):
+        both.step()
+
+
+def test_step_hooks_run_around_step_after_the_update_in_backward() -> None:
+    """As documented in step(): the pre-hook sees the parameters backward updated,
+    and runs before the post-hook."""
+    model = make_model()
+    optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    initial = model[0].weight.detach().clone()
+    seen = []
+    optimizer.register_step_pre_hook(
+        lambda *_: seen.append(("pre", torch.equal(model[0].weight, initial)))
+    )
+    optimizer.register_step_post_hook(lambda *_: seen.append(("post", None)))
+    loss_fn(model, 0).backward()
+    optimizer.step()
+    assert seen == [("pre", False), ("post", None)]
+
+
+def test_a_non_scalar_loss_gets_torchs_message() -> None:
+    model = make_model()
+    optimizer = OptimizerInBackward(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError) as torchs:
+        model(batch(0)).backward()
+    with pytest.raises(RuntimeError) as ours:
+        optimizer.backward(model(batch(0)))
+    assert str(ours.value).startswith(str(torchs.value))
+    assert not optimizer.state
