@@ -36,7 +36,7 @@ def get_cosine_schedule_with_warmup(
         torch.optim.lr_scheduler.LambdaLR: the scheduler.
 
     Example:
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
         >>> scheduler = get_cosine_schedule_with_warmup(
         ...     optimizer, num_warmup_steps=2, num_training_steps=10
         ... )

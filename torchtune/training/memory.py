@@ -348,7 +348,13 @@ def _refuse_other_steps(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             owner = _updater(param)
-            if owner is None or owner._steps(param, optimizer):
+            # A gradient set by hand (torch.distributed.checkpoint's zeros, which
+            # create state) is this optimizer's to step.
+            if (
+                owner is None
+                or param.grad is not None
+                or owner._steps(param, optimizer)
+            ):
                 continue
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() was called on parameters that an "
