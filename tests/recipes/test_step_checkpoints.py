@@ -55,6 +55,7 @@ from torchtune.training.checkpointing._run_folder import read_run_file
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     export_manifest,
+    partial_step,
     step_of,
     verify,
 )
@@ -278,14 +279,19 @@ def resume_here(assets: TinyAssets, out: Path, **more: Any) -> TuneRun:
 
 
 def newest_whole_step(out: Path) -> int:
-    """The step of the newest step checkpoint in ``out`` that verifies and loads."""
-    for folder in sorted(out.glob("step_*"), key=step_of, reverse=True):
+    """The step of the newest step checkpoint in ``out`` that verifies and loads,
+    published or not yet (a whole ``.step_{N}.partial``, which the next start
+    publishes)."""
+    folders = [*out.glob("step_*"), *out.glob(".step_*.partial")]
+    for folder in sorted(
+        folders, key=lambda f: partial_step(f) or step_of(f), reverse=True
+    ):
         try:
             verify(folder)
         except CheckpointError:
             continue
         torch.load(folder / "model_optimizer.pt", weights_only=False)
-        return step_of(folder)
+        return partial_step(folder) or step_of(folder)
     raise AssertionError(f"no whole step checkpoint in {out}")
 
 
@@ -294,7 +300,7 @@ def newest_whole_step(out: Path) -> int:
     [
         ("after_step:5", 4),  # between saves: back to step_4, mid-epoch
         ("in_step_save:4", 3),  # step_4 half written: back to step_3
-        ("before_rename:4", 3),  # step_4 whole but never renamed: back to step_3
+        ("before_rename:4", 4),  # step_4 whole but never renamed: published at start
         ("in_step_save:3", 2),  # epoch 0's end, half written: back to step_2
         ("in_epoch_save:0", 3),  # epoch 0's weights torn: step_3 is whole
     ],
@@ -392,22 +398,22 @@ def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
 
     before = killed_run("after_step:3", tiny_assets, tmp_path, log_name="b.txt")
     assert list(losses(before)) == [1, 2, 3]
-    # B's own checkpoints: step_2, and none of A's (deleted, as B said at start).
+    # B's own checkpoints: step_2, and none of A's (deleted once B's step_2 was
+    # whole, as B said at start).
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
     assert read_run_file(tmp_path) not in (None, a_run_id)
 
     resumed = resume_here(tiny_assets, tmp_path)
     assert_resumed_as_uninterrupted(resumed, run_a, 2, f"epoch_1/{SHARD}")
-    assert "holds an earlier run's files. Deleting its resumable state" in (
-        (tmp_path / "logs" / "b.out").read_text()
-    )
+    said = (tmp_path / "logs" / "b.out").read_text()
+    assert "holds an earlier run's resumable state" in said
+    assert "an earlier run's resumable state: " in said
     # A's exports were replaced by B's (the same bytes: the same config), and
-    # nothing of A's was kept: as in 0.6.1, unless keep_previous_runs asks.
+    # nothing of A's was kept: as in 0.6.1.
     for name in ("epoch_0", "epoch_1"):
         assert (tmp_path / name / SHARD).read_bytes() == (
             run_a.output_dir / name / SHARD
         ).read_bytes()
-    assert not (tmp_path / "previous_runs").exists()
 
 
 def test_a_second_run_is_refused_while_one_trains_in_the_folder(

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,19 +45,17 @@ from torchtune.training.checkpointing._export import (
     save_export,
 )
 from torchtune.training.checkpointing._run_folder import (
-    PREVIOUS_RUNS,
     RUN_FILE,
     _check_lock,
     _check_outside,
-    _finish_moves,
     _release_lock,
-    _set_aside,
     _take_lock,
     _write_run_file,
-    branch_at,
     check_writable,
+    earlier_runs_state,
+    publish_step,
     read_run_file,
-    start_run,
+    run_head,
 )
 from torchtune.training.checkpointing._step_format import (
     MANIFEST,
@@ -66,7 +65,6 @@ from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     _barrier,
     _delete,
-    _fsync_dir,
     _load,
     _on_rank_zero,
     _rank,
@@ -78,8 +76,10 @@ from torchtune.training.checkpointing._step_format import (
     _warn,
     _world_size,
     export_manifest,
+    partial_step,
     step_of,
     verify,
+    whole_partial,
     write_manifest,
 )
 from torchtune.training.checkpointing._utils import (
@@ -199,6 +199,24 @@ def _described(steps: Sequence[Path]) -> str:
     return ", ".join(named) or "none"
 
 
+def _number(folder: Path) -> int:
+    """``N`` of a step checkpoint ``step_{N}`` or of its ``.step_{N}.partial``."""
+    step = step_of(folder)
+    return partial_step(folder) if step is None else step
+
+
+def _whole_or_deleted(partial: Path) -> tuple[str, int | None] | None:
+    """The run id and the step it continued from of ``partial``, a step checkpoint
+    not yet published, if it is whole; else it is deleted, a save that did not
+    finish."""
+    state = whole_partial(partial)
+    if state is None:
+        _warn(f"Deleting {partial} ({_size([partial])}): a save that did not finish")
+        _delete([partial])
+        return None
+    return state["run_id"], state.get("after")
+
+
 # -- what a checkpoint holds ---------------------------------------------------------
 
 
@@ -252,7 +270,6 @@ class CheckpointOptions:
     recipe_checkpoint: str | None
     every_n_steps: int | None
     keep_last_n: int | None
-    keep_previous_runs: bool
     named_epoch: int | None
     async_save: bool
     allow_changes: bool
@@ -260,7 +277,6 @@ class CheckpointOptions:
     trajectory: Mapping[str, Any]
     length: tuple[str, Any]
     adapter_only: bool
-    keep: tuple[Path, ...]
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> CheckpointOptions:
@@ -270,13 +286,11 @@ class CheckpointOptions:
         ``resume_allow_changes``, ``save_every_n_steps``,
         ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
         :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``),
-        ``save_adapter_weights_only``, ``keep_previous_runs``, and what every
-        checkpointer section reads (kept in place when earlier runs' files are moved
-        aside, even an earlier run's export)."""
+        ``save_adapter_weights_only``, and every checkpointer section's
+        ``checkpoint_dir`` (which no output folder may be in)."""
         checkpointer = cfg.checkpointer.copy()
         keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
         output_dir = Path(cfg.get("output_dir") or checkpointer.output_dir)
-        read = []
         for key, section in cfg.items():
             if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
                 root = Path(section.checkpoint_dir)
@@ -285,10 +299,6 @@ class CheckpointOptions:
                 out_key = f"{key}.output_dir" if own else "output_dir"
                 out = Path(own or output_dir)
                 _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
-                files = section.get("checkpoint_files")
-                names = [] if isinstance(files, str | Mapping) else list(files or [])
-                names += [section.get("adapter_checkpoint")]
-                read += [root, *(root / str(n) for n in names if n)]
         length = "epochs" if "epochs" in cfg else "num_steps"
         resume = cfg.get("resume_from_checkpoint", False)
         return cls(
@@ -299,7 +309,6 @@ class CheckpointOptions:
             recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last_n=keep_last_n,
-            keep_previous_runs=cfg.get("keep_previous_runs", False),
             named_epoch=_named_epoch(checkpointer) if resume else None,
             async_save=cfg.get("enable_async_checkpointing", False),
             allow_changes=cfg.get("resume_allow_changes", False),
@@ -307,7 +316,6 @@ class CheckpointOptions:
             trajectory=_trajectory(cfg, length),
             length=(length, cfg.get(length, None)),
             adapter_only=cfg.get("save_adapter_weights_only", False),
-            keep=tuple(read),
         )
 
 
@@ -364,12 +372,6 @@ class CheckpointManager:
                 raise ValueError(
                     f"{key}={value!r} must be a positive integer or null (null: {null})"
                 )
-        if not isinstance(options.keep_previous_runs, bool):
-            raise ValueError(
-                f"keep_previous_runs={options.keep_previous_runs!r} is not a bool: set "
-                "keep_previous_runs=True (move an earlier run's files to previous_runs/) "
-                "or keep_previous_runs=False (delete its resumable state)."
-            )
         component = options.checkpointer._component_
         if issubclass(_component(component), DistributedCheckpointer):
             raise ValueError(
@@ -383,14 +385,14 @@ class CheckpointManager:
         check_writable("checkpointer.output_dir", self._export_dir)
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
             _check_lock(self._out)
-        # Before anything reads the folder: a move a killed run left midway.
-        for root in {self._out, self._export_dir}:
-            _finish_moves(root, first=int(os.environ.get("RANK", 0)) == 0)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
         self._steps, self._checkpoint_0_6_1 = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
+        # The step checkpoint this run continues from: its last published, or the
+        # one it resumed (None: a new run, or one that resumed another folder's).
+        self._after: int | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
 
     # -- choosing what a resume continues from ----------------------------------------
@@ -421,7 +423,7 @@ class CheckpointManager:
                 f"{folder}, which does not exist. The step checkpoints in {out} are "
                 f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
             )
-        steps = [folder] if requested else _step_dirs(out, read_run_file(out))
+        steps = [folder] if requested else self._timeline()
         epoch_state = export / "recipe_state" / RECIPE_STATE
         if not requested and self.options.named_epoch is not None:
             steps = self._epoch_end(steps, written_by_0_6_1=epoch_state.is_file())
@@ -430,9 +432,7 @@ class CheckpointManager:
             return steps, None if steps else "epoch"
         if self.options.async_save and any(export.glob("dist_epoch_*/.metadata")):
             return [], "dcp"
-        moved = out / PREVIOUS_RUNS
-        hint = f" Earlier runs' checkpoints are in {moved}: move one back to resume it."
-        hint = hint if moved.is_dir() else ""
+        hint = ""
         if final := _read_json(out / RUN_FILE).get("final_export"):
             hint = (
                 f" The run there finished (final weights in {final}) and its step "
@@ -445,6 +445,24 @@ class CheckpointManager:
             f"whole step checkpoint (step_N/) of this run in output_dir={out}, nor a "
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
         )
+
+    def _timeline(self) -> list[Path]:
+        """The step checkpoints a resume of the run ``output_dir`` holds may continue
+        from, newest first, as they are once :meth:`load` has published every whole
+        ``.step_{N}.partial`` (which then is its run's newest; until then it is
+        named so): those of the run, up to its newest (later ones are of a timeline
+        it branched from)."""
+        out = self._out
+        run_id, head = read_run_file(out), run_head(out)
+        partials = {p: whole_partial(p) for p in out.glob(".step_*.partial")}
+        partials = {p: state for p, state in partials.items() if state is not None}
+        for partial, state in sorted(partials.items(), key=lambda p: _number(p[0])):
+            run_id, head = state["run_id"], partial_step(partial)
+        steps = [p for p, state in partials.items() if state["run_id"] == run_id]
+        steps += [
+            p for p in _step_dirs(out, run_id) if head is None or step_of(p) <= head
+        ]
+        return sorted(steps, key=_number, reverse=True)  # a partial before its step
 
     def _epoch_end(self, steps: list[Path], *, written_by_0_6_1: bool) -> list[Path]:
         """The step checkpoint saved at the end of the epoch whose export the
@@ -600,22 +618,53 @@ class CheckpointManager:
             self._release_output_dir = weakref.finalize(self, _release_lock, lock)
 
         _on_rank_zero(take_lock)
+        self._publish_partials()
+        if folder is not None and (step := partial_step(folder)) is not None:
+            folder = folder.with_name(f"step_{step}")  # published now
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._checkpoint_0_6_1 is None:
-            folders = {self._out, self._export_dir, *self._export_roots}
             self._run_id = _on_rank_zero(
-                lambda: start_run(
-                    self._out,
-                    folders,
-                    keep_previous_runs=self.options.keep_previous_runs,
-                    read=self.options.keep,
+                lambda: (
+                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
                 )
             )
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
+            if earlier := earlier_runs_state(self._out, self._run_id):
+                _warn(
+                    f"{self._out} holds an earlier run's resumable state "
+                    f"({', '.join(p.name for p in earlier)}: {_size(earlier)}). It stays "
+                    "until this run's first step checkpoint is whole, and is deleted "
+                    "then. To continue that run instead, stop this one and resume it "
+                    "(resume_from_checkpoint=True); to keep it, use another output_dir."
+                )
             return
         self._restore(folder, recipe_state)
         self._after_resume(folder, epoch_end=bool(recipe_state.get("epoch_end")))
+
+    def _publish_partials(self) -> None:
+        """Publish every whole ``.step_{N}.partial`` that a stopped run left (an
+        asynchronous save its run did not live to complete, a save killed before its
+        rename), after verifying it, and delete the others: saves that did not
+        finish. Call it on every rank, holding the lock."""
+        out = self._out
+        found = _on_rank_zero(lambda: sorted(out.glob(".step_*.partial"), key=_number))
+        for folder in found:
+            step = partial_step(folder)
+            if (
+                written := _on_rank_zero(lambda f=folder: _whole_or_deleted(f))
+            ) is None:
+                continue
+            run_id, after = written
+            if not (folder / MANIFEST).is_file():
+                write_manifest(folder, folder / MANIFEST, run_id=run_id, step=step)
+            verify(folder)
+            publish = dict(step=step, run_id=run_id, after=after, keep=None)
+            _on_rank_zero(lambda f=folder, kw=publish: publish_step(f, **kw))
+            _warn(
+                f"Published {out / f'step_{step}'}: a whole step checkpoint that the "
+                "run which saved it had not published yet"
+            )
 
     def _after_resume(self, folder: Path | None, *, epoch_end: bool) -> None:
         """Once a resume is restored: rewrite the resumed epoch's export if it is not
@@ -644,7 +693,10 @@ class CheckpointManager:
                 f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
                 f"nothing left to do. To train further, set {key} to more than {value}."
             )
-            if folder is not None:
+            # A run stopped before it finished (its final export torn, say) finishes
+            # now; a finished one is left as it is.
+            finished = _read_json(self._out / RUN_FILE).get("final_export")
+            if folder is not None and folder.parent == self._out and not finished:
                 _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
 
@@ -662,7 +714,9 @@ class CheckpointManager:
         trained with other settings."""
         for folder in self._steps:
             try:
-                verify(folder, required=self._required_files())
+                # A whole save not yet published has its manifest written by load().
+                if partial_step(folder) is None or (folder / MANIFEST).is_file():
+                    verify(folder, required=self._required_files())
                 break
             except CheckpointError as e:
                 if named := self.options.recipe_checkpoint:
@@ -757,8 +811,16 @@ class CheckpointManager:
         self._progress.load_state_dict(recipe_state)
         if folder is None:
             return
-        self._run_id = _read_json(folder / MANIFEST).get("run_id")
-        self._run_id = self._run_id or read_run_file(self._out)
+        if folder.parent.resolve() == self._out.resolve():
+            self._run_id = _read_json(folder / MANIFEST).get("run_id")
+            self._run_id = self._run_id or read_run_file(self._out)
+            self._after = step_of(folder)
+        else:  # another folder's: read only, this run's saves go to output_dir
+            self._run_id = _on_rank_zero(
+                lambda: (
+                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
+                )
+            )
         rank_file = f"rank_{_rank()}.pt"
         if rank_file not in _read_json(folder / MANIFEST).get("files", {}):
             raise CheckpointError(
@@ -780,27 +842,25 @@ class CheckpointManager:
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
-        _on_rank_zero(
-            lambda: branch_at(
-                folder,
-                run_id=self._run_id,
-                epochs_done=self._progress.epochs_run,
-                export_roots=self._export_roots,
-                keep_previous_runs=self.options.keep_previous_runs,
-            )
-        )
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
+        if self._after is None:
+            return
+        steps = reversed(_step_dirs(self._out, self._run_id))
+        if later := [p.name for p in steps if step_of(p) > self._after]:
+            _warn(
+                f"Resuming from {folder.name} starts a branch: the later step "
+                f"checkpoints ({', '.join(later)}) stay until this run's save of their "
+                "step, or of a later one, is whole."
+            )
 
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
         checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
 
-        def name_the_run() -> str:
-            # The run the folder names, or a new name for a 0.6.1 run it never had.
-            run_id = read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
-            return _write_run_file(self._out, run_id)
-
-        self._run_id = _on_rank_zero(name_the_run)
+        # The run the folder names, or a new name for a 0.6.1 run it never had.
+        self._run_id = _on_rank_zero(
+            lambda: read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
+        )
         models, optimizer = list(self._models.values()), self._optimizer
         if self._checkpoint_0_6_1 == "dcp":
             (model,) = models
@@ -900,7 +960,11 @@ class CheckpointManager:
         torchtune 0.6.1 leaves no resumable state after the final epoch, unless
         ``keep_last_n_checkpoints`` asks to keep them (to train further later)."""
         final, n = self._export_dir / f"epoch_{epoch}", self.options.keep_last_n
-        steps, (key, value) = _step_dirs(self._out, self._run_id), self.options.length
+        step, (key, value) = self._progress.global_step, self.options.length
+        own = _step_dirs(self._out, self._run_id)
+        # Superseded by the final export: a timeline this run branched from.
+        _delete([p for p in own if step_of(p) > step])
+        steps = [p for p in own if step_of(p) <= step]
         if n is not None:
             kept = (
                 f"Its resumable state is kept (checkpointer.keep_last_n_checkpoints={n}:"
@@ -913,7 +977,7 @@ class CheckpointManager:
                 "training further later, set checkpointer.keep_last_n_checkpoints."
             )
             _delete(steps)
-        _write_run_file(self._out, self._run_id, final_export=str(final))
+        _write_run_file(self._out, self._run_id, head=step, final_export=str(final))
         log.info(
             f"Training done (run {self._run_id}, {self._progress.epochs_run} epochs). "
             f"Final weights in {final} (every file checksummed). {kept}"
@@ -952,6 +1016,7 @@ class CheckpointManager:
         _save_file(rank_state, partial / f"rank_{_rank()}.pt")
         if _rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
+            recipe_state |= {"run_id": self._run_id, "after": self._after}
             recipe_state["optimizer_component"] = self.options.optimizer_component
             recipe_state["trajectory"] = self._trajectory
             # Each group's hyperparameters: DCP loads only what a new optimizer has.
@@ -974,21 +1039,16 @@ class CheckpointManager:
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
-            final = self._out / f"step_{step}"
-            _fsync_dir(partial)
-            if final.exists():  # never rewrite a checkpoint: keep the one replaced
-                label = f"run_{self._run_id}-replaced"
-                _set_aside([final], label, "Saving a step again")
-            os.replace(partial, final)
-            _fsync_dir(self._out)
-            replaced = _step_dirs(self._out, self._run_id)[keep:] if keep else []
-            _delete(replaced)
+            pruned = publish_step(
+                partial, step=step, run_id=self._run_id, after=self._after, keep=keep
+            )
             if self.options.keep_last_n is not None:
-                for old in replaced:
+                for old in pruned:
                     log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
-            log.info(f"Step checkpoint saved to {final}")
+            log.info(f"Step checkpoint saved to {self._out / f'step_{step}'}")
 
         _on_rank_zero(publish)
+        self._after = step
 
     def _export(self, epoch: int, *, final: bool) -> None:
         """Write ``epoch_{epoch}`` through each model's checkpointer, then its
