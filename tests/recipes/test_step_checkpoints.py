@@ -472,10 +472,9 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     shutil.copytree(single_runs["bwd"].output_dir / "step_3", tmp_path / "step_3")
-    # Another dataset (which only the recipe's own data shows) and shorter epochs.
+    # Another dataset (which only the recipe's own data shows), as many steps an epoch.
     change = {
-        "dataset.data_files": write_rows(tiny_assets, tmp_path / "small.json", 20),
-        "max_steps_per_epoch": 2,
+        "dataset.data_files": write_rows(tiny_assets, tmp_path / "small.json", 64)
     }
     # Every file, the logs and the config copy included: a refused run writes none.
     before = snapshot_files(tmp_path)
@@ -483,12 +482,19 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
         CheckpointError, match="was trained with other settings"
     ) as refused:
         resume_here(tiny_assets, tmp_path, **change)
-    for named in (
-        "dataset_length: ",
-        "max_steps_per_epoch: 3 then, 2 now",
-        "resume_allow_changes=True",
-    ):
+    for named in ("dataset_length: 512 then, 64 now", "resume_allow_changes=True"):
         assert named in str(refused.value)
+    assert snapshot_files(tmp_path) == before
+    # Shorter epochs are refused even with resume_allow_changes: the resumed epoch
+    # would run past its end.
+    with pytest.raises(CheckpointError, match="steps_per_epoch: 3 then, 2 now"):
+        resume_here(
+            tiny_assets,
+            tmp_path,
+            resume_allow_changes=True,
+            max_steps_per_epoch=2,
+            **change,
+        )
     assert snapshot_files(tmp_path) == before
 
     with caplog.at_level(logging.WARNING):
@@ -496,10 +502,9 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
             tiny_assets, tmp_path, resume_allow_changes=True, **change
         )
     assert "resume_allow_changes=True: resuming" in caplog.text
-    assert "max_steps_per_epoch: 3 then, 2 now" in caplog.text
-    # Epochs now end every 2 steps: the resumed epoch 1 (steps_done 1) has one left.
-    assert_steps(resumed, [4])
-    assert verify(tmp_path / "step_3") and verify(tmp_path / "step_4")
+    assert "dataset_length: 512 then, 64 now" in caplog.text
+    assert_steps(resumed, [4, 5, 6])
+    assert verify(tmp_path / "step_6")
 
 
 def test_an_output_dir_in_the_base_checkpoint_folder_is_refused_before_any_write(

@@ -15,6 +15,7 @@ metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpo
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -94,20 +95,51 @@ from torchtune.training.optimizer_in_backward import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
-# The config values that decide what a resumed run computes from its checkpoint on:
-# its step count, data order, precision, clipping and learning rates (``epochs`` or
-# PPO's ``num_steps`` too, which set a schedule's length).
-TRAJECTORY_KEYS = (
-    "seed",
-    "shuffle",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "max_steps_per_epoch",
-    "dtype",
-    "clip_grad_norm",
-    "lr_scheduler",
-    "ppo_batch_size",
-    "ppo_epochs",
+# The config keys known not to change what a resumed run computes: a resume compares
+# every other setting with the checkpoint's (patterns over dotted keys; a list of
+# sections is indexed, as ``dataset.0.source``).
+NOT_COMPARED_ON_RESUME = (
+    # Where it reads and writes: a moved file holds the same bytes (the dataset's
+    # contents are compared through its fingerprint).
+    "*_dir",
+    "*.path",
+    "*_path",
+    "*_file",
+    "*_files",
+    "*.adapter_checkpoint",
+    "*.recipe_checkpoint",
+    # How it saves and resumes.
+    "resume_from_checkpoint",
+    "resume_allow_changes",
+    "save_every_n_steps",
+    "enable_async_checkpointing",
+    "*.keep_last_n_checkpoints",
+    "save_adapter_weights_only",
+    "*.safe_serialization",
+    # What it logs and profiles.
+    "metric_logger",
+    "metric_logger.*",
+    "log_every_n_steps",
+    "log_peak_memory_stats",
+    "log_level",
+    "profiler",
+    "profiler.*",
+    # How fast and in how much memory: the same numbers (the in-backward and plain
+    # optimizer steps too, bitwise).
+    "compile",
+    "compile.*",
+    "optimizer_in_bwd",
+    "optimizer_in_bwd_bucket_cap_mb",
+    "enable_activation_checkpointing",
+    "enable_activation_offloading",
+    "fsdp_cpu_offload",
+    "fsdp_reshard_after_forward",
+    "custom_sharded_layers",
+    "num_workers",
+    # The checkpoint's optimizer state replaces these (a warning names each one that
+    # differs; another optimizer class is refused).
+    "optimizer",
+    "optimizer.*",
 )
 # The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
 # smaller one): a reordered or edited dataset is caught unless every one of them stays.
@@ -140,13 +172,29 @@ class TrainingProgress:
         self.global_step = state_dict["global_step"]
 
 
-def _trajectory(cfg: DictConfig, length: str) -> dict[str, Any]:
-    """The config's values of :data:`TRAJECTORY_KEYS` and of ``length`` (``epochs``
-    or ``num_steps``), as plain values (``None`` where unset)."""
-    values = {key: cfg.get(key, None) for key in (*TRAJECTORY_KEYS, length)}
+def _trajectory(cfg: DictConfig) -> dict[str, Any]:
+    """Every setting of ``cfg`` but those :data:`NOT_COMPARED_ON_RESUME` matches, by
+    dotted key, as plain values."""
+    settings: dict[str, Any] = {}
+
+    def add(key: str, value: Any) -> None:
+        sections = isinstance(value, list) and any(
+            isinstance(v, dict | list) for v in value
+        )
+        if isinstance(value, dict) and value:
+            for name, v in value.items():
+                add(f"{key}.{name}" if key else str(name), v)
+        elif sections:
+            for i, v in enumerate(value):
+                add(f"{key}.{i}", v)
+        else:
+            settings[key] = value
+
+    add("", OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return {
-        key: OmegaConf.to_container(v) if isinstance(v, DictConfig) else v
-        for key, v in values.items()
+        key: value
+        for key, value in settings.items()
+        if not any(fnmatch.fnmatchcase(key, p) for p in NOT_COMPARED_ON_RESUME)
     }
 
 
@@ -285,7 +333,7 @@ class CheckpointOptions:
         ``keep_last_n_checkpoints``), ``device``, ``resume_from_checkpoint``,
         ``resume_allow_changes``, ``save_every_n_steps``,
         ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
-        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``),
+        every setting but :data:`NOT_COMPARED_ON_RESUME`, ``epochs`` (PPO: ``num_steps``),
         ``save_adapter_weights_only``, and every checkpointer section's
         ``checkpoint_dir`` (which no output folder may be in)."""
         checkpointer = cfg.checkpointer.copy()
@@ -313,7 +361,7 @@ class CheckpointOptions:
             async_save=cfg.get("enable_async_checkpointing", False),
             allow_changes=cfg.get("resume_allow_changes", False),
             optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
-            trajectory=_trajectory(cfg, length),
+            trajectory=_trajectory(cfg),
             length=(length, cfg.get(length, None)),
             adapter_only=cfg.get("save_adapter_weights_only", False),
         )
@@ -560,8 +608,9 @@ class CheckpointManager:
         """Hand over what the run saves and, resuming, put it back where it was.
 
         A resume first verifies the checkpoint and checks that the run continues its
-        trajectory (the settings of :data:`TRAJECTORY_KEYS`, the dataset's length and
-        a hash of its first, middle and last sample, the number of processes); then
+        trajectory (every setting but :data:`NOT_COMPARED_ON_RESUME`, the dataset's
+        length and fingerprint, the number of processes and the optimizer steps of
+        an epoch); then
         the lock is taken (one run per ``output_dir``); a new run moves an earlier
         run's checkpoints aside. A resume of an epoch-end checkpoint rewrites that
         epoch's export if it is not whole (a crash or a full disk while it was
@@ -606,10 +655,11 @@ class CheckpointManager:
         if steps_per_epoch < 1:
             raise ValueError(
                 f"An epoch has no optimizer step: {len(dataset)} samples make "
-                f"{len(dataloader)} batches per process ({dict(self.options.trajectory)})"
-                ": use more data, or a smaller batch_size or gradient_accumulation_steps."
+                f"{len(dataloader)} batches per process: use more data, or a smaller "
+                "batch_size or gradient_accumulation_steps."
             )
         self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
+        self._trajectory["steps_per_epoch"] = steps_per_epoch
         self._trajectory |= _dataset_identity(dataset)
         folder, recipe_state = self._verified() if self._steps else (None, {})
 
@@ -735,24 +785,38 @@ class CheckpointManager:
         # Settings an earlier build did not record are not compared (the earliest
         # recorded its world size alone).
         old, new = recipe_state.get("trajectory"), self._trajectory
+        keys = old.keys() | new.keys() if old else {"world_size"}
         old = old or {"world_size": recipe_state.get("world_size", 1)}
-        pairs = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys())}
+        pairs = {k: (old.get(k), new.get(k)) for k in sorted(keys)}
         diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
         length = self.options.length[0]
         if recipe_state.get("epoch_end") and length in diff:
-            # Training a finished (or epoch-end) run further: nothing to match.
+            # Training a finished (or epoch-end) run further, or less: nothing to
+            # match.
             before, after = diff.pop(length)
+            if after <= recipe_state[EPOCHS_KEY]:
+                then = "no epoch is left to train"
+            else:
+                then = "training goes on" if after > before else "training stops sooner"
+                then += (
+                    f", to the new {length}, and a learning rate schedule is rebuilt "
+                    "over it, from this step on"
+                )
             _warn(
                 f"Resuming {folder} with {length}={after} (it was trained with "
-                f"{before}): training goes on to the new {length}, and a learning rate "
-                f"schedule is rebuilt over it, from this step on."
+                f"{before}): {then}."
             )
         listed = ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
-        if "world_size" in diff or (diff and not self.options.allow_changes):
+        # Where the run stands in its data (per process, and by optimizer steps into
+        # the epoch) cannot be carried over to another count of either.
+        fixed = [k for k in ("world_size", "steps_per_epoch") if k in diff]
+        if fixed or (diff and not self.options.allow_changes):
             raise CheckpointError(
                 f"{folder} was trained with other settings ({listed}): set them back, "
-                "or resume_allow_changes=True to go on with them (not world_size: data "
-                "positions are per process), or resume_from_checkpoint=False."
+                "or resume_allow_changes=True to go on with them (not world_size or "
+                "steps_per_epoch, which the dataset's length, batch_size, "
+                "gradient_accumulation_steps and max_steps_per_epoch set: a resume "
+                "finds its place in the data by them), or resume_from_checkpoint=False."
             )
         if diff:
             _warn(
@@ -1088,7 +1152,7 @@ class CheckpointManager:
 
 
 __all__ = [
-    "TRAJECTORY_KEYS",
+    "NOT_COMPARED_ON_RESUME",
     "CheckpointManager",
     "CheckpointOptions",
     "TrainingProgress",
