@@ -15,14 +15,16 @@ metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpo
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtune import config, utils
 from torchtune.config._utils import _get_component_from_path as _component
@@ -106,6 +109,7 @@ NOT_COMPARED_ON_RESUME = (
     "*_path",
     "*_file",
     "*_files",
+    "*_files.*",
     "*.adapter_checkpoint",
     "*.recipe_checkpoint",
     # How it saves and resumes.
@@ -251,6 +255,34 @@ def _number(folder: Path) -> int:
     """``N`` of a step checkpoint ``step_{N}`` or of its ``.step_{N}.partial``."""
     step = step_of(folder)
     return partial_step(folder) if step is None else step
+
+
+# How torch.save reports a write that failed (a full disk among the causes).
+_WRITE_FAILED = re.compile(r"unexpected pos|PytorchStreamWriter failed|write failed")
+
+
+@contextlib.contextmanager
+def _writing(what: str, *folders: Path) -> Iterator[None]:
+    """Name the ``folders`` being written in an error that writing them raises: a
+    full disk shows as an ``OSError`` (``ENOSPC``), or from ``torch.save`` as a
+    ``RuntimeError`` ("unexpected pos"), or from DCP as its ``CheckpointException``.
+
+    Raises:
+        OSError: naming the folders, the space left on their disk and the way on.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        if isinstance(e, RuntimeError) and not _WRITE_FAILED.search(str(e)):
+            raise
+        free = shutil.disk_usage(folders[0].parent).free
+        message = (
+            f"Writing the {what} {', '.join(map(str, folders))} failed ({e}), with "
+            f"{free / 1e9:.2f} GB left on its disk (a full disk?). What was saved "
+            "before it is whole: make space, then resume (resume_from_checkpoint=True)."
+        )
+        errno = getattr(e, "errno", None)
+        raise (OSError(errno, message) if errno else OSError(message)) from e
 
 
 def _whole_or_deleted(partial: Path) -> tuple[str, int | None] | None:
@@ -431,6 +463,18 @@ class CheckpointManager:
         self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
         check_writable("checkpointer.output_dir", self._export_dir)
+        base = Path(options.checkpointer.get("checkpoint_dir") or "")
+        if adapter_config is not None and (
+            step_of(base, "epoch") is not None
+            and base.parent.resolve() == self._export_dir.resolve()
+        ):
+            raise ValueError(
+                f"checkpointer.checkpoint_dir={base} is an export of this run's "
+                f"checkpointer.output_dir={self._export_dir}: its epoch exports would "
+                "overwrite the base weights it reads (with the adapter merged in), and "
+                "a resume would apply the adapter to them a second time. Set output_dir "
+                "and checkpointer.output_dir to another folder."
+            )
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
             _check_lock(self._out)
         # A resume continues from the first whole one of these step checkpoints, or
@@ -482,16 +526,41 @@ class CheckpointManager:
             return [], "dcp"
         hint = ""
         if final := _read_json(out / RUN_FILE).get("final_export"):
-            hint = (
-                f" The run there finished (final weights in {final}) and its step "
-                "checkpoints were deleted, as checkpointer.keep_last_n_checkpoints was "
-                "not set. To train further from its final weights, start a new run "
-                f"with checkpointer.checkpoint_dir={final}."
-            )
+            hint = self._way_on(Path(final))
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
             f"whole step checkpoint (step_N/) of this run in output_dir={out}, nor a "
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
+        )
+
+    def _way_on(self, final: Path) -> str:
+        """What a finished run whose step checkpoints were deleted can do: start a
+        new run from its final export, if that is whole, in another output folder,
+        so that the new run's exports never overwrite the weights it reads."""
+        gone = (
+            "its step checkpoints were deleted, as checkpointer.keep_last_n_checkpoints "
+            "was not set"
+        )
+        try:
+            files = verify(final, export_manifest(final))["files"]
+        except CheckpointError as e:
+            return (
+                f" The run there finished, {gone}, and its final export is damaged "
+                f"({e}): no whole weights of it are left to train further from."
+            )
+        weights = [
+            name
+            for name in sorted(files)
+            if name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+            and not name.startswith("adapter")
+        ]
+        new = f"{self._out}_from_{final.name}"
+        return (
+            f" The run there finished (final weights in {final}) and {gone}. To train "
+            f"further from its final weights, start a new run with "
+            f"checkpointer.checkpoint_dir={final} "
+            f"checkpointer.checkpoint_files=[{','.join(weights)}] output_dir={new} "
+            f"checkpointer.output_dir={new}: its exports then never overwrite them."
         )
 
     def _timeline(self) -> list[Path]:
@@ -978,12 +1047,16 @@ class CheckpointManager:
         if finite:
             return
         progress = self._progress
-        newest = _step_dirs(self._out, self._run_id)
+        saved = ", ".join(p.name for p in reversed(_step_dirs(self._out, self._run_id)))
         resume = (
-            f"The newest step checkpoint, {newest[0]}, was saved before it: resume "
-            "from it (resume_from_checkpoint=True) once the cause is fixed"
-            if newest
-            else "No step checkpoint was saved yet: start again once the cause is fixed"
+            "No step checkpoint is known to be from before the divergence: the "
+            f"saved ones ({saved}) hold finite weights, but a loss often grows for "
+            "steps before it is not finite, and a resume brings back a checkpoint's "
+            "optimizer state, its learning rate included. Start a new run "
+            "(resume_from_checkpoint=False) once the cause is fixed"
+            if saved
+            else "No step checkpoint was saved yet: start a new run "
+            "(resume_from_checkpoint=False) once the cause is fixed"
         )
         raise FloatingPointError(
             f"Step {progress.global_step + 1} (epoch {progress.epochs_run}, up to "
@@ -992,8 +1065,8 @@ class CheckpointManager:
             "before anything is saved, and before the optimizer steps (an "
             "in-backward update without clipping is applied as gradients arrive; "
             "with a non-finite loss, nothing is applied). "
-            f"{resume} (a learning rate too high, an overflow in low precision, bad "
-            "data in these batches)."
+            f"{resume}. The usual causes: a learning rate too high, an overflow in low "
+            "precision, bad data in these batches."
         )
 
     # -- saving --------------------------------------------------------------------------
@@ -1008,13 +1081,20 @@ class CheckpointManager:
                 Default: ``False``
         """
         step, n = self._progress.global_step, self.options.every_n_steps
+        partial = self._out / f".step_{step}.partial"
         if not epoch_end:
             if n is not None and step % n == 0 and step % self._steps_per_epoch != 0:
-                self._write_step(mid_epoch=True)
+                with _writing("step checkpoint", partial):
+                    self._write_step(mid_epoch=True)
             return
         done = self._progress.epochs_run >= self._progress.total_epochs
-        self._write_step(mid_epoch=False, wait=done)
-        self._export(epoch := self._progress.epochs_run - 1, final=done)
+        with _writing("step checkpoint", partial):
+            self._write_step(mid_epoch=False, wait=done)
+        epoch = self._progress.epochs_run - 1
+        with _writing(
+            "epoch export", *(r / f"epoch_{epoch}" for r in self._export_roots)
+        ):
+            self._export(epoch, final=done)
         if done:
             _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
@@ -1097,7 +1177,8 @@ class CheckpointManager:
             return
         (future, partial, step), self._pending = self._pending, None
         if future is not None:
-            future.result()
+            with _writing("step checkpoint", partial):
+                future.result()
         _barrier()
         write_manifest(partial, partial / MANIFEST, run_id=self._run_id, step=step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)

@@ -523,16 +523,18 @@ def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
     run.manager.stop_if_not_finite(finite, finite, batch=1)  # finite: goes on
     with pytest.raises(FloatingPointError) as stopped:
         run.manager.stop_if_not_finite(nan, finite, batch=1)
-    assert str(stopped.value) == (
+    message = str(stopped.value)
+    assert message.startswith(
         "Step 6 (epoch 1, up to batch 1 of the epoch) has a non-finite loss (nan) or "
         "gradient norm (0.5) on at least one process: stopping before anything is "
-        "saved, and before the optimizer steps (an in-backward update without "
-        "clipping is applied as gradients arrive; with a non-finite loss, nothing is "
-        f"applied). The newest step checkpoint, {tmp_path / 'out' / 'step_4'}, was "
-        "saved before it: resume from it (resume_from_checkpoint=True) once the cause "
-        "is fixed (a learning rate too high, an overflow in low precision, bad data "
-        "in these batches)."
+        "saved, and before the optimizer steps"
     )
+    # The step checkpoints may hold weights already diverging, and a resume brings
+    # back their optimizer state (the learning rate too): none is offered as good.
+    assert "No step checkpoint is known to be from before the divergence" in message
+    assert "(step_3, step_4)" in message
+    assert "resume_from_checkpoint=False" in message
+    assert "resume_from_checkpoint=True" not in message
 
 
 @pytest.fixture
@@ -1019,6 +1021,20 @@ def test_a_rerun_without_resume_keeps_the_earlier_runs_state_until_its_first_sav
     assert step_names(out) == ["step_3"]
 
 
+def test_a_new_run_keeps_0_6_1s_resumable_state_until_its_first_save(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    for folder in ("recipe_state", "dist_epoch_0"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "state.pt").write_bytes(b"0.6.1's")
+    before = resumable_state(out)
+    train(make_config(tmp_path), stop_after=2)  # its first save: step 3
+    assert resumable_state(out) == before
+    train(make_config(tmp_path), stop_after=3)
+    assert not (out / "recipe_state").exists() and not (out / "dist_epoch_0").exists()
+
+
 def test_a_new_run_starting_from_an_earlier_runs_export_replaces_it_as_0_6_1_did(
     tmp_path: Path,
 ) -> None:
@@ -1445,6 +1461,8 @@ def test_settings_that_cannot_change_the_numbers_are_not_compared(
         "checkpointer": {"keep_last_n_checkpoints": 1, "checkpoint_dir": "moved"},
     }
     changed = OmegaConf.merge(cfg, elsewhere)
+    files = {"filename_format": "model-{}-of-{}.pt", "max_filename": "00002"}
+    changed.checkpointer.checkpoint_files = files
     keys = CheckpointOptions.from_config(make_config(tmp_path)).trajectory.keys()
     assert not [k for k in keys if "checkpoint_dir" in k or "keep_last" in k]
     assert CheckpointOptions.from_config(changed).trajectory == (
@@ -2252,6 +2270,96 @@ def test_rerunning_a_command_in_its_folder_does_not_grow_it(
     )
     # The same files each time; the bytes may differ by a digit of a run id.
     assert max(sizes) - min(sizes) < 100, sizes
+
+
+def test_a_damaged_final_export_is_named_damaged_not_offered(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None})
+    out = tmp_path / "out"
+    train(cfg)
+    export = out / "epoch_1" / EXPORT_FILE
+    export.write_bytes(export.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as refused:
+        resume(cfg)
+    message = str(refused.value)
+    assert f"{export} is damaged" in message
+    assert "checkpoint_dir=" not in message  # the damaged weights are not offered
+    assert "resume_from_checkpoint=False" in message
+
+
+def test_a_finished_lora_runs_way_on_never_reads_its_own_future_exports(
+    tmp_path: Path,
+) -> None:
+    cfg = lora_config(tmp_path, dora=False, adapter_only=False)
+    cfg = OmegaConf.merge(cfg, {"checkpointer": {"keep_last_n_checkpoints": None}})
+    lora = {"build": lora_model(False), "adapter_config": LORA_ADAPTER}
+    out = tmp_path / "out"
+    train(cfg, **lora)
+    with pytest.raises(CheckpointError) as refused:
+        resume(cfg, **lora)
+    # The way on, followed as written: the final weights as the base, in another
+    # output_dir (the run's exports there never overwrite the base it reads).
+    advice = re.search(r"start a new run with (.*?): ", str(refused.value))
+    assert advice, str(refused.value)
+    overrides = dict(arg.split("=", 1) for arg in advice[1].split())
+    assert overrides["checkpointer.checkpoint_dir"] == str(out / "epoch_0")
+    assert Path(overrides["output_dir"]) != out
+    way_on = OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]),
+        {"checkpointer": {"keep_last_n_checkpoints": 10}},
+    )
+    train(way_on, stop_after=3, **lora)
+    resumed = resume(way_on, **lora)
+    assert resumed.resumed_at == 3
+    elsewhere = OmegaConf.merge(way_on, {"output_dir": str(tmp_path / "reference")})
+    elsewhere.checkpointer.output_dir = str(tmp_path / "reference")
+    assert_same_weights(resumed.model, train(elsewhere, **lora).model)
+    # The same in output_dir itself would read its own next export: refused.
+    in_place = OmegaConf.merge(way_on, {"output_dir": str(out)})
+    in_place.checkpointer.output_dir = str(out)
+    with pytest.raises(ValueError, match="output_dir") as refused:
+        train(in_place, **lora)
+    assert f"checkpointer.checkpoint_dir={out / 'epoch_0'}" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"
+        ),
+    ],
+    ids=["ENOSPC", "unexpected pos"],
+)
+@pytest.mark.parametrize("writing", ["step", "export"])
+def test_a_full_disk_names_the_checkpoint_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception, writing: str
+) -> None:
+    run = train(make_config(tmp_path), stop_after=2)
+    out = tmp_path / "out"
+    real_save = torch.save
+
+    def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        name = str(f.name if hasattr(f, "write") else f)  # a file, or a path
+        if (".step_3.partial" if writing == "step" else "epoch_0") in name:
+            raise failure
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    if writing == "step":
+        run.progress.global_step += 1  # step 3: a step checkpoint is due
+        with pytest.raises(OSError) as stopped:
+            run.manager.save()
+        where = out / ".step_3.partial"
+    else:
+        run.progress.global_step += 2  # step 4 ends the epoch
+        run.progress.epochs_run += 1
+        with pytest.raises(OSError) as stopped:
+            run.manager.save(epoch_end=True)
+        where = out / "epoch_0"
+    assert str(where) in str(stopped.value)
+    assert "disk" in str(stopped.value)
 
 
 def test_upstreams_final_epoch_notes_are_logged_at_the_final_epoch_only(
