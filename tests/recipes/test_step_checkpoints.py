@@ -51,7 +51,7 @@ from tests.recipes.utils import (
     run_tune_in_process,
     tiny_config,
 )
-from torchtune.training.checkpointing._run_folder import read_run_file
+from torchtune.training.checkpointing._run_folder import RUN_FILE, read_run_file
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     export_manifest,
@@ -395,6 +395,15 @@ def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
     shutil.copytree(run_a.output_dir, tmp_path, dirs_exist_ok=True)
     a_run_id = read_run_file(tmp_path)
     assert a_run_id is not None
+
+    def resumable() -> dict[str, Any]:
+        files = snapshot_files(tmp_path).items()
+        return {k: v for k, v in files if k.startswith("step_") or k == RUN_FILE}
+
+    # Killed before its first save: A's resumable state is as it was.
+    a_state = resumable()
+    killed_run("after_step:1", tiny_assets, tmp_path, log_name="b0.txt")
+    assert resumable() == a_state
 
     before = killed_run("after_step:3", tiny_assets, tmp_path, log_name="b.txt")
     assert list(losses(before)) == [1, 2, 3]
