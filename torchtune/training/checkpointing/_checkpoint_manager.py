@@ -7,8 +7,8 @@ each epoch the configured checkpointer exports ``epoch_{N}/``, the weights users
 away, with a manifest beside it, so that a torn export, or one another run wrote, is
 found and rewritten (:mod:`._export`). The manager decides what a resume continues
 from, refuses one that would not continue the same run (the trajectory), and writes
-and prunes step checkpoints; the output folder's own rules (one live run, what
-earlier runs left, what a branching resume leaves) are
+and prunes step checkpoints; the output folder's own rules (one live run, and what
+a save supersedes: an earlier run's state, a branched-from timeline, the pruned) are
 :mod:`._run_folder`'s. A finished run leaves what torchtune 0.6.1 left, plus small
 metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpoints.
 """
@@ -679,9 +679,10 @@ class CheckpointManager:
         A resume first verifies the checkpoint and checks that the run continues its
         trajectory (every setting but :data:`NOT_COMPARED_ON_RESUME`, the dataset's
         length and fingerprint, the number of processes and the optimizer steps of
-        an epoch); then
-        the lock is taken (one run per ``output_dir``); a new run moves an earlier
-        run's checkpoints aside. A resume of an epoch-end checkpoint rewrites that
+        an epoch); then the lock is taken (one run per ``output_dir``) and a whole
+        step checkpoint a stopped run had not published is published (a torn one
+        deleted); an earlier run's state stays until this run's first save is whole.
+        A resume of an epoch-end checkpoint rewrites that
         epoch's export if it is not whole (a crash or a full disk while it was
         written). Call it on every rank, after :meth:`load_base_checkpoint`.
 
