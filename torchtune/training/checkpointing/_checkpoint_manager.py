@@ -789,7 +789,7 @@ class CheckpointManager:
     def _after_resume(self, folder: Path | None, *, epoch_end: bool) -> None:
         """Once a resume is restored: rewrite the resumed epoch's export if it is not
         this checkpoint's (torn, or another run's), and at the end of training say
-        there is nothing left to do and finish the run."""
+        there is nothing left to do (and finish a run stopped before it had)."""
         progress = self._progress
         epoch = progress.epochs_run - 1
         done = progress.epochs_run >= progress.total_epochs
@@ -816,7 +816,8 @@ class CheckpointManager:
             # A run stopped before it finished (its final export torn, say) finishes
             # now; a finished one is left as it is.
             finished = _read_json(self._out / RUN_FILE).get("final_export")
-            if folder is not None and folder.parent == self._out and not finished:
+            own = folder is not None and folder.parent.resolve() == self._out.resolve()
+            if own and not finished:
                 _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
 
