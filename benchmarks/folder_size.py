@@ -3,7 +3,7 @@
 Runs ``tune run full_finetune_single_device`` on the tests' tiny config (the 2-layer
 Llama2 of ``tests/assets/make_assets.py``, fp32, AdamW, in-backward) for one epoch
 in a fresh ``output_dir``, then the same command three more times in the same folder
-(a user rerunning a command), and once more with ``keep_previous_runs=True`` and
+(a user rerunning a command), and once more with
 ``checkpointer.keep_last_n_checkpoints=1`` (a user who asks to keep more). After
 each run it records the bytes of the folder, by part:
 
@@ -11,7 +11,7 @@ each run it records the bytes of the folder, by part:
   by the same checkpointer, so the same bytes), ``logs/`` and the config copy; 0.6.1
   writes no recipe state after the final epoch of a run;
 - what this build adds: its small metadata (``torchtune_run.json``, the exports'
-  manifests) and, when asked, step checkpoints and ``previous_runs/``.
+  manifests) and, when asked, step checkpoints.
 
 Writes ``folder_size.md`` and ``folder_size.json`` to ``--out-dir``.
 
@@ -36,14 +36,12 @@ AS_IN_0_6_1 = ("epoch_", "logs", "torchtune_config.yaml")
 
 def folder_bytes(root: Path) -> dict[str, int]:
     """Bytes of ``root``'s files, as 0.6.1 would have written them and the rest."""
-    parts = {"as in 0.6.1": 0, "metadata": 0, "step checkpoints": 0, "previous_runs": 0}
+    parts = {"as in 0.6.1": 0, "metadata": 0, "step checkpoints": 0}
     for path in root.rglob("*"):
         if not path.is_file():
             continue
         top = path.relative_to(root).parts[0]
-        if top == "previous_runs":
-            parts["previous_runs"] += path.stat().st_size
-        elif top.startswith("step_"):
+        if top.startswith("step_"):
             parts["step checkpoints"] += path.stat().st_size
         elif top.startswith(AS_IN_0_6_1):
             parts["as in 0.6.1"] += path.stat().st_size
@@ -85,10 +83,7 @@ def main() -> None:
         out = Path(tmp) / "run"
         runs = [("first run", ())] + [(f"rerun {i}", ()) for i in (1, 2, 3)]
         runs.append(
-            (
-                "rerun, keeping more",
-                ("keep_previous_runs=True", "checkpointer.keep_last_n_checkpoints=1"),
-            )
+            ("rerun, keeping more", ("checkpointer.keep_last_n_checkpoints=1",))
         )
         for name, more in runs:
             tune_run(out, assets, *more)
@@ -104,16 +99,14 @@ def main() -> None:
         "for the same command (the epoch export by the same checkpointer, the logs,",
         "the config copy); the other columns are what this build adds.",
         "",
-        "| after | as in 0.6.1 | metadata | step checkpoints | previous_runs | total "
-        "| total / 0.6.1 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| after | as in 0.6.1 | metadata | step checkpoints | total | total / 0.6.1 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ratio = row["total"] / row["as in 0.6.1"]
         lines.append(
             f"| {row['run']} | {row['as in 0.6.1']:,} | {row['metadata']:,} | "
-            f"{row['step checkpoints']:,} | {row['previous_runs']:,} | "
-            f"{row['total']:,} | {ratio:.3f} |"
+            f"{row['step checkpoints']:,} | {row['total']:,} | {ratio:.3f} |"
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "folder_size.md").write_text("\n".join(lines) + "\n")

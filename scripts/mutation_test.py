@@ -220,9 +220,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "def not_this_runs_export(folder: Path, /, run_id: str | None, step: int) -> "
         "str | None:",
     ): _BY_KEYWORD,
-    (_RUN_FOLDER, "branch_at", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
-        "its one caller passes every argument after the folder by keyword, which "
-        "both signatures accept"
+    (_RUN_FOLDER, "publish_step", "core/ReplaceBinaryOperator_Mul_Div", "/,"): (
+        "its callers pass every argument after the folder by keyword, which both "
+        "signatures accept"
     ),
     (_RUN_FOLDER, "_take_lock", "core/NumberReplacer", "os.ftruncate(lock.fd, 1)"): (
         "the owner written next at offset 0 is longer than one byte, so the file "

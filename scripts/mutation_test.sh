@@ -107,8 +107,7 @@ STEP_FORMAT_TARGETS=(
   _on_rank_zero _load _read_json file_checksum write_manifest verify step_of _step_dirs
 )
 RUN_FOLDER_TARGETS=(
-  _set_aside check_writable _check_lock _take_lock start_run _clear_earlier_run
-  _set_earlier_run_aside branch_at
+  check_writable _check_lock _take_lock earlier_runs_state publish_step
 )
 EXPORT_TARGETS=(_FinalEpochNotes export_state save_export not_this_runs_export)
 # Multi-process (gloo) scenarios take minutes each; the import-order check runs

@@ -51,10 +51,11 @@ from tests.recipes.utils import (
     run_tune_in_process,
     tiny_config,
 )
-from torchtune.training.checkpointing._run_folder import read_run_file
+from torchtune.training.checkpointing._run_folder import RUN_FILE, read_run_file
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     export_manifest,
+    partial_step,
     step_of,
     verify,
 )
@@ -278,14 +279,19 @@ def resume_here(assets: TinyAssets, out: Path, **more: Any) -> TuneRun:
 
 
 def newest_whole_step(out: Path) -> int:
-    """The step of the newest step checkpoint in ``out`` that verifies and loads."""
-    for folder in sorted(out.glob("step_*"), key=step_of, reverse=True):
+    """The step of the newest step checkpoint in ``out`` that verifies and loads,
+    published or not yet (a whole ``.step_{N}.partial``, which the next start
+    publishes)."""
+    folders = [*out.glob("step_*"), *out.glob(".step_*.partial")]
+    for folder in sorted(
+        folders, key=lambda f: partial_step(f) or step_of(f), reverse=True
+    ):
         try:
             verify(folder)
         except CheckpointError:
             continue
         torch.load(folder / "model_optimizer.pt", weights_only=False)
-        return step_of(folder)
+        return partial_step(folder) or step_of(folder)
     raise AssertionError(f"no whole step checkpoint in {out}")
 
 
@@ -294,7 +300,7 @@ def newest_whole_step(out: Path) -> int:
     [
         ("after_step:5", 4),  # between saves: back to step_4, mid-epoch
         ("in_step_save:4", 3),  # step_4 half written: back to step_3
-        ("before_rename:4", 3),  # step_4 whole but never renamed: back to step_3
+        ("before_rename:4", 4),  # step_4 whole but never renamed: published at start
         ("in_step_save:3", 2),  # epoch 0's end, half written: back to step_2
         ("in_epoch_save:0", 3),  # epoch 0's weights torn: step_3 is whole
     ],
@@ -390,24 +396,33 @@ def test_a_new_run_killed_in_a_finished_runs_folder_resumes_its_own_checkpoints(
     a_run_id = read_run_file(tmp_path)
     assert a_run_id is not None
 
+    def resumable() -> dict[str, Any]:
+        files = snapshot_files(tmp_path).items()
+        return {k: v for k, v in files if k.startswith("step_") or k == RUN_FILE}
+
+    # Killed before its first save: A's resumable state is as it was.
+    a_state = resumable()
+    killed_run("after_step:1", tiny_assets, tmp_path, log_name="b0.txt")
+    assert resumable() == a_state
+
     before = killed_run("after_step:3", tiny_assets, tmp_path, log_name="b.txt")
     assert list(losses(before)) == [1, 2, 3]
-    # B's own checkpoints: step_2, and none of A's (deleted, as B said at start).
+    # B's own checkpoints: step_2, and none of A's (deleted once B's step_2 was
+    # whole, as B said at start).
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
     assert read_run_file(tmp_path) not in (None, a_run_id)
 
     resumed = resume_here(tiny_assets, tmp_path)
     assert_resumed_as_uninterrupted(resumed, run_a, 2, f"epoch_1/{SHARD}")
-    assert "holds an earlier run's files. Deleting its resumable state" in (
-        (tmp_path / "logs" / "b.out").read_text()
-    )
+    said = (tmp_path / "logs" / "b.out").read_text()
+    assert "holds an earlier run's resumable state" in said
+    assert "an earlier run's resumable state: " in said
     # A's exports were replaced by B's (the same bytes: the same config), and
-    # nothing of A's was kept: as in 0.6.1, unless keep_previous_runs asks.
+    # nothing of A's was kept: as in 0.6.1.
     for name in ("epoch_0", "epoch_1"):
         assert (tmp_path / name / SHARD).read_bytes() == (
             run_a.output_dir / name / SHARD
         ).read_bytes()
-    assert not (tmp_path / "previous_runs").exists()
 
 
 def test_a_second_run_is_refused_while_one_trains_in_the_folder(
@@ -466,10 +481,9 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     shutil.copytree(single_runs["bwd"].output_dir / "step_3", tmp_path / "step_3")
-    # Another dataset (which only the recipe's own data shows) and shorter epochs.
+    # Another dataset (which only the recipe's own data shows), as many steps an epoch.
     change = {
-        "dataset.data_files": write_rows(tiny_assets, tmp_path / "small.json", 20),
-        "max_steps_per_epoch": 2,
+        "dataset.data_files": write_rows(tiny_assets, tmp_path / "small.json", 64)
     }
     # Every file, the logs and the config copy included: a refused run writes none.
     before = snapshot_files(tmp_path)
@@ -477,12 +491,19 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
         CheckpointError, match="was trained with other settings"
     ) as refused:
         resume_here(tiny_assets, tmp_path, **change)
-    for named in (
-        "dataset_length: ",
-        "max_steps_per_epoch: 3 then, 2 now",
-        "resume_allow_changes=True",
-    ):
+    for named in ("dataset_length: 512 then, 64 now", "resume_allow_changes=True"):
         assert named in str(refused.value)
+    assert snapshot_files(tmp_path) == before
+    # Shorter epochs are refused even with resume_allow_changes: the resumed epoch
+    # would run past its end.
+    with pytest.raises(CheckpointError, match="steps_per_epoch: 3 then, 2 now"):
+        resume_here(
+            tiny_assets,
+            tmp_path,
+            resume_allow_changes=True,
+            max_steps_per_epoch=2,
+            **change,
+        )
     assert snapshot_files(tmp_path) == before
 
     with caplog.at_level(logging.WARNING):
@@ -490,10 +511,9 @@ def test_a_resume_with_other_settings_is_refused_unless_resume_allow_changes(
             tiny_assets, tmp_path, resume_allow_changes=True, **change
         )
     assert "resume_allow_changes=True: resuming" in caplog.text
-    assert "max_steps_per_epoch: 3 then, 2 now" in caplog.text
-    # Epochs now end every 2 steps: the resumed epoch 1 (steps_done 1) has one left.
-    assert_steps(resumed, [4])
-    assert verify(tmp_path / "step_3") and verify(tmp_path / "step_4")
+    assert "dataset_length: 512 then, 64 now" in caplog.text
+    assert_steps(resumed, [4, 5, 6])
+    assert verify(tmp_path / "step_6")
 
 
 def test_an_output_dir_in_the_base_checkpoint_folder_is_refused_before_any_write(

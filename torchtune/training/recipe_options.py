@@ -47,15 +47,14 @@ COUNT_KEYS = (
 # Flags read by the checkpoint manager and the recipes rather than by RecipeOptions: a
 # quoted 'False' would read as true.
 BOOL_KEYS = (
-    "resume_from_checkpoint resume_allow_changes keep_previous_runs "
-    "save_adapter_weights_only shuffle"
+    "resume_from_checkpoint resume_allow_changes save_adapter_weights_only shuffle"
 ).split()
 
 # Top-level keys the library reads that shipped configs may leave out, besides the
 # options of :class:`RecipeOptions`.
 LIBRARY_KEYS = (
     "fake_quant_after_n_steps optimizer_in_bwd_bucket_cap_mb save_every_n_steps "
-    "resume_allow_changes cudnn_deterministic_mode collate_fn keep_previous_runs"
+    "resume_allow_changes cudnn_deterministic_mode collate_fn"
 ).split()
 
 

@@ -540,11 +540,13 @@ def train_with_manager(
     in_backward: bool,
     optimizer_name: str,
     stop_after: int | None = None,
+    dies: bool = False,
 ) -> tuple[nn.Module, int]:
     """A distributed recipe's setup and loop, checkpointed by the CheckpointManager;
     ``stop_after``: stop right after that step's ``save()`` (``close()`` then lets
-    an asynchronous save in flight complete, as a run stopped by a signal does).
-    Returns the model and the step it started from."""
+    an asynchronous save in flight complete, as a run stopped by a signal does;
+    with ``dies``, the save's files are all written but it is never completed, as
+    when the run is killed). Returns the model and the step it started from."""
     width = OPTIMIZERS[optimizer_name][2]
     manager = training.CheckpointManager(training.CheckpointOptions.from_config(cfg))
     state = manager.load_base_checkpoint()
@@ -579,6 +581,9 @@ def train_with_manager(
                 progress.global_step += 1
                 manager.save()
                 if progress.global_step == stop_after:
+                    if dies and manager._pending is not None:
+                        manager._pending[0].result()
+                        manager._pending = None
                     return model, started_at
             progress.epochs_run += 1
             manager.save(epoch_end=True)
@@ -601,10 +606,13 @@ def check_manager_resume(
     save_in_backward: bool,
     load_in_backward: bool,
     optimizer_name: str = "adamw",
+    dies: bool = False,
 ) -> None:
     """A run stopped after step 7 resumes from its mid-epoch step_6 (sharded by DCP,
     each rank's data position in its own file) into the given optimizer, and ends
-    exactly where the uninterrupted run (plain optimizer) ends."""
+    exactly where the uninterrupted run (plain optimizer) ends; ``dies``: its
+    asynchronous save of step_6 was written but never completed, and the resume
+    publishes it."""
     if optimizer_name not in _UNINTERRUPTED:
         cfg = manager_config(
             tmp / "uninterrupted", optimizer_name, asynchronous=asynchronous
@@ -612,7 +620,7 @@ def check_manager_resume(
         model, _ = train_with_manager(cfg, False, optimizer_name)
         _UNINTERRUPTED[optimizer_name] = full_params(model)
     cfg = manager_config(tmp / "run", optimizer_name, asynchronous=asynchronous)
-    train_with_manager(cfg, save_in_backward, optimizer_name, stop_after=7)
+    train_with_manager(cfg, save_in_backward, optimizer_name, stop_after=7, dies=dies)
     cfg.resume_from_checkpoint = True
     resumed, started_at = train_with_manager(cfg, load_in_backward, optimizer_name)
     assert started_at == 6, started_at
@@ -647,6 +655,12 @@ _MANAGER_RESUMES: dict[str, dict[str, Any]] = {
         "asynchronous": True,
         "save_in_backward": True,
         "load_in_backward": False,
+    },
+    "checkpoint_manager_async_save_of_a_killed_run_is_published_at_the_next_start": {
+        "asynchronous": True,
+        "save_in_backward": True,
+        "load_in_backward": True,
+        "dies": True,
     },
     "checkpoint_manager_sync_in_bwd_resumes_mid_epoch_bitwise": {
         "save_in_backward": True,

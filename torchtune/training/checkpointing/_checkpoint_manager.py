@@ -7,20 +7,24 @@ each epoch the configured checkpointer exports ``epoch_{N}/``, the weights users
 away, with a manifest beside it, so that a torn export, or one another run wrote, is
 found and rewritten (:mod:`._export`). The manager decides what a resume continues
 from, refuses one that would not continue the same run (the trajectory), and writes
-and prunes step checkpoints; the output folder's own rules (one live run, what
-earlier runs left, what a branching resume leaves) are
+and prunes step checkpoints; the output folder's own rules (one live run, and what
+a save supersedes: an earlier run's state, a branched-from timeline, the pruned) are
 :mod:`._run_folder`'s. A finished run leaves what torchtune 0.6.1 left, plus small
 metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchtune import config, utils
 from torchtune.config._utils import _get_component_from_path as _component
@@ -44,19 +49,17 @@ from torchtune.training.checkpointing._export import (
     save_export,
 )
 from torchtune.training.checkpointing._run_folder import (
-    PREVIOUS_RUNS,
     RUN_FILE,
     _check_lock,
     _check_outside,
-    _finish_moves,
     _release_lock,
-    _set_aside,
     _take_lock,
     _write_run_file,
-    branch_at,
     check_writable,
+    earlier_runs_state,
+    publish_step,
     read_run_file,
-    start_run,
+    run_head,
 )
 from torchtune.training.checkpointing._step_format import (
     MANIFEST,
@@ -66,7 +69,6 @@ from torchtune.training.checkpointing._step_format import (
     CheckpointError,
     _barrier,
     _delete,
-    _fsync_dir,
     _load,
     _on_rank_zero,
     _rank,
@@ -78,8 +80,10 @@ from torchtune.training.checkpointing._step_format import (
     _warn,
     _world_size,
     export_manifest,
+    partial_step,
     step_of,
     verify,
+    whole_partial,
     write_manifest,
 )
 from torchtune.training.checkpointing._utils import (
@@ -94,20 +98,52 @@ from torchtune.training.memory import hyperparameters
 
 log = utils.get_logger("DEBUG")
 
-# The config values that decide what a resumed run computes from its checkpoint on:
-# its step count, data order, precision, clipping and learning rates (``epochs`` or
-# PPO's ``num_steps`` too, which set a schedule's length).
-TRAJECTORY_KEYS = (
-    "seed",
-    "shuffle",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "max_steps_per_epoch",
-    "dtype",
-    "clip_grad_norm",
-    "lr_scheduler",
-    "ppo_batch_size",
-    "ppo_epochs",
+# The config keys known not to change what a resumed run computes: a resume compares
+# every other setting with the checkpoint's (patterns over dotted keys; a list of
+# sections is indexed, as ``dataset.0.source``).
+NOT_COMPARED_ON_RESUME = (
+    # Where it reads and writes: a moved file holds the same bytes (the dataset's
+    # contents are compared through its fingerprint).
+    "*_dir",
+    "*.path",
+    "*_path",
+    "*_file",
+    "*_files",
+    "*_files.*",
+    "*.adapter_checkpoint",
+    "*.recipe_checkpoint",
+    # How it saves and resumes.
+    "resume_from_checkpoint",
+    "resume_allow_changes",
+    "save_every_n_steps",
+    "enable_async_checkpointing",
+    "*.keep_last_n_checkpoints",
+    "save_adapter_weights_only",
+    "*.safe_serialization",
+    # What it logs and profiles.
+    "metric_logger",
+    "metric_logger.*",
+    "log_every_n_steps",
+    "log_peak_memory_stats",
+    "log_level",
+    "profiler",
+    "profiler.*",
+    # How fast and in how much memory: the same numbers (the in-backward and plain
+    # optimizer steps too, bitwise).
+    "compile",
+    "compile.*",
+    "optimizer_in_bwd",
+    "optimizer_in_bwd_bucket_cap_mb",
+    "enable_activation_checkpointing",
+    "enable_activation_offloading",
+    "fsdp_cpu_offload",
+    "fsdp_reshard_after_forward",
+    "custom_sharded_layers",
+    "num_workers",
+    # The checkpoint's optimizer state replaces these (a warning names each one that
+    # differs; another optimizer class is refused).
+    "optimizer",
+    "optimizer.*",
 )
 # The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
 # smaller one): a reordered or edited dataset is caught unless every one of them stays.
@@ -140,13 +176,29 @@ class TrainingProgress:
         self.global_step = state_dict["global_step"]
 
 
-def _trajectory(cfg: DictConfig, length: str) -> dict[str, Any]:
-    """The config's values of :data:`TRAJECTORY_KEYS` and of ``length`` (``epochs``
-    or ``num_steps``), as plain values (``None`` where unset)."""
-    values = {key: cfg.get(key, None) for key in (*TRAJECTORY_KEYS, length)}
+def _trajectory(cfg: DictConfig) -> dict[str, Any]:
+    """Every setting of ``cfg`` but those :data:`NOT_COMPARED_ON_RESUME` matches, by
+    dotted key, as plain values."""
+    settings: dict[str, Any] = {}
+
+    def add(key: str, value: Any) -> None:
+        sections = isinstance(value, list) and any(
+            isinstance(v, dict | list) for v in value
+        )
+        if isinstance(value, dict) and value:
+            for name, v in value.items():
+                add(f"{key}.{name}" if key else str(name), v)
+        elif sections:
+            for i, v in enumerate(value):
+                add(f"{key}.{i}", v)
+        else:
+            settings[key] = value
+
+    add("", OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     return {
-        key: OmegaConf.to_container(v) if isinstance(v, DictConfig) else v
-        for key, v in values.items()
+        key: value
+        for key, value in settings.items()
+        if not any(fnmatch.fnmatchcase(key, p) for p in NOT_COMPARED_ON_RESUME)
     }
 
 
@@ -197,6 +249,52 @@ def _described(steps: Sequence[Path]) -> str:
             f"{step.name} ({'mid-epoch' if epoch is None else f'end of epoch {epoch}'})"
         )
     return ", ".join(named) or "none"
+
+
+def _number(folder: Path) -> int:
+    """``N`` of a step checkpoint ``step_{N}`` or of its ``.step_{N}.partial``."""
+    step = step_of(folder)
+    return partial_step(folder) if step is None else step
+
+
+# How torch.save reports a write that failed (a full disk among the causes).
+_WRITE_FAILED = re.compile(r"unexpected pos|PytorchStreamWriter failed|write failed")
+
+
+@contextlib.contextmanager
+def _writing(what: str, *folders: Path) -> Iterator[None]:
+    """Name the ``folders`` being written in an error that writing them raises: a
+    full disk shows as an ``OSError`` (``ENOSPC``), or from ``torch.save`` as a
+    ``RuntimeError`` ("unexpected pos"), or from DCP as its ``CheckpointException``.
+
+    Raises:
+        OSError: naming the folders, the space left on their disk and the way on.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as e:
+        if isinstance(e, RuntimeError) and not _WRITE_FAILED.search(str(e)):
+            raise
+        free = shutil.disk_usage(folders[0].parent).free
+        message = (
+            f"Writing the {what} {', '.join(map(str, folders))} failed ({e}), with "
+            f"{free / 1e9:.2f} GB left on its disk (a full disk?). What was saved "
+            "before it is whole: make space, then resume (resume_from_checkpoint=True)."
+        )
+        errno = getattr(e, "errno", None)
+        raise (OSError(errno, message) if errno else OSError(message)) from e
+
+
+def _whole_or_deleted(partial: Path) -> tuple[str, int | None] | None:
+    """The run id and the step it continued from of ``partial``, a step checkpoint
+    not yet published, if it is whole; else it is deleted, a save that did not
+    finish."""
+    state = whole_partial(partial)
+    if state is None:
+        _warn(f"Deleting {partial} ({_size([partial])}): a save that did not finish")
+        _delete([partial])
+        return None
+    return state["run_id"], state.get("after")
 
 
 # -- what a checkpoint holds ---------------------------------------------------------
@@ -252,7 +350,6 @@ class CheckpointOptions:
     recipe_checkpoint: str | None
     every_n_steps: int | None
     keep_last_n: int | None
-    keep_previous_runs: bool
     named_epoch: int | None
     async_save: bool
     allow_changes: bool
@@ -260,7 +357,6 @@ class CheckpointOptions:
     trajectory: Mapping[str, Any]
     length: tuple[str, Any]
     adapter_only: bool
-    keep: tuple[Path, ...]
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> CheckpointOptions:
@@ -269,14 +365,12 @@ class CheckpointOptions:
         ``keep_last_n_checkpoints``), ``device``, ``resume_from_checkpoint``,
         ``resume_allow_changes``, ``save_every_n_steps``,
         ``enable_async_checkpointing``, ``optimizer._component_``, the settings of
-        :data:`TRAJECTORY_KEYS`, ``epochs`` (PPO: ``num_steps``),
-        ``save_adapter_weights_only``, ``keep_previous_runs``, and what every
-        checkpointer section reads (kept in place when earlier runs' files are moved
-        aside, even an earlier run's export)."""
+        every setting but :data:`NOT_COMPARED_ON_RESUME`, ``epochs`` (PPO: ``num_steps``),
+        ``save_adapter_weights_only``, and every checkpointer section's
+        ``checkpoint_dir`` (which no output folder may be in)."""
         checkpointer = cfg.checkpointer.copy()
         keep_last_n = checkpointer.pop("keep_last_n_checkpoints", None)
         output_dir = Path(cfg.get("output_dir") or checkpointer.output_dir)
-        read = []
         for key, section in cfg.items():
             if str(key).endswith("checkpointer") and section.get("checkpoint_dir"):
                 root = Path(section.checkpoint_dir)
@@ -285,10 +379,6 @@ class CheckpointOptions:
                 out_key = f"{key}.output_dir" if own else "output_dir"
                 out = Path(own or output_dir)
                 _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
-                files = section.get("checkpoint_files")
-                names = [] if isinstance(files, str | Mapping) else list(files or [])
-                names += [section.get("adapter_checkpoint")]
-                read += [root, *(root / str(n) for n in names if n)]
         length = "epochs" if "epochs" in cfg else "num_steps"
         resume = cfg.get("resume_from_checkpoint", False)
         return cls(
@@ -299,15 +389,13 @@ class CheckpointOptions:
             recipe_checkpoint=checkpointer.get("recipe_checkpoint", None),
             every_n_steps=cfg.get("save_every_n_steps", None),
             keep_last_n=keep_last_n,
-            keep_previous_runs=cfg.get("keep_previous_runs", False),
             named_epoch=_named_epoch(checkpointer) if resume else None,
             async_save=cfg.get("enable_async_checkpointing", False),
             allow_changes=cfg.get("resume_allow_changes", False),
             optimizer_component=(cfg.get("optimizer") or {}).get("_component_"),
-            trajectory=_trajectory(cfg, length),
+            trajectory=_trajectory(cfg),
             length=(length, cfg.get(length, None)),
             adapter_only=cfg.get("save_adapter_weights_only", False),
-            keep=tuple(read),
         )
 
 
@@ -364,12 +452,6 @@ class CheckpointManager:
                 raise ValueError(
                     f"{key}={value!r} must be a positive integer or null (null: {null})"
                 )
-        if not isinstance(options.keep_previous_runs, bool):
-            raise ValueError(
-                f"keep_previous_runs={options.keep_previous_runs!r} is not a bool: set "
-                "keep_previous_runs=True (move an earlier run's files to previous_runs/) "
-                "or keep_previous_runs=False (delete its resumable state)."
-            )
         component = options.checkpointer._component_
         if issubclass(_component(component), DistributedCheckpointer):
             raise ValueError(
@@ -381,16 +463,28 @@ class CheckpointManager:
         self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
         check_writable("checkpointer.output_dir", self._export_dir)
+        base = Path(options.checkpointer.get("checkpoint_dir") or "")
+        if adapter_config is not None and (
+            step_of(base, "epoch") is not None
+            and base.parent.resolve() == self._export_dir.resolve()
+        ):
+            raise ValueError(
+                f"checkpointer.checkpoint_dir={base} is an export of this run's "
+                f"checkpointer.output_dir={self._export_dir}: its epoch exports would "
+                "overwrite the base weights it reads (with the adapter merged in), and "
+                "a resume would apply the adapter to them a second time. Set output_dir "
+                "and checkpointer.output_dir to another folder."
+            )
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
             _check_lock(self._out)
-        # Before anything reads the folder: a move a killed run left midway.
-        for root in {self._out, self._export_dir}:
-            _finish_moves(root, first=int(os.environ.get("RANK", 0)) == 0)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
         self._steps, self._checkpoint_0_6_1 = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
+        # The step checkpoint this run continues from: its last published, or the
+        # one it resumed (None: a new run, or one that resumed another folder's).
+        self._after: int | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
 
     # -- choosing what a resume continues from ----------------------------------------
@@ -421,7 +515,7 @@ class CheckpointManager:
                 f"{folder}, which does not exist. The step checkpoints in {out} are "
                 f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
             )
-        steps = [folder] if requested else _step_dirs(out, read_run_file(out))
+        steps = [folder] if requested else self._timeline()
         epoch_state = export / "recipe_state" / RECIPE_STATE
         if not requested and self.options.named_epoch is not None:
             steps = self._epoch_end(steps, written_by_0_6_1=epoch_state.is_file())
@@ -430,21 +524,62 @@ class CheckpointManager:
             return steps, None if steps else "epoch"
         if self.options.async_save and any(export.glob("dist_epoch_*/.metadata")):
             return [], "dcp"
-        moved = out / PREVIOUS_RUNS
-        hint = f" Earlier runs' checkpoints are in {moved}: move one back to resume it."
-        hint = hint if moved.is_dir() else ""
+        hint = ""
         if final := _read_json(out / RUN_FILE).get("final_export"):
-            hint = (
-                f" The run there finished (final weights in {final}) and its step "
-                "checkpoints were deleted, as checkpointer.keep_last_n_checkpoints was "
-                "not set. To train further from its final weights, start a new run "
-                f"with checkpointer.checkpoint_dir={final}."
-            )
+            hint = self._way_on(Path(final))
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
             f"whole step checkpoint (step_N/) of this run in output_dir={out}, nor a "
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
         )
+
+    def _way_on(self, final: Path) -> str:
+        """What a finished run whose step checkpoints were deleted can do: start a
+        new run from its final export, if that is whole, in another output folder,
+        so that the new run's exports never overwrite the weights it reads."""
+        gone = (
+            "its step checkpoints were deleted, as checkpointer.keep_last_n_checkpoints "
+            "was not set"
+        )
+        try:
+            files = verify(final, export_manifest(final))["files"]
+        except CheckpointError as e:
+            return (
+                f" The run there finished, {gone}, and its final export is damaged "
+                f"({e}): no whole weights of it are left to train further from."
+            )
+        weights = [
+            name
+            for name in sorted(files)
+            if name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+            and not name.startswith("adapter")
+        ]
+        new = f"{self._out}_from_{final.name}"
+        return (
+            f" The run there finished (final weights in {final}) and {gone}. To train "
+            f"further from its final weights, start a new run with "
+            f"checkpointer.checkpoint_dir={final} "
+            f"checkpointer.checkpoint_files=[{','.join(weights)}] output_dir={new} "
+            f"checkpointer.output_dir={new}: its exports then never overwrite them."
+        )
+
+    def _timeline(self) -> list[Path]:
+        """The step checkpoints a resume of the run ``output_dir`` holds may continue
+        from, newest first, as they are once :meth:`load` has published every whole
+        ``.step_{N}.partial`` (which then is its run's newest; until then it is
+        named so): those of the run, up to its newest (later ones are of a timeline
+        it branched from)."""
+        out = self._out
+        run_id, head = read_run_file(out), run_head(out)
+        partials = {p: whole_partial(p) for p in out.glob(".step_*.partial")}
+        partials = {p: state for p, state in partials.items() if state is not None}
+        for partial, state in sorted(partials.items(), key=lambda p: _number(p[0])):
+            run_id, head = state["run_id"], partial_step(partial)
+        steps = [p for p, state in partials.items() if state["run_id"] == run_id]
+        steps += [
+            p for p in _step_dirs(out, run_id) if head is None or step_of(p) <= head
+        ]
+        return sorted(steps, key=_number, reverse=True)  # a partial before its step
 
     def _epoch_end(self, steps: list[Path], *, written_by_0_6_1: bool) -> list[Path]:
         """The step checkpoint saved at the end of the epoch whose export the
@@ -542,10 +677,12 @@ class CheckpointManager:
         """Hand over what the run saves and, resuming, put it back where it was.
 
         A resume first verifies the checkpoint and checks that the run continues its
-        trajectory (the settings of :data:`TRAJECTORY_KEYS`, the dataset's length and
-        a hash of its first, middle and last sample, the number of processes); then
-        the lock is taken (one run per ``output_dir``); a new run moves an earlier
-        run's checkpoints aside. A resume of an epoch-end checkpoint rewrites that
+        trajectory (every setting but :data:`NOT_COMPARED_ON_RESUME`, the dataset's
+        length and fingerprint, the number of processes and the optimizer steps of
+        an epoch); then the lock is taken (one run per ``output_dir``) and a whole
+        step checkpoint a stopped run had not published is published (a torn one
+        deleted); an earlier run's state stays until this run's first save is whole.
+        A resume of an epoch-end checkpoint rewrites that
         epoch's export if it is not whole (a crash or a full disk while it was
         written). Call it on every rank, after :meth:`load_base_checkpoint`.
 
@@ -588,10 +725,11 @@ class CheckpointManager:
         if steps_per_epoch < 1:
             raise ValueError(
                 f"An epoch has no optimizer step: {len(dataset)} samples make "
-                f"{len(dataloader)} batches per process ({dict(self.options.trajectory)})"
-                ": use more data, or a smaller batch_size or gradient_accumulation_steps."
+                f"{len(dataloader)} batches per process: use more data, or a smaller "
+                "batch_size or gradient_accumulation_steps."
             )
         self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
+        self._trajectory["steps_per_epoch"] = steps_per_epoch
         self._trajectory |= _dataset_identity(dataset)
         folder, recipe_state = self._verified() if self._steps else (None, {})
 
@@ -600,27 +738,58 @@ class CheckpointManager:
             self._release_output_dir = weakref.finalize(self, _release_lock, lock)
 
         _on_rank_zero(take_lock)
+        self._publish_partials()
+        if folder is not None and (step := partial_step(folder)) is not None:
+            folder = folder.with_name(f"step_{step}")  # published now
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._checkpoint_0_6_1 is None:
-            folders = {self._out, self._export_dir, *self._export_roots}
             self._run_id = _on_rank_zero(
-                lambda: start_run(
-                    self._out,
-                    folders,
-                    keep_previous_runs=self.options.keep_previous_runs,
-                    read=self.options.keep,
+                lambda: (
+                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
                 )
             )
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
+            if earlier := earlier_runs_state(self._out, self._run_id):
+                _warn(
+                    f"{self._out} holds an earlier run's resumable state "
+                    f"({', '.join(p.name for p in earlier)}: {_size(earlier)}). It stays "
+                    "until this run's first step checkpoint is whole, and is deleted "
+                    "then. To continue that run instead, stop this one and resume it "
+                    "(resume_from_checkpoint=True); to keep it, use another output_dir."
+                )
             return
         self._restore(folder, recipe_state)
         self._after_resume(folder, epoch_end=bool(recipe_state.get("epoch_end")))
 
+    def _publish_partials(self) -> None:
+        """Publish every whole ``.step_{N}.partial`` that a stopped run left (an
+        asynchronous save its run did not live to complete, a save killed before its
+        rename), after verifying it, and delete the others: saves that did not
+        finish. Call it on every rank, holding the lock."""
+        out = self._out
+        found = _on_rank_zero(lambda: sorted(out.glob(".step_*.partial"), key=_number))
+        for folder in found:
+            step = partial_step(folder)
+            if (
+                written := _on_rank_zero(lambda f=folder: _whole_or_deleted(f))
+            ) is None:
+                continue
+            run_id, after = written
+            if not (folder / MANIFEST).is_file():
+                write_manifest(folder, folder / MANIFEST, run_id=run_id, step=step)
+            verify(folder)
+            publish = dict(step=step, run_id=run_id, after=after, keep=None)
+            _on_rank_zero(lambda f=folder, kw=publish: publish_step(f, **kw))
+            _warn(
+                f"Published {out / f'step_{step}'}: a whole step checkpoint that the "
+                "run which saved it had not published yet"
+            )
+
     def _after_resume(self, folder: Path | None, *, epoch_end: bool) -> None:
         """Once a resume is restored: rewrite the resumed epoch's export if it is not
         this checkpoint's (torn, or another run's), and at the end of training say
-        there is nothing left to do and finish the run."""
+        there is nothing left to do (and finish a run stopped before it had)."""
         progress = self._progress
         epoch = progress.epochs_run - 1
         done = progress.epochs_run >= progress.total_epochs
@@ -644,7 +813,11 @@ class CheckpointManager:
                 f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
                 f"nothing left to do. To train further, set {key} to more than {value}."
             )
-            if folder is not None:
+            # A run stopped before it finished (its final export torn, say) finishes
+            # now; a finished one is left as it is.
+            finished = _read_json(self._out / RUN_FILE).get("final_export")
+            own = folder is not None and folder.parent.resolve() == self._out.resolve()
+            if own and not finished:
                 _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
 
@@ -662,7 +835,9 @@ class CheckpointManager:
         trained with other settings."""
         for folder in self._steps:
             try:
-                verify(folder, required=self._required_files())
+                # A whole save not yet published has its manifest written by load().
+                if partial_step(folder) is None or (folder / MANIFEST).is_file():
+                    verify(folder, required=self._required_files())
                 break
             except CheckpointError as e:
                 if named := self.options.recipe_checkpoint:
@@ -681,24 +856,38 @@ class CheckpointManager:
         # Settings an earlier build did not record are not compared (the earliest
         # recorded its world size alone).
         old, new = recipe_state.get("trajectory"), self._trajectory
+        keys = old.keys() | new.keys() if old else {"world_size"}
         old = old or {"world_size": recipe_state.get("world_size", 1)}
-        pairs = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys())}
+        pairs = {k: (old.get(k), new.get(k)) for k in sorted(keys)}
         diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
         length = self.options.length[0]
         if recipe_state.get("epoch_end") and length in diff:
-            # Training a finished (or epoch-end) run further: nothing to match.
+            # Training a finished (or epoch-end) run further, or less: nothing to
+            # match.
             before, after = diff.pop(length)
+            if after <= recipe_state[EPOCHS_KEY]:
+                then = "no epoch is left to train"
+            else:
+                then = "training goes on" if after > before else "training stops sooner"
+                then += (
+                    f", to the new {length}, and a learning rate schedule is rebuilt "
+                    "over it, from this step on"
+                )
             _warn(
                 f"Resuming {folder} with {length}={after} (it was trained with "
-                f"{before}): training goes on to the new {length}, and a learning rate "
-                f"schedule is rebuilt over it, from this step on."
+                f"{before}): {then}."
             )
         listed = ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
-        if "world_size" in diff or (diff and not self.options.allow_changes):
+        # Where the run stands in its data (per process, and by optimizer steps into
+        # the epoch) cannot be carried over to another count of either.
+        fixed = [k for k in ("world_size", "steps_per_epoch") if k in diff]
+        if fixed or (diff and not self.options.allow_changes):
             raise CheckpointError(
                 f"{folder} was trained with other settings ({listed}): set them back, "
-                "or resume_allow_changes=True to go on with them (not world_size: data "
-                "positions are per process), or resume_from_checkpoint=False."
+                "or resume_allow_changes=True to go on with them (not world_size or "
+                "steps_per_epoch, which the dataset's length, batch_size, "
+                "gradient_accumulation_steps and max_steps_per_epoch set: a resume "
+                "finds its place in the data by them), or resume_from_checkpoint=False."
             )
         if diff:
             _warn(
@@ -757,8 +946,16 @@ class CheckpointManager:
         self._progress.load_state_dict(recipe_state)
         if folder is None:
             return
-        self._run_id = _read_json(folder / MANIFEST).get("run_id")
-        self._run_id = self._run_id or read_run_file(self._out)
+        if folder.parent.resolve() == self._out.resolve():
+            self._run_id = _read_json(folder / MANIFEST).get("run_id")
+            self._run_id = self._run_id or read_run_file(self._out)
+            self._after = step_of(folder)
+        else:  # another folder's: read only, this run's saves go to output_dir
+            self._run_id = _on_rank_zero(
+                lambda: (
+                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
+                )
+            )
         rank_file = f"rank_{_rank()}.pt"
         if rank_file not in _read_json(folder / MANIFEST).get("files", {}):
             raise CheckpointError(
@@ -780,27 +977,25 @@ class CheckpointManager:
         torch.set_rng_state(rank_state["rng"]["torch"])
         if "cuda" in rank_state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
-        _on_rank_zero(
-            lambda: branch_at(
-                folder,
-                run_id=self._run_id,
-                epochs_done=self._progress.epochs_run,
-                export_roots=self._export_roots,
-                keep_previous_runs=self.options.keep_previous_runs,
-            )
-        )
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
+        if self._after is None:
+            return
+        steps = reversed(_step_dirs(self._out, self._run_id))
+        if later := [p.name for p in steps if step_of(p) > self._after]:
+            _warn(
+                f"Resuming from {folder.name} starts a branch: the later step "
+                f"checkpoints ({', '.join(later)}) stay until this run's save of their "
+                "step, or of a later one, is whole."
+            )
 
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
         checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
 
-        def name_the_run() -> str:
-            # The run the folder names, or a new name for a 0.6.1 run it never had.
-            run_id = read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
-            return _write_run_file(self._out, run_id)
-
-        self._run_id = _on_rank_zero(name_the_run)
+        # The run the folder names, or a new name for a 0.6.1 run it never had.
+        self._run_id = _on_rank_zero(
+            lambda: read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
+        )
         models, optimizer = list(self._models.values()), self._optimizer
         if self._checkpoint_0_6_1 == "dcp":
             (model,) = models
@@ -854,12 +1049,16 @@ class CheckpointManager:
         if finite:
             return
         progress = self._progress
-        newest = _step_dirs(self._out, self._run_id)
+        saved = ", ".join(p.name for p in reversed(_step_dirs(self._out, self._run_id)))
         resume = (
-            f"The newest step checkpoint, {newest[0]}, was saved before it: resume "
-            "from it (resume_from_checkpoint=True) once the cause is fixed"
-            if newest
-            else "No step checkpoint was saved yet: start again once the cause is fixed"
+            "No step checkpoint is known to be from before the divergence: the "
+            f"saved ones ({saved}) hold finite weights, but a loss often grows for "
+            "steps before it is not finite, and a resume brings back a checkpoint's "
+            "optimizer state, its learning rate included. Start a new run "
+            "(resume_from_checkpoint=False) once the cause is fixed"
+            if saved
+            else "No step checkpoint was saved yet: start a new run "
+            "(resume_from_checkpoint=False) once the cause is fixed"
         )
         raise FloatingPointError(
             f"Step {progress.global_step + 1} (epoch {progress.epochs_run}, up to "
@@ -868,8 +1067,8 @@ class CheckpointManager:
             "before anything is saved, and before the optimizer steps (an "
             "in-backward update without clipping is applied as gradients arrive; "
             "with a non-finite loss, nothing is applied). "
-            f"{resume} (a learning rate too high, an overflow in low precision, bad "
-            "data in these batches)."
+            f"{resume}. The usual causes: a learning rate too high, an overflow in low "
+            "precision, bad data in these batches."
         )
 
     # -- saving --------------------------------------------------------------------------
@@ -884,13 +1083,20 @@ class CheckpointManager:
                 Default: ``False``
         """
         step, n = self._progress.global_step, self.options.every_n_steps
+        partial = self._out / f".step_{step}.partial"
         if not epoch_end:
             if n is not None and step % n == 0 and step % self._steps_per_epoch != 0:
-                self._write_step(mid_epoch=True)
+                with _writing("step checkpoint", partial):
+                    self._write_step(mid_epoch=True)
             return
         done = self._progress.epochs_run >= self._progress.total_epochs
-        self._write_step(mid_epoch=False, wait=done)
-        self._export(epoch := self._progress.epochs_run - 1, final=done)
+        with _writing("step checkpoint", partial):
+            self._write_step(mid_epoch=False, wait=done)
+        epoch = self._progress.epochs_run - 1
+        with _writing(
+            "epoch export", *(r / f"epoch_{epoch}" for r in self._export_roots)
+        ):
+            self._export(epoch, final=done)
         if done:
             _on_rank_zero(lambda: self._finish_run(epoch))
             self._release_output_dir()
@@ -900,7 +1106,11 @@ class CheckpointManager:
         torchtune 0.6.1 leaves no resumable state after the final epoch, unless
         ``keep_last_n_checkpoints`` asks to keep them (to train further later)."""
         final, n = self._export_dir / f"epoch_{epoch}", self.options.keep_last_n
-        steps, (key, value) = _step_dirs(self._out, self._run_id), self.options.length
+        step, (key, value) = self._progress.global_step, self.options.length
+        own = _step_dirs(self._out, self._run_id)
+        # Superseded by the final export: a timeline this run branched from.
+        _delete([p for p in own if step_of(p) > step])
+        steps = [p for p in own if step_of(p) <= step]
         if n is not None:
             kept = (
                 f"Its resumable state is kept (checkpointer.keep_last_n_checkpoints={n}:"
@@ -913,7 +1123,7 @@ class CheckpointManager:
                 "training further later, set checkpointer.keep_last_n_checkpoints."
             )
             _delete(steps)
-        _write_run_file(self._out, self._run_id, final_export=str(final))
+        _write_run_file(self._out, self._run_id, head=step, final_export=str(final))
         log.info(
             f"Training done (run {self._run_id}, {self._progress.epochs_run} epochs). "
             f"Final weights in {final} (every file checksummed). {kept}"
@@ -952,6 +1162,7 @@ class CheckpointManager:
         _save_file(rank_state, partial / f"rank_{_rank()}.pt")
         if _rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
+            recipe_state |= {"run_id": self._run_id, "after": self._after}
             recipe_state["optimizer_component"] = self.options.optimizer_component
             recipe_state["trajectory"] = self._trajectory
             # Each group's hyperparameters: DCP loads only what a new optimizer has.
@@ -968,27 +1179,23 @@ class CheckpointManager:
             return
         (future, partial, step), self._pending = self._pending, None
         if future is not None:
-            future.result()
+            with _writing("step checkpoint", partial):
+                future.result()
         _barrier()
         write_manifest(partial, partial / MANIFEST, run_id=self._run_id, step=step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
-            final = self._out / f"step_{step}"
-            _fsync_dir(partial)
-            if final.exists():  # never rewrite a checkpoint: keep the one replaced
-                label = f"run_{self._run_id}-replaced"
-                _set_aside([final], label, "Saving a step again")
-            os.replace(partial, final)
-            _fsync_dir(self._out)
-            replaced = _step_dirs(self._out, self._run_id)[keep:] if keep else []
-            _delete(replaced)
+            pruned = publish_step(
+                partial, step=step, run_id=self._run_id, after=self._after, keep=keep
+            )
             if self.options.keep_last_n is not None:
-                for old in replaced:
+                for old in pruned:
                     log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
-            log.info(f"Step checkpoint saved to {final}")
+            log.info(f"Step checkpoint saved to {self._out / f'step_{step}'}")
 
         _on_rank_zero(publish)
+        self._after = step
 
     def _export(self, epoch: int, *, final: bool) -> None:
         """Write ``epoch_{epoch}`` through each model's checkpointer, then its
@@ -1028,7 +1235,7 @@ class CheckpointManager:
 
 
 __all__ = [
-    "TRAJECTORY_KEYS",
+    "NOT_COMPARED_ON_RESUME",
     "CheckpointManager",
     "CheckpointOptions",
     "TrainingProgress",

@@ -1,12 +1,14 @@
-"""One run per ``output_dir``: its name, its lock, and what earlier runs and
-earlier timelines left.
+"""One run per ``output_dir``: its name, its lock, and the one rule by which
+anything in it is deleted.
 
-``torchtune_run.json`` names the run the folder holds; ``torchtune_run.lock`` is held
-(an exclusive ``flock``, released by the kernel when the process dies) by the
-process training it. A new run deletes an earlier run's resumable state, and a resume
-that branches from an older step checkpoint deletes the later ones, or, when asked
-(``keep_previous_runs``), moves them into ``previous_runs/``; a move records what it
-moves first, so that the next start finishes a move a killed process left midway.
+``torchtune_run.json`` names the run the folder holds and its newest step
+checkpoint; ``torchtune_run.lock`` is held (an exclusive ``flock``, released by the
+kernel when the process dies) by the process training it. A step checkpoint is
+published by :func:`publish_step`, and only then, in ``output_dir`` only, goes what it
+supersedes: an earlier run's resumable state, a later step checkpoint of the
+timeline a resume branched from (once the branch's save of that step, or a later
+one, is whole), and this run's beyond the newest it keeps. Until a new run's or a
+branch's first save is whole, the folder resumes as it did before it started.
 """
 
 from __future__ import annotations
@@ -14,19 +16,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
-import shutil
 import socket
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchtune.training.checkpointing._step_format import (
+    MANIFEST,
     CheckpointError,
     _delete,
     _fsync_dir,
+    _intact,
     _read_json,
     _size,
     _step_dirs,
@@ -35,15 +36,6 @@ from torchtune.training.checkpointing._step_format import (
 )
 
 RUN_FILE, LOCK_FILE = "torchtune_run.json", "torchtune_run.lock"
-PREVIOUS_RUNS = "previous_runs"
-
-# What a run leaves that a later run could mistake for its own, and of that, what a
-# resume continues from (this build's step checkpoints, 0.6.1's recipe state and DCP).
-_RUN_OUTPUTS = re.compile(
-    r"step_\d+|\.step_\d+\.partial|(dist_)?epoch_\d+|\.epoch_\d+\.manifest\.json"
-    r"|recipe_state|torchtune_run\.json"
-)
-_RESUMABLE = re.compile(r"step_\d+|\.step_\d+\.partial|dist_epoch_\d+|recipe_state")
 
 
 def read_run_file(folder: Path) -> str | None:
@@ -55,67 +47,6 @@ def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
     (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
     return run_id
-
-
-def _set_aside(
-    entries: list[Path], label: str, reason: str, copies: Sequence[Path] = ()
-) -> None:
-    """Move ``entries`` (and copy ``copies``, which stay in use) into
-    ``previous_runs/{label}/`` of their folders, never into an earlier move's."""
-    for folder in sorted({e.parent for e in [*entries, *copies]}):
-        target, suffix = folder / PREVIOUS_RUNS / label, 1
-        while target.exists():
-            suffix += 1
-            target = folder / PREVIOUS_RUNS / f"{label}.{suffix}"
-        target.mkdir(parents=True)
-        moved = sorted(e.name for e in entries if e.parent == folder)
-        copied = sorted(e.name for e in copies if e.parent == folder)
-        for name in copied:
-            copy = shutil.copytree if (folder / name).is_dir() else shutil.copy2
-            copy(folder / name, target / name)
-        # What is left to move, for the next start to finish if this process dies.
-        journal = _move_journal(target)
-        journal.write_text(json.dumps({"target": target.name, "names": moved}))
-        for name in moved:
-            os.replace(folder / name, target / name)
-        _fsync_dir(folder)
-        journal.unlink()
-        also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
-        _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
-
-
-def _move_journal(target: Path) -> Path:
-    return target.parent / f".{target.name}.moving.json"
-
-
-def _finish_moves(folder: Path, first: bool) -> None:
-    """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
-    of what it was moving joins what it moved. Only the ``first`` process (rank 0,
-    which found no live run holding the folder) moves; the others wait for it, as
-    there is no process group yet to wait with."""
-    journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
-    if not first:
-        deadline = time.monotonic() + 120
-        while any(journal.exists() for journal in journals):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"{journals[0]} was not finished by rank 0 within 120 s: start "
-                    "again."
-                )
-            time.sleep(0.1)
-        return
-    for journal in journals:
-        move = _read_json(journal)
-        target = folder / PREVIOUS_RUNS / str(move.get("target"))
-        left = [n for n in move.get("names", []) if (folder / n).exists()]
-        for name in left:
-            os.replace(folder / name, target / name)
-        _fsync_dir(folder)
-        journal.unlink()
-        _warn(
-            f"Finished moving {', '.join(left) or 'nothing'} to {target}, a move an "
-            "earlier process stopped midway"
-        )
 
 
 def _exists(path: Path) -> bool:
@@ -259,113 +190,74 @@ def _release_lock(lock: _Lock) -> None:
     os.close(lock.fd)
 
 
-# -- a new run, and a resume that branches ----------------------------------------
+def run_head(folder: Path) -> int | None:
+    """The step of the newest step checkpoint of the run ``folder`` holds: its
+    step checkpoints after it are of a timeline a resume branched from."""
+    return _read_json(folder / RUN_FILE).get("head")
 
 
-def start_run(
-    out: Path,
-    folders: Iterable[Path],
-    *,
-    keep_previous_runs: bool,
-    read: Sequence[Path],
-) -> str:
-    """Name a new run in ``out``, after clearing what an earlier run left in
-    ``folders`` (the output and export folders): its resumable state is deleted or,
-    with ``keep_previous_runs``, all of it is moved into ``previous_runs/``, but for
-    what this run ``read``s, which stays in place with a copy set aside."""
-    found = []
-    for root in set(folders):
-        found += [e for e in root.glob("*") if _RUN_OUTPUTS.fullmatch(e.name)]
-    if any(e.name != RUN_FILE for e in found):
-        if keep_previous_runs:
-            _set_earlier_run_aside(out, found, read)
-        else:
-            _clear_earlier_run(out, found)
-    run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
-    return _write_run_file(out, run_id)
+def earlier_runs_state(out: Path, run_id: str | None) -> list[Path]:
+    """What runs other than ``run_id`` left in ``out`` to resume from: the step
+    checkpoints whose manifest names another run, and torchtune 0.6.1's recipe state
+    and asynchronous epoch checkpoints."""
+    found = [
+        p
+        for p in _step_dirs(out)
+        if _intact(manifest := _read_json(p / MANIFEST))
+        and manifest.get("run_id") not in (run_id, None)
+    ]
+    found += [
+        p for p in [out / "recipe_state", *out.glob("dist_epoch_*")] if p.is_dir()
+    ]
+    return sorted(found)
 
 
-def _clear_earlier_run(out: Path, found: list[Path]) -> None:
-    """Delete the resumable state of the earlier run that left ``found``, which
-    this run must not continue, saying so first; its exports stay until this run's
-    epochs replace them, as in 0.6.1."""
-    resumable = [e for e in found if _RESUMABLE.fullmatch(e.name)]
-    exports = sorted(e.name for e in found if step_of(e, "epoch") is not None)
-    message = [f"{out} holds an earlier run's files."]
-    if resumable:
-        names = ", ".join(sorted(e.name for e in resumable))
-        message.append(
-            f"Deleting its resumable state ({names}: {_size(resumable)}), "
-            "which this new run must not continue."
-        )
-    if exports:
-        message.append(
-            f"Its exports ({', '.join(exports)}) stay until this run's epochs "
-            "replace them."
-        )
-    message.append(
-        "To keep an earlier run's files, set keep_previous_runs=True (moved "
-        f"to {out / PREVIOUS_RUNS}), or use another output_dir."
-    )
-    _warn(" ".join(message))
-    _delete(resumable)
+def publish_step(
+    partial: Path, *, step: int, run_id: str, after: int | None, keep: int | None
+) -> list[Path]:
+    """Make the whole ``partial`` the step checkpoint ``step_{step}`` of run
+    ``run_id``, which continued from its step checkpoint ``after`` (``None``: from
+    the start), and the folder's newest; then delete, in its folder only, what it
+    supersedes: the run's step checkpoints after ``after`` up to ``step`` (of a
+    timeline this one branched from; those after ``step`` stay until a save of their
+    step or a later one is whole), an earlier run's resumable state, and, with
+    ``keep``, the run's step checkpoints but the newest ``keep``.
 
+    Every step is safe to repeat: a process killed midway leaves a whole
+    ``partial``, which the next start publishes again.
 
-def _set_earlier_run_aside(out: Path, found: list[Path], read: Sequence[Path]) -> None:
-    """Move everything the earlier run left (``found``) into ``previous_runs/``,
-    but for what this run reads, which stays in place with a copy set aside."""
-    keep = [k.absolute() for k in read]
-    kept = [e for e in found if any(e.absolute() in (k, *k.parents) for k in keep)]
-    newest = time.gmtime(max(e.stat().st_mtime for e in found))
-    earlier = read_run_file(out) or time.strftime("before-%Y%m%d-%H%M%S", newest)
-    reason = (
-        f"{out} held an earlier run's checkpoints, which this run must "
-        "neither overwrite nor resume (to resume: move them back)"
-    )
-    moved = [e for e in found if e not in kept]
-    _set_aside(moved, f"run_{earlier}", reason, copies=kept)
-
-
-def branch_at(
-    folder: Path,
-    *,
-    run_id: str | None,
-    epochs_done: int,
-    export_roots: Sequence[Path],
-    keep_previous_runs: bool,
-) -> None:
-    """Resuming from the step checkpoint ``folder`` when later ones exist branches:
-    the old timeline's later step checkpoints are deleted (with
-    ``keep_previous_runs``, moved aside with the exports of the epochs after
-    ``epochs_done``), so that pruning and later resumes see this branch only."""
-    out = folder.parent
-    later = [p for p in _step_dirs(out) if step_of(p) > step_of(folder)]
-    if later and keep_previous_runs:
-        for root in export_roots:
-            epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
-            later += [p for p, e in epochs if e is not None and e >= epochs_done]
-        reason = (
-            f"Resuming from {folder.name}: the later checkpoints of this run "
-            "(damaged, or of the timeline this resume branches from) go aside"
-        )
-        _set_aside(later, f"run_{run_id}-after-{folder.name}", reason)
-    elif later:
-        _warn(
-            f"Resuming from {folder.name}: deleting this run's later step checkpoints "
-            f"({', '.join(p.name for p in later)}: {_size(later)}), damaged or of the "
-            "timeline this resume branches from, so that later resumes continue "
-            "this branch. To keep them, set keep_previous_runs=True (moved to "
-            f"{out / PREVIOUS_RUNS})."
-        )
-        _delete(later)
+    Returns:
+        list[Path]: the step checkpoints deleted to keep the newest ``keep``.
+    """
+    out = partial.parent
+    final = out / f"step_{step}"
+    _fsync_dir(partial)
+    _write_run_file(out, run_id, head=step)
+    first = -1 if after is None else after
+    branched = [p for p in _step_dirs(out, run_id) if first < step_of(p) <= step]
+    earlier = earlier_runs_state(out, run_id)
+    for what, paths in (
+        ("of the timeline this run branched from", [p for p in branched if p != final]),
+        ("an earlier run's resumable state", earlier),
+    ):
+        if paths:
+            names = ", ".join(p.name for p in paths)
+            _warn(f"Deleting {names} ({_size(paths)}), {what}: {final} supersedes it")
+    _delete([*branched, *earlier, *([final] if final.exists() else [])])
+    os.replace(partial, final)
+    _fsync_dir(out)
+    timeline = [p for p in _step_dirs(out, run_id) if step_of(p) <= step]
+    pruned = timeline[keep:] if keep else []
+    _delete(pruned)
+    return pruned
 
 
 __all__ = [
     "LOCK_FILE",
-    "PREVIOUS_RUNS",
     "RUN_FILE",
-    "branch_at",
     "check_writable",
+    "earlier_runs_state",
+    "publish_step",
     "read_run_file",
-    "start_run",
+    "run_head",
 ]

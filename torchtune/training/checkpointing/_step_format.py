@@ -94,10 +94,13 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _save_file(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
+    """Save ``obj`` to ``path``, which exists only once it is whole."""
+    written = path.with_name(f"{path.name}.tmp")
+    with open(written, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(written, path)
 
 
 def _load(path: Path) -> Any:
@@ -240,6 +243,32 @@ def verify(
     return manifest
 
 
+def whole_partial(partial: Path) -> dict[str, Any] | None:
+    """The recipe state of ``partial`` (a ``.step_{N}.partial`` folder, a step
+    checkpoint not yet published) if every file of it is written, else ``None``.
+    Each file exists only once whole (it is renamed into place); the sharded model
+    and optimizer state of ``torch.distributed.checkpoint`` is whole once its
+    ``.metadata``, which it writes last, exists."""
+    try:
+        state = torch.load(partial / RECIPE_STATE, weights_only=True, mmap=True)
+        world_size = state["trajectory"]["world_size"]
+    except Exception:  # not written: not whole
+        return None
+    if not state.get("run_id"):  # not written by this build
+        return None
+    files = [partial / f"rank_{r}.pt" for r in range(world_size)]
+    model = partial / MODEL_OPTIMIZER_FILE
+    sharded = partial / MODEL_OPTIMIZER_DCP / ".metadata"
+    whole = all(f.is_file() for f in files) and (model.is_file() or sharded.is_file())
+    return state if whole else None
+
+
+def partial_step(path: Path) -> int | None:
+    """``N`` of a folder named ``.step_{N}.partial``, else ``None``."""
+    match = re.fullmatch(r"\.step_(\d+)\.partial", path.name)
+    return int(match.group(1)) if match else None
+
+
 def step_of(path: Path, kind: str = "step") -> int | None:
     """``N`` of a folder named ``{kind}_{N}``, else ``None``."""
     match = re.fullmatch(rf"{kind}_(\d+)", path.name)
@@ -269,7 +298,9 @@ __all__ = [
     "CheckpointError",
     "export_manifest",
     "file_checksum",
+    "partial_step",
     "step_of",
     "verify",
+    "whole_partial",
     "write_manifest",
 ]

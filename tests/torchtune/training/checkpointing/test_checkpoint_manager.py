@@ -21,11 +21,13 @@ restored something wrongly, not rounding.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import logging
 import multiprocessing
 import os
 import re
+import shutil
 import socket
 import subprocess
 import zlib
@@ -63,7 +65,7 @@ from torchtune.training import OptimizerInBackward
 from torchtune.training.checkpointing import _run_folder as run_folder
 from torchtune.training.checkpointing._checkpoint_manager import (
     FINGERPRINT_SAMPLES,
-    TRAJECTORY_KEYS,
+    NOT_COMPARED_ON_RESUME,
     CheckpointManager,
     CheckpointOptions,
     TrainingProgress,
@@ -73,7 +75,6 @@ from torchtune.training.checkpointing._checkpoint_manager import (
 from torchtune.training.checkpointing._checkpointer import DistributedCheckpointer
 from torchtune.training.checkpointing._run_folder import (
     LOCK_FILE,
-    PREVIOUS_RUNS,
     RUN_FILE,
     _release_lock,
     _take_lock,
@@ -353,6 +354,11 @@ def flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def resumable_state(out: Path) -> dict[str, tuple[str, int] | None]:
+    """Every file of ``out`` but the lock a stopped run leaves: what a resume reads."""
+    return {k: v for k, v in snapshot_files(out).items() if k != LOCK_FILE}
+
+
 def warnings_text(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(
         r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
@@ -491,15 +497,19 @@ def test_resuming_a_finished_run_says_there_is_nothing_left_to_do(
     assert not (out / LOCK_FILE).exists()
 
 
-def test_resuming_a_finished_run_leaves_what_its_options_ask(tmp_path: Path) -> None:
-    # Trained keeping its step checkpoints, resumed without keep_last_n_checkpoints:
-    # the run is finished as one that never kept them, its exports only.
+def test_resuming_a_finished_run_with_nothing_left_to_do_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    # Trained keeping its step checkpoints (to train further later), resumed
+    # without keep_last_n_checkpoints: the ones kept are what "set epochs to more
+    # than 2" needs, so they stay.
     train(make_config(tmp_path))
     out = tmp_path / "out"
-    assert step_names(out) == ["step_3", "step_4", "step_6", "step_8"]
+    before = resumable_state(out)
     resume(make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None}))
-    assert step_names(out) == []
-    assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+    assert resumable_state(out) == before
+    run = resume(make_config(tmp_path, epochs=3))
+    assert run.resumed_at == 8 and run.progress.global_step == 12
 
 
 def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
@@ -513,16 +523,18 @@ def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
     run.manager.stop_if_not_finite(finite, finite, batch=1)  # finite: goes on
     with pytest.raises(FloatingPointError) as stopped:
         run.manager.stop_if_not_finite(nan, finite, batch=1)
-    assert str(stopped.value) == (
+    message = str(stopped.value)
+    assert message.startswith(
         "Step 6 (epoch 1, up to batch 1 of the epoch) has a non-finite loss (nan) or "
         "gradient norm (0.5) on at least one process: stopping before anything is "
-        "saved, and before the optimizer steps (an in-backward update without "
-        "clipping is applied as gradients arrive; with a non-finite loss, nothing is "
-        f"applied). The newest step checkpoint, {tmp_path / 'out' / 'step_4'}, was "
-        "saved before it: resume from it (resume_from_checkpoint=True) once the cause "
-        "is fixed (a learning rate too high, an overflow in low precision, bad data "
-        "in these batches)."
+        "saved, and before the optimizer steps"
     )
+    # The step checkpoints may hold weights already diverging, and a resume brings
+    # back their optimizer state (the learning rate too): none is offered as good.
+    assert "No step checkpoint is known to be from before the divergence" in message
+    assert "(step_3, step_4)" in message
+    assert "resume_from_checkpoint=False" in message
+    assert "resume_from_checkpoint=True" not in message
 
 
 @pytest.fixture
@@ -604,6 +616,28 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_save_whose_run_died_is_published_at_the_next_start(
+    tmp_path: Path, gloo_world_of_one: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run dies after step 7 with step 6's background save written (its DCP
+    metadata and every process's files) but not completed: the next start
+    publishes it, so the resume loses step 7 only, not steps 5 to 7."""
+    cfg = make_config(tmp_path, enable_async_checkpointing=True)
+    stopped = train(cfg, in_backward=True, stop_after=7, build=sharded_model)
+    stopped.manager._pending[0].result()  # written; then killed: never completed
+    out = tmp_path / "out"
+    assert (out / ".step_6.partial" / "model_optimizer" / ".metadata").is_file()
+    assert not (out / ".step_6.partial" / MANIFEST).exists()
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg, build=sharded_model)
+    run.manager.close()
+    assert run.resumed_at == 6
+    assert f"Published {out / 'step_6'}" in warnings_text(caplog)
+    expected = full_state(uninterrupted(tmp_path, build=sharded_model))
+    torch.testing.assert_close(full_state(run.model), expected, **BITWISE)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_one_process_distributed_resume_restores_the_lr_schedules_initial_lr(
     tmp_path: Path, gloo_world_of_one: None
 ) -> None:
@@ -648,9 +682,7 @@ def test_save_writes_every_n_steps_and_an_epochs_last_step_only_at_its_end(
     out = tmp_path / "out"
     assert step_names(out) == [f"step_{n}" for n in expected]
     # Steps 4 and 8 end epochs: save() left them to save(epoch_end=True), which saved
-    # each once (a second save would have set the first aside) without a data
-    # position (the next epoch starts its loader afresh).
-    assert not (out / PREVIOUS_RUNS).exists()
+    # each once without a data position (the next epoch starts its loader afresh).
     for n in expected:
         recipe_state = torch.load(out / f"step_{n}" / RECIPE_STATE, weights_only=False)
         rank_state = torch.load(out / f"step_{n}" / "rank_0.pt", weights_only=False)
@@ -688,27 +720,32 @@ def test_keep_last_n_keeps_the_newest(tmp_path: Path) -> None:
     assert exports == ["epoch_0", "epoch_1"]
 
 
-def test_saving_a_step_again_sets_the_earlier_one_aside(tmp_path: Path) -> None:
+def test_saving_a_step_again_replaces_it_once_the_new_save_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = train(make_config(tmp_path), stop_after=3)
-    out, run_id = tmp_path / "out", read_run_file(tmp_path / "out")
-    saves = [(out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes()]
-    for _ in range(2):
-        with torch.no_grad():
-            run.model[0].weight.add_(1.0)
+    out = tmp_path / "out"
+    first = snapshot_files(out / "step_3")
+    with torch.no_grad():
+        run.model[0].weight.add_(1.0)
+    # Killed while the second save is written: the first stays, untouched.
+    real_save = torch.save
+
+    def killed_writing_the_model(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if "optimizer" in obj:
+            raise KeyboardInterrupt
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", killed_writing_the_model)
+    with pytest.raises(KeyboardInterrupt):
         run.manager.save()  # global_step is still 3: due again
-        saves.append((out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes())
-    assert len(set(saves)) == 3
-    replaced = out / PREVIOUS_RUNS / f"run_{run_id}-replaced"
-    # Never merged into an earlier move: the second goes beside the first.
-    for folder, data in (
-        (replaced / "step_3", saves[0]),
-        (replaced.with_name(replaced.name + ".2") / "step_3", saves[1]),
-        (out / "step_3", saves[2]),
-    ):
-        verify(folder)
-        assert (folder / MODEL_OPTIMIZER_FILE).read_bytes() == data, folder
+    monkeypatch.setattr(torch, "save", real_save)
+    assert snapshot_files(out / "step_3") == first
+    run.manager.save()
+    verify(out / "step_3")
     saved = torch.load(out / "step_3" / MODEL_OPTIMIZER_FILE, weights_only=False)
     torch.testing.assert_close(saved["model"], run.model.state_dict(), **BITWISE)
+    assert not list(out.glob(".step_*"))
 
 
 def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
@@ -798,7 +835,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
     run = resume(cfg)
     assert run.resumed_at == 4
     assert_same_weights(run.model, uninterrupted(tmp_path))
-    assert not list(out.glob(".step_*"))  # saving step 6 again cleared the partial
+    assert not list(out.glob(".step_*"))  # the next start deleted the partial
 
 
 @pytest.mark.parametrize(
@@ -831,11 +868,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
     )
     assert run.resumed_at == 3
     assert_same_weights(run.model, uninterrupted(tmp_path))
-    # The damaged one is deleted, saying so, as the resume branches before it.
-    assert not (out / PREVIOUS_RUNS).exists()
-    assert "Resuming from step_3: deleting this run's later step checkpoints (" in (
-        warnings_text(caplog)
-    )
+    # The damaged one stays until the branch's own step_4 replaces it, whole.
+    assert "Resuming from step_3 starts a branch" in warnings_text(caplog)
+    verify(out / "step_4")
 
 
 def test_a_folder_without_manifest_is_not_a_checkpoint(
@@ -844,14 +879,13 @@ def test_a_folder_without_manifest_is_not_a_checkpoint(
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     out = tmp_path / "out"
-    (out / "step_9").mkdir()
-    (out / "step_9" / MODEL_OPTIMIZER_FILE).write_bytes(b"half written")
+    (out / "step_4" / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match=f"has no {MANIFEST}"):
-        verify(out / "step_9")
+        verify(out / "step_4")
     with caplog.at_level(logging.WARNING):
         run = resume(cfg)
-    assert f"Skipping step checkpoint {out / 'step_9'}" in warnings_text(caplog)
-    assert run.resumed_at == 4
+    assert f"Skipping step checkpoint {out / 'step_4'}" in warnings_text(caplog)
+    assert run.resumed_at == 3
 
 
 @pytest.mark.parametrize("damage", ["torn", "read error"])
@@ -954,141 +988,166 @@ def test_a_new_run_makes_its_output_dir_and_the_folders_above_it(
     assert (out / "step_3").is_dir()
 
 
-@pytest.mark.parametrize("base", ["its folder", "its files"])
-def test_keep_previous_runs_moves_an_earlier_runs_files_aside_but_not_its_base(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, base: str
+def test_a_rerun_without_resume_keeps_the_earlier_runs_state_until_its_first_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """With ``keep_previous_runs``, a new run that starts from the earlier run's last
-    export, named by its folder (``checkpoint_dir``), or by its files in
-    ``output_dir`` (the new run exporting elsewhere), moves the rest aside."""
     out = tmp_path / "out"
-    train(make_config(tmp_path))
-    earlier = read_run_file(out)
-    before = snapshot_files(out)
-    named = {"checkpoint_dir": str(out / "epoch_1"), "checkpoint_files": [EXPORT_FILE]}
-    if base == "its files":
-        named = {
-            "checkpoint_dir": str(out),
-            "checkpoint_files": [f"epoch_1/{EXPORT_FILE}"],
-            "output_dir": str(tmp_path / "exports"),
-        }
-    cfg = make_config(tmp_path, checkpointer=named, keep_previous_runs=True)
+    cfg = make_config(tmp_path)
+    train(cfg, stop_after=7)  # run A: step_3, step_4, step_6
+    earlier = resumable_state(out)
+    # Run B, the same command without resume_from_checkpoint, stopped before its
+    # first save: the folder resumes run A exactly as before.
     with caplog.at_level(logging.WARNING):
-        run = train(cfg, stop_after=2)
-    aside = out / PREVIOUS_RUNS / f"run_{earlier}"
-    assert "moved " in warnings_text(caplog) and str(aside) in warnings_text(caplog)
-    assert read_run_file(out) not in (None, earlier)
-    assert read_run_file(aside) == earlier and (aside / RUN_FILE).is_file()
-    assert step_names(out) == []  # stopped before its first save
-    # Every file is still there, unchanged: the base in place, the rest set aside.
-    in_place, set_aside = snapshot_files(out), snapshot_files(aside)
-    for name, entry in before.items():
-        after = in_place if name.startswith("epoch_1") else set_aside
-        assert after.get(name) == entry, name
-    torch.testing.assert_close(
-        torch.load(out / "epoch_1" / EXPORT_FILE, weights_only=True),
-        torch.load(aside / "step_8" / MODEL_OPTIMIZER_FILE, weights_only=False)[
-            "model"
-        ],
-        **BITWISE,
+        train(cfg, stop_after=2)
+    assert re.search(
+        r"holds an earlier run's resumable state \(step_3, step_4, step_6: [0-9.]+ MB\)"
+        r". It stays until this run's first step checkpoint is whole",
+        warnings_text(caplog),
     )
-    assert run.resumed_at == 0
+    assert "resume_from_checkpoint=True" in warnings_text(caplog)
+    assert resumable_state(out) == earlier
+    run = resume(cfg)
+    assert run.resumed_at == 6
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    # Once run C's first step checkpoint is whole, run A's state goes, saying so.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train(cfg, stop_after=3)
+    assert re.search(
+        r"Deleting step_3, step_4, step_6, step_8 \([0-9.]+ MB\), an earlier run's resumable "
+        rf"state: {re.escape(str(out / 'step_3'))} supersedes it",
+        warnings_text(caplog),
+    )
+    assert step_names(out) == ["step_3"]
 
 
-@pytest.mark.parametrize("keep_previous_runs", [False, True])
-def test_a_new_run_replacing_the_export_it_started_from_says_so_or_keeps_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, keep_previous_runs: bool
+def test_a_new_run_keeps_0_6_1s_resumable_state_until_its_first_save(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    for folder in ("recipe_state", "dist_epoch_0"):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "state.pt").write_bytes(b"0.6.1's")
+    before = resumable_state(out)
+    train(make_config(tmp_path), stop_after=2)  # its first save: step 3
+    assert resumable_state(out) == before
+    train(make_config(tmp_path), stop_after=3)
+    assert not (out / "recipe_state").exists() and not (out / "dist_epoch_0").exists()
+
+
+def test_a_new_run_starting_from_an_earlier_runs_export_replaces_it_as_0_6_1_did(
+    tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
     train(make_config(tmp_path))
     earlier_export = (out / "epoch_1" / EXPORT_FILE).read_bytes()
-    cfg = make_config(
-        tmp_path,
-        checkpointer={
-            "checkpoint_dir": str(out / "epoch_1"),
-            "checkpoint_files": [EXPORT_FILE],
-        },
-        keep_previous_runs=keep_previous_runs,
-    )
-    with caplog.at_level(logging.WARNING):
-        train(cfg)
-    kept = [p for p in out.rglob(EXPORT_FILE) if p.read_bytes() == earlier_export]
-    if keep_previous_runs:
-        assert kept, "the earlier run's epoch_1 weights are gone"
-    else:  # replaced, as in torchtune 0.6.1, but said at start
-        assert not kept
-        assert (
-            "Its exports (epoch_0, epoch_1) stay until this run's epochs replace "
-            "them. To keep an earlier run's files, set keep_previous_runs=True"
-        ) in warnings_text(caplog)
+    named = {"checkpoint_dir": str(out / "epoch_1"), "checkpoint_files": [EXPORT_FILE]}
+    cfg = make_config(tmp_path, checkpointer=named)
+    run = train(cfg, stop_after=3)
+    assert run.resumed_at == 0
+    assert (out / "epoch_1" / EXPORT_FILE).read_bytes() == earlier_export
+    train(cfg)
+    assert not [p for p in out.rglob(EXPORT_FILE) if p.read_bytes() == earlier_export]
 
 
-def test_a_resume_picks_only_its_own_runs_checkpoints_and_prunes_only_them(
-    tmp_path: Path,
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_whole_step_checkpoint_not_yet_published_is_published_at_the_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, save: str
 ) -> None:
+    """A run that died after a save's files were all written but before it
+    published them: killed before the rename (its manifest written), or an
+    asynchronous save that was never completed (no manifest)."""
+    cfg = make_config(tmp_path)
     out = tmp_path / "out"
-    train(make_config(tmp_path, save_every_n_steps=1))  # run A: step_1 ... step_8
-    run_a = read_run_file(out)
-    # Run B: step_3, step_4; A set aside.
-    train(make_config(tmp_path, keep_previous_runs=True), stop_after=5)
-    # Someone moves two of run A's checkpoints back.
+    train(cfg, stop_after=7)
+    os.replace(out / "step_6", out / ".step_6.partial")
+    if save == "async":
+        (out / ".step_6.partial" / MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg)
+    assert run.resumed_at == 6
+    assert f"Published {out / 'step_6'}" in warnings_text(caplog)
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_a_killed_saves_leftovers_go_at_the_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path)
+    out = tmp_path / "out"
+    train(cfg, stop_after=7)
+    # Killed writing step 7's save (every step, then): its model file torn, never
+    # renamed into place; resumed saving every 3 steps, which never saves step 7.
+    (out / ".step_7.partial").mkdir()
+    (out / ".step_7.partial" / f"{MODEL_OPTIMIZER_FILE}.tmp").write_bytes(b"torn")
+    with caplog.at_level(logging.WARNING):
+        run = resume(cfg, stop_after=7)
+    assert run.resumed_at == 6
+    assert f"Deleting {out / '.step_7.partial'}" in warnings_text(caplog)
+    assert not list(out.glob(".step_*"))
+
+
+def test_a_resume_picks_only_its_own_runs_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    train(make_config(tmp_path / "a", save_every_n_steps=1))  # run A: step_1 ... 8
+    train(make_config(tmp_path), stop_after=5)  # run B: step_3, step_4
+    # Someone copies two of run A's checkpoints in.
     for name in ("step_1", "step_7"):
-        os.replace(out / PREVIOUS_RUNS / f"run_{run_a}" / name, out / name)
-    a_files = snapshot_files(out / "step_1")
-    cfg = make_config(
-        tmp_path, checkpointer={"keep_last_n_checkpoints": 1}, keep_previous_runs=True
-    )
-    run = resume(cfg)
+        shutil.copytree(tmp_path / "a" / "out" / name, out / name)
+    run = resume(make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 1}))
     assert run.resumed_at == 4  # run B's newest, not run A's step_7
     assert_same_weights(run.model, uninterrupted(tmp_path))
-    # Pruning to 1 kept run B's newest and left run A's step_1 as it was; run A's
-    # later step_7 was set aside, not deleted.
-    assert step_names(out) == ["step_1", "step_8"]
-    assert snapshot_files(out / "step_1") == a_files
-    assert json.loads((out / "step_1" / MANIFEST).read_text())["run_id"] == run_a
-    assert [p.parent.name for p in (out / PREVIOUS_RUNS).rglob(MANIFEST)].count(
-        "step_7"
-    ) == 1
+    # Run A's, an earlier run's, went once run B's next save was whole.
+    assert step_names(out) == ["step_8"]
 
 
-# A step checkpoint's folder, or its recipe state as torchtune 0.6.1 named it.
-@pytest.mark.parametrize("named", ["step_3", f"step_3/{RECIPE_STATE}"])
-def test_resuming_an_earlier_step_branches_and_prunes_within_the_branch(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, named: str
+def test_a_branch_keeps_the_later_checkpoints_until_its_saves_supersede_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "out"
     train(make_config(tmp_path))  # step_3, step_4, step_6, step_8, epoch_0, epoch_1
-    run_id = read_run_file(out)
-    before = snapshot_files(out)
-    cfg = make_config(
-        tmp_path,
-        checkpointer={"recipe_checkpoint": named, "keep_last_n_checkpoints": 2},
-        keep_previous_runs=True,
+    before = resumable_state(out)
+    keep_2 = {"keep_last_n_checkpoints": 2}
+    branch = make_config(
+        tmp_path, checkpointer={"recipe_checkpoint": "step_3", **keep_2}
     )
+    # Stopped before its first save: the folder resumes as before, from step_8.
     with caplog.at_level(logging.WARNING):
-        run = resume(cfg, stop_after=5)
-    assert run.resumed_at == 3
-    branch = out / PREVIOUS_RUNS / f"run_{run_id}-after-step_3"
-    assert str(branch) in warnings_text(caplog)
-    assert sorted(p.name for p in branch.iterdir()) == [
-        "epoch_0",
-        "epoch_1",
-        "step_4",
-        "step_6",
-        "step_8",
-    ]
-    set_aside = snapshot_files(branch)
-    for name, entry in before.items():  # set aside whole
-        if name.split("/")[0] in ("step_4", "step_6", "step_8", "epoch_0", "epoch_1"):
-            assert set_aside.get(name) == entry, name
-    # The old timeline's newer step_6 and step_8 no longer count: pruning to 2 keeps
-    # the branch's new step_4.
-    assert step_names(out) == ["step_3", "step_4"]
-    # The branch is the run now: resumed again, it continues from its newest.
-    run = resume(make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": 2}))
+        assert resume(branch, stop_after=4).resumed_at == 3
+    assert "step_4, step_6, step_8) stay until this run's save" in warnings_text(caplog)
+    assert resumable_state(out) == before
+    assert resume(make_config(tmp_path), stop_after=8).resumed_at == 8
+    # Stopped after its save of step_4: that one replaced; step_6, step_8 stay.
+    resume(branch, stop_after=5)
+    after_step_4 = resumable_state(out)
+    for name, entry in before.items():
+        if name.split("/")[0] in ("step_6", "step_8"):
+            assert after_step_4[name] == entry, name
+    assert after_step_4["step_4/manifest.json"] != before["step_4/manifest.json"]
+    # The same branch command again (a requeued job), stopped before its first
+    # save, deletes nothing of the branch's own.
+    resume(branch, stop_after=4)
+    assert resumable_state(out) == after_step_4
+    # The branch is the run now: resumed, it continues from its newest, step_4, and
+    # its saves of steps 6 and 8 replace the old timeline's.
+    run = resume(make_config(tmp_path, checkpointer=keep_2))
     assert run.resumed_at == 4
     assert step_names(out) == ["step_6", "step_8"]
     assert_same_weights(run.model, uninterrupted(tmp_path))
+
+
+def test_naming_another_folders_step_checkpoint_changes_nothing_there(
+    tmp_path: Path,
+) -> None:
+    other = tmp_path / "other" / "out"
+    train(make_config(tmp_path / "other"))  # step_3, step_4, step_6, step_8 there
+    there = snapshot_files(other)
+    named = {"recipe_checkpoint": str(other / "step_3")}
+    run = resume(make_config(tmp_path, checkpointer=named))
+    assert run.resumed_at == 3
+    assert_same_weights(run.model, uninterrupted(tmp_path))
+    assert snapshot_files(other) == there
+    assert step_names(tmp_path / "out") == ["step_4", "step_6", "step_8"]
 
 
 def test_a_named_step_checkpoint_that_does_not_exist_lists_those_there(
@@ -1113,7 +1172,6 @@ def test_a_named_step_checkpoint_that_does_not_exist_lists_those_there(
 
 
 def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
-    """Naming where an earlier run's checkpoints went, if one's did."""
     cfg = make_config(tmp_path, resume_from_checkpoint=True)
     out = tmp_path / "out"
     refusal = (
@@ -1130,11 +1188,6 @@ def test_resuming_with_nothing_to_resume_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as refused:
         build_manager(cfg)
     assert str(refused.value) == refusal.format("")
-    (out / PREVIOUS_RUNS).mkdir(parents=True)
-    with pytest.raises(CheckpointError) as refused:
-        build_manager(cfg)
-    hint = f" Earlier runs' checkpoints are in {out / PREVIOUS_RUNS}: move one back to resume it."
-    assert str(refused.value) == refusal.format(hint)
 
 
 def test_a_named_0_6_1_recipe_state_that_does_not_exist_is_refused(
@@ -1302,9 +1355,9 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
         ("dtype", {"dtype": "bf16"}, "None then, 'bf16' now"),
         ("clip_grad_norm", {"clip_grad_norm": 1.0}, "None then, 1.0 now"),
         (
-            "lr_scheduler",
+            "lr_scheduler._component_",
             {"lr_scheduler": {"_component_": "x.cosine", "num_warmup_steps": 5}},
-            r"None then, \{'_component_': 'x.cosine', 'num_warmup_steps': 5\} now",
+            "None then, 'x.cosine' now",
         ),
         # Mid-epoch, the epochs left decide a schedule's length from here on.
         ("epochs", {"epochs": 3}, "2 then, 3 now"),
@@ -1320,7 +1373,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
 def test_a_resume_with_another_trajectory_is_refused_before_any_file_changes(
     tmp_path: Path, key: str, change: dict[str, Any], message: str
 ) -> None:
-    assert key in TRAJECTORY_KEYS or key.startswith("dataset") or key == "epochs"
+    assert not any(fnmatch.fnmatchcase(key, p) for p in NOT_COMPARED_ON_RESUME)
     cfg = make_config(tmp_path)
     train(cfg, stop_after=7)
     change = dict(change)
@@ -1383,6 +1436,80 @@ def test_a_large_datasets_fingerprint_reads_a_spread_of_samples_only() -> None:
     assert len(read) == FINGERPRINT_SAMPLES and {0, n - 1} <= read
 
 
+def test_a_setting_that_keeps_every_shape_is_compared_too(tmp_path: Path) -> None:
+    # A LoRA scaling: the same tensors, other numbers from the next step on.
+    cfg = make_config(tmp_path, model={"_component_": "x.lora", "lora_alpha": 8})
+    train(cfg, stop_after=7)
+    changed = OmegaConf.merge(cfg, {"model": {"lora_alpha": 16}})
+    with pytest.raises(CheckpointError, match=r"model.lora_alpha: 8 then, 16 now"):
+        resume(changed)
+    allowed = OmegaConf.merge(changed, {"resume_allow_changes": True})
+    assert resume(allowed).resumed_at == 6
+
+
+def test_settings_that_cannot_change_the_numbers_are_not_compared(
+    tmp_path: Path,
+) -> None:
+    cfg = make_config(tmp_path, log_every_n_steps=1, compile=False)
+    train(cfg, stop_after=7)
+    elsewhere = {
+        "log_every_n_steps": 5,
+        "compile": True,
+        "metric_logger": {"_component_": "x.DiskLogger", "log_dir": "logs"},
+        "optimizer_in_bwd": True,
+        "save_every_n_steps": 2,
+        "checkpointer": {"keep_last_n_checkpoints": 1, "checkpoint_dir": "moved"},
+    }
+    changed = OmegaConf.merge(cfg, elsewhere)
+    files = {"filename_format": "model-{}-of-{}.pt", "max_filename": "00002"}
+    changed.checkpointer.checkpoint_files = files
+    keys = CheckpointOptions.from_config(make_config(tmp_path)).trajectory.keys()
+    assert not [k for k in keys if "checkpoint_dir" in k or "keep_last" in k]
+    assert CheckpointOptions.from_config(changed).trajectory == (
+        CheckpointOptions.from_config(cfg).trajectory
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_steps_per_epoch": 3},
+        {"gradient_accumulation_steps": 2},
+        {"dataset": Samples(12)},
+    ],
+    ids=["max_steps_per_epoch", "gradient_accumulation_steps", "dataset_length"],
+)
+@pytest.mark.parametrize("stop_after", [6, 8], ids=["mid_epoch", "epoch_end"])
+def test_another_step_count_per_epoch_is_refused_even_with_resume_allow_changes(
+    tmp_path: Path, change: dict[str, Any], stop_after: int
+) -> None:
+    """A resume finds its place in the epoch by optimizer steps: with another count
+    per epoch it would train past an epoch's end, or not reach it."""
+    cfg = make_config(tmp_path, epochs=3)
+    train(cfg, stop_after=stop_after)
+    change = dict(change)
+    dataset = change.pop("dataset", None)
+    allowed = OmegaConf.merge(cfg, change, {"resume_allow_changes": True})
+    with pytest.raises(CheckpointError, match=r"steps_per_epoch: 4 then, [0-9]+ now"):
+        resume(allowed, dataset=dataset)
+
+
+def test_fewer_epochs_never_say_that_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_config(tmp_path, epochs=3)
+    train(cfg, stop_after=STEPS_PER_EPOCH + 1)  # step_4 ends epoch 0
+    named = {"checkpointer": {"recipe_checkpoint": "step_4"}}
+    for epochs, said in ((2, "training stops sooner"), (1, "no epoch is left")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            resume(OmegaConf.merge(cfg, named, {"epochs": epochs}), stop_after=5)
+        assert f"with epochs={epochs} (it was trained with 3): {said}" in (
+            warnings_text(caplog)
+        )
+        assert "goes on" not in warnings_text(caplog)
+
+
 def test_more_epochs_at_an_epoch_end_extend_the_run_and_say_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1392,7 +1519,7 @@ def test_more_epochs_at_an_epoch_end_extend_the_run_and_say_so(
         run = resume(OmegaConf.merge(cfg, {"epochs": 3}))
     assert run.resumed_at == 2 * STEPS_PER_EPOCH
     assert run.progress.global_step == 3 * STEPS_PER_EPOCH
-    assert "with epochs=3 (it was trained with 2): training goes on to the new " in (
+    assert "with epochs=3 (it was trained with 2): training goes on, to the new " in (
         warnings_text(caplog)
     )
 
@@ -2032,7 +2159,7 @@ def test_checkpoint_files_naming_an_epoch_resume_from_that_epochs_end(
     # 0.6.1's instructions: resume_from_checkpoint=True and checkpoint_files pointed
     # at epoch_{N}/ of output_dir. Killed mid-epoch 1 (step_3, step_4 = end of epoch
     # 0, step_6), naming epoch_0 continues from step_4, as 0.6.1 would (it resumes
-    # from epoch ends only), and the later step_6 is deleted, saying so.
+    # from epoch ends only); the later step_6 stays until the resume's own is whole.
     cfg = make_config(tmp_path)
     train(cfg, stop_after=6)
     out = tmp_path / "out"
@@ -2041,7 +2168,7 @@ def test_checkpoint_files_naming_an_epoch_resume_from_that_epochs_end(
         run = resume(make_config(tmp_path, checkpointer=docs))
     assert run.resumed_at == STEPS_PER_EPOCH
     assert (
-        "Resuming from step_4: deleting this run's later step checkpoints (step_6"
+        "Resuming from step_4 starts a branch: the later step checkpoints (step_6)"
         in (warnings_text(caplog))
     )
     assert_same_weights(run.model, uninterrupted(tmp_path))
@@ -2134,16 +2261,105 @@ def test_rerunning_a_command_in_its_folder_does_not_grow_it(
         for _ in range(3):
             train(cfg)
             sizes.append(folder_bytes(out))
-    # The killed rerun's resumable state was deleted, saying what and how much.
+    # The killed rerun's resumable state was deleted once the next run's first
+    # save was whole, saying what and how much.
     assert re.search(
-        r"holds an earlier run's files. Deleting its resumable state \(step_3, "
-        r"step_4: [0-9.]+ MB\), which this new run must not continue. Its exports "
-        r"\(epoch_0, epoch_1\) stay until this run's epochs replace them.",
+        r"Deleting step_3, step_4 \([0-9.]+ MB\), an earlier run's resumable state: "
+        rf"{re.escape(str(out / 'step_3'))} supersedes it",
         warnings_text(caplog),
     )
     # The same files each time; the bytes may differ by a digit of a run id.
     assert max(sizes) - min(sizes) < 100, sizes
-    assert not (out / PREVIOUS_RUNS).exists()
+
+
+def test_a_damaged_final_export_is_named_damaged_not_offered(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, checkpointer={"keep_last_n_checkpoints": None})
+    out = tmp_path / "out"
+    train(cfg)
+    export = out / "epoch_1" / EXPORT_FILE
+    export.write_bytes(export.read_bytes()[:100])
+    with pytest.raises(CheckpointError) as refused:
+        resume(cfg)
+    message = str(refused.value)
+    assert f"{export} is damaged" in message
+    assert "checkpoint_dir=" not in message  # the damaged weights are not offered
+    assert "resume_from_checkpoint=False" in message
+
+
+def test_a_finished_lora_runs_way_on_never_reads_its_own_future_exports(
+    tmp_path: Path,
+) -> None:
+    cfg = lora_config(tmp_path, dora=False, adapter_only=False)
+    cfg = OmegaConf.merge(cfg, {"checkpointer": {"keep_last_n_checkpoints": None}})
+    lora = {"build": lora_model(False), "adapter_config": LORA_ADAPTER}
+    out = tmp_path / "out"
+    train(cfg, **lora)
+    with pytest.raises(CheckpointError) as refused:
+        resume(cfg, **lora)
+    # The way on, followed as written: the final weights as the base, in another
+    # output_dir (the run's exports there never overwrite the base it reads).
+    advice = re.search(r"start a new run with (.*?): ", str(refused.value))
+    assert advice, str(refused.value)
+    overrides = dict(arg.split("=", 1) for arg in advice[1].split())
+    assert overrides["checkpointer.checkpoint_dir"] == str(out / "epoch_0")
+    assert Path(overrides["output_dir"]) != out
+    way_on = OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()]),
+        {"checkpointer": {"keep_last_n_checkpoints": 10}},
+    )
+    train(way_on, stop_after=3, **lora)
+    resumed = resume(way_on, **lora)
+    assert resumed.resumed_at == 3
+    elsewhere = OmegaConf.merge(way_on, {"output_dir": str(tmp_path / "reference")})
+    elsewhere.checkpointer.output_dir = str(tmp_path / "reference")
+    assert_same_weights(resumed.model, train(elsewhere, **lora).model)
+    # The same in output_dir itself would read its own next export: refused.
+    in_place = OmegaConf.merge(way_on, {"output_dir": str(out)})
+    in_place.checkpointer.output_dir = str(out)
+    with pytest.raises(ValueError, match="output_dir") as refused:
+        train(in_place, **lora)
+    assert f"checkpointer.checkpoint_dir={out / 'epoch_0'}" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"
+        ),
+    ],
+    ids=["ENOSPC", "unexpected pos"],
+)
+@pytest.mark.parametrize("writing", ["step", "export"])
+def test_a_full_disk_names_the_checkpoint_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception, writing: str
+) -> None:
+    run = train(make_config(tmp_path), stop_after=2)
+    out = tmp_path / "out"
+    real_save = torch.save
+
+    def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        name = str(f.name if hasattr(f, "write") else f)  # a file, or a path
+        if (".step_3.partial" if writing == "step" else "epoch_0") in name:
+            raise failure
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    if writing == "step":
+        run.progress.global_step += 1  # step 3: a step checkpoint is due
+        with pytest.raises(OSError) as stopped:
+            run.manager.save()
+        where = out / ".step_3.partial"
+    else:
+        run.progress.global_step += 2  # step 4 ends the epoch
+        run.progress.epochs_run += 1
+        with pytest.raises(OSError) as stopped:
+            run.manager.save(epoch_end=True)
+        where = out / "epoch_0"
+    assert str(where) in str(stopped.value)
+    assert "disk" in str(stopped.value)
 
 
 def test_upstreams_final_epoch_notes_are_logged_at_the_final_epoch_only(
@@ -2250,41 +2466,6 @@ def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
     assert reported in warnings_text(caplog)
     assert run.resumed_at == 3
     assert_same_weights(run.model, uninterrupted(tmp_path))
-
-
-def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    out = tmp_path / "out"
-    train(make_config(tmp_path))  # run A: step_3, step_4, step_6, step_8, exports
-    earlier = read_run_file(out)
-    a_files = snapshot_files(out)
-    cfg = make_config(tmp_path, keep_previous_runs=True)
-    # Run B dies after moving one of A's entries (an error stands in for SIGKILL).
-    replace, moves = os.replace, []
-
-    def dies_after_one_move(source: Any, target: Any) -> None:
-        if "previous_runs" in str(target) and moves:
-            raise KeyboardInterrupt
-        moves.append(target)
-        replace(source, target)
-
-    monkeypatch.setattr(run_folder.os, "replace", dies_after_one_move)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, stop_after=1)
-    monkeypatch.setattr(run_folder.os, "replace", replace)
-    aside = out / PREVIOUS_RUNS / f"run_{earlier}"
-    assert len(list(aside.iterdir())) == 1  # the rest is still in out
-    with caplog.at_level(logging.WARNING):
-        train(cfg, stop_after=1)
-    assert f"to {aside}, a move an earlier process stopped midway" in (
-        warnings_text(caplog)
-    )
-    # All of run A in one folder, byte for byte; no second, partial one.
-    assert sorted(p.name for p in (out / PREVIOUS_RUNS).iterdir()) == [aside.name]
-    set_aside = snapshot_files(aside)
-    for name, entry in a_files.items():
-        assert set_aside.get(name) == entry, name
 
 
 def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
