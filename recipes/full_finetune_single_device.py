@@ -282,7 +282,14 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                         self._opts.clip_grad_norm,
                     )
                 # Stop before a non-finite step updates (plain) or is saved.
-                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
+                training.stop_if_not_finite(
+                    running_loss,
+                    grad_norm,
+                    step=self.progress.global_step + 1,
+                    epoch=curr_epoch,
+                    batch=idx,
+                    newest_checkpoint=self._checkpoint.newest_checkpoint,
+                )
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Helpers for what every recipe's training loop repeats: the resumable loader and the
-batches left in an epoch, the LR scheduler of a resumed run, the profiler, and
-showing and logging each step (:class:`StepLogger`).
+batches left in an epoch, the LR scheduler of a resumed run, the profiler, stopping
+before a non-finite step, and showing and logging each step (:class:`StepLogger`).
 
 The step itself (forward, loss, backward, ``optimizer.step()``, ``zero_grad``, the
 scheduler and profiler steps) stays in each recipe, where a user edits it after
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -143,6 +145,56 @@ def next_token_labels(
     count = (shifted != ignore_index).sum()
     shifted[..., 0] = torch.where(count == 0, 0, shifted[..., 0])
     return shifted, count
+
+
+def stop_if_not_finite(
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    *,
+    step: int,
+    epoch: int,
+    batch: int,
+    newest_checkpoint: Path | None,
+) -> None:
+    """Stop the run if the step about to be taken has a non-finite loss or gradient
+    norm on any process: call it after backward and before ``optimizer.step()`` and
+    the checkpoint manager's ``save()``, so that the weights a plain step would
+    update and every checkpoint stay finite. In a distributed run call it on every
+    rank: the ranks agree, so that all stop together.
+
+    Args:
+        loss (torch.Tensor): the step's loss (any scale: only its finiteness counts).
+        grad_norm (torch.Tensor): the step's gradient norm, before clipping.
+        step (int): the step about to be taken (``progress.global_step + 1``).
+        epoch (int): the epoch it belongs to.
+        batch (int): the position in the epoch of the step's last batch.
+        newest_checkpoint (Path | None): the newest step checkpoint, saved before
+            this step (``CheckpointManager.newest_checkpoint``), or ``None``.
+
+    Raises:
+        FloatingPointError: naming the step, the epoch, the batch and
+            ``newest_checkpoint``.
+    """
+    finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite:
+        return
+    resume = (
+        f"The newest step checkpoint, {newest_checkpoint}, was saved before it: "
+        "resume from it (resume_from_checkpoint=True) once the cause is fixed"
+        if newest_checkpoint is not None
+        else "No step checkpoint was saved yet: start again once the cause is fixed"
+    )
+    raise FloatingPointError(
+        f"Step {step} (epoch {epoch}, up to batch {batch} of the epoch) has a "
+        f"non-finite loss ({float(loss)}) or gradient norm ({float(grad_norm)}) on at "
+        "least one process: stopping before anything is saved, and before the "
+        "optimizer steps (an in-backward update without clipping is applied as "
+        "gradients arrive; with a non-finite loss, nothing is applied). "
+        f"{resume} (a learning rate too high, an overflow in low precision, bad "
+        "data in these batches)."
+    )
 
 
 def epoch_batches(

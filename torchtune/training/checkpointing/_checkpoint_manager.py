@@ -391,6 +391,7 @@ class CheckpointManager:
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
         self._steps, self._checkpoint_0_6_1 = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
+        self._newest: Path | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
 
     # -- choosing what a resume continues from ----------------------------------------
@@ -789,6 +790,7 @@ class CheckpointManager:
                 keep_previous_runs=self.options.keep_previous_runs,
             )
         )
+        self._newest = folder
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
 
     def _restore_legacy(self) -> dict[str, Any]:
@@ -833,44 +835,12 @@ class CheckpointManager:
         steps = state[EPOCHS_KEY] * self._steps_per_epoch
         return {**state, "global_step": steps}
 
-    # -- stopping before a non-finite step --------------------------------------------
-
-    def stop_if_not_finite(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, *, batch: int
-    ) -> None:
-        """Stop the run if the step about to be taken has a non-finite loss or
-        gradient norm (on any rank): call it after backward and before
-        ``optimizer.step()`` and :meth:`save`, so that the weights a plain step would
-        update and every checkpoint stay finite. ``batch``: the position in the epoch
-        of the step's last batch.
-
-        Raises:
-            FloatingPointError: naming the step, the epoch, the batches and the
-                newest step checkpoint, which was saved before this step.
-        """
-        finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32)
-        if _world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if finite:
-            return
-        progress = self._progress
-        newest = _step_dirs(self._out, self._run_id)
-        resume = (
-            f"The newest step checkpoint, {newest[0]}, was saved before it: resume "
-            "from it (resume_from_checkpoint=True) once the cause is fixed"
-            if newest
-            else "No step checkpoint was saved yet: start again once the cause is fixed"
-        )
-        raise FloatingPointError(
-            f"Step {progress.global_step + 1} (epoch {progress.epochs_run}, up to "
-            f"batch {batch} of the epoch) has a non-finite loss ({float(loss)}) or "
-            f"gradient norm ({float(grad_norm)}) on at least one process: stopping "
-            "before anything is saved, and before the optimizer steps (an "
-            "in-backward update without clipping is applied as gradients arrive; "
-            "with a non-finite loss, nothing is applied). "
-            f"{resume} (a learning rate too high, an overflow in low precision, bad "
-            "data in these batches)."
-        )
+    @property
+    def newest_checkpoint(self) -> Path | None:
+        """The newest whole step checkpoint of this run (the one it resumed from, or
+        its newest save), or ``None`` before there is one: what a run that must stop
+        can resume from (:func:`~torchtune.training.stop_if_not_finite` names it)."""
+        return self._newest
 
     # -- saving --------------------------------------------------------------------------
 
@@ -989,6 +959,7 @@ class CheckpointManager:
             log.info(f"Step checkpoint saved to {final}")
 
         _on_rank_zero(publish)
+        self._newest = self._out / f"step_{step}"
 
     def _export(self, epoch: int, *, final: bool) -> None:
         """Write ``epoch_{epoch}`` through each model's checkpointer, then its

@@ -502,27 +502,16 @@ def test_resuming_a_finished_run_leaves_what_its_options_ask(tmp_path: Path) -> 
     assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
-def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
+def test_the_newest_checkpoint_is_the_newest_save_or_the_one_resumed(
     tmp_path: Path,
 ) -> None:
-    finite, nan = torch.tensor(0.5), torch.tensor(float("nan"))
-    early = train(make_config(tmp_path / "early"), stop_after=1)  # nothing saved yet
-    with pytest.raises(FloatingPointError, match="No step checkpoint was saved yet"):
-        early.manager.stop_if_not_finite(finite, torch.tensor(float("inf")), batch=1)
+    # What a run that must stop names (training.stop_if_not_finite).
+    out = tmp_path / "out"
+    assert train(make_config(tmp_path), stop_after=2).manager.newest_checkpoint is None
     run = train(make_config(tmp_path), stop_after=5)  # step_3 and step_4 saved
-    run.manager.stop_if_not_finite(finite, finite, batch=1)  # finite: goes on
-    with pytest.raises(FloatingPointError) as stopped:
-        run.manager.stop_if_not_finite(nan, finite, batch=1)
-    assert str(stopped.value) == (
-        "Step 6 (epoch 1, up to batch 1 of the epoch) has a non-finite loss (nan) or "
-        "gradient norm (0.5) on at least one process: stopping before anything is "
-        "saved, and before the optimizer steps (an in-backward update without "
-        "clipping is applied as gradients arrive; with a non-finite loss, nothing is "
-        f"applied). The newest step checkpoint, {tmp_path / 'out' / 'step_4'}, was "
-        "saved before it: resume from it (resume_from_checkpoint=True) once the cause "
-        "is fixed (a learning rate too high, an overflow in low precision, bad data "
-        "in these batches)."
-    )
+    assert run.manager.newest_checkpoint == out / "step_4"
+    run = resume(make_config(tmp_path), stop_after=5)  # resumed at step_4: no save
+    assert run.manager.newest_checkpoint == out / "step_4"
 
 
 @pytest.fixture
