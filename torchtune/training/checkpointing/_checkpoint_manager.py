@@ -112,6 +112,11 @@ TRAJECTORY_KEYS = (
 # The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
 # smaller one): a reordered or edited dataset is caught unless every one of them stays.
 FINGERPRINT_SAMPLES = 4096
+# What a manager has been asked so far, in the only order that works, and the call
+# that takes it from each stage to the next: save() only after load(), load() only
+# after load_base_checkpoint(), nothing but close() once the run has ended.
+_STAGES = ("built", "base_loaded", "loaded", "ended")
+_ADVANCED_BY = ("load_base_checkpoint()", "load(...)", "save(epoch_end=True)")
 # The trainable parameters and the buffers: frozen weights are the base checkpoint's.
 _TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
 
@@ -336,6 +341,13 @@ class CheckpointManager:
             ``save_adapter_weights_only``, the weights with the adapter merged in.
             Default: ``None`` (the model has no adapter).
 
+    .. warning::
+        The calls come in this order: :meth:`load_base_checkpoint`, :meth:`load`,
+        then :meth:`save` until the last epoch's save; :meth:`close` at any time.
+        A call out of order raises a ``RuntimeError`` naming the call to make first.
+        Building the manager only reads ``output_dir``: nothing on disk changes
+        before :meth:`load`, which takes the folder's lock.
+
     Example (a recipe's use; ``docs/source/step_checkpoints.rst`` runs one)::
 
         manager = CheckpointManager(CheckpointOptions.from_config(cfg))  # __init__
@@ -381,11 +393,9 @@ class CheckpointManager:
         self._export_dir = Path(options.checkpointer.get("output_dir") or self._out)
         check_writable("output_dir", self._out)
         check_writable("checkpointer.output_dir", self._export_dir)
-        if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
-            _check_lock(self._out)
-        # Before anything reads the folder: a move a killed run left midway.
-        for root in {self._out, self._export_dir}:
-            _finish_moves(root, first=int(os.environ.get("RANK", 0)) == 0)
+        # Refused now if another run trains there; load() takes the lock. Building
+        # the manager only reads: nothing on disk changes before load().
+        _check_lock(self._out)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
@@ -393,6 +403,27 @@ class CheckpointManager:
         self._checkpointer = self._run_id = self._pending = self._async_group = None
         self._newest: Path | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
+        # The calls made so far: load_base_checkpoint(), then load(), then save()
+        # until the run ends (its last epoch's save, or close()).
+        self._stage = "built"
+
+    def _expect(self, call: str, stage: str) -> None:
+        """Refuse ``call`` unless the run is at ``stage`` (see :data:`_STAGES`),
+        naming the calls to make first."""
+        now, needed = _STAGES.index(self._stage), _STAGES.index(stage)
+        if now < needed:
+            missing = " then ".join(_ADVANCED_BY[now:needed])
+            raise RuntimeError(
+                f"CheckpointManager.{call} needs {missing} first: call it before."
+            )
+        if self._stage == "ended":
+            raise RuntimeError(
+                f"CheckpointManager.{call} after the run ended (its last epoch's "
+                "save(epoch_end=True), or close()): build a new CheckpointManager "
+                "for another run."
+            )
+        if now > needed:
+            raise RuntimeError(f"CheckpointManager.{call} was called already.")
 
     # -- choosing what a resume continues from ----------------------------------------
 
@@ -503,6 +534,8 @@ class CheckpointManager:
             dict[str, Any]: ``MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
+        self._expect("load_base_checkpoint()", "built")
+        self._stage = "base_loaded"
         epoch, cfg = self._checkpoint_0_6_1 == "epoch", self.options.checkpointer
         if self._steps and self.options.named_epoch is not None:
             # The files named under epoch_{N}/ are read from the output folder, as
@@ -576,6 +609,7 @@ class CheckpointManager:
                 ``resume_allow_changes``), or another run holds ``output_dir``.
             ValueError: if an epoch would have no optimizer step.
         """
+        self._expect("load()", "base_loaded")
         self._models_given_by_name = isinstance(model, Mapping)
         self._models = dict(model) if self._models_given_by_name else {MODEL_KEY: model}
         self._optimizer, self._dataloader = optimizer, dataloader
@@ -597,10 +631,14 @@ class CheckpointManager:
         folder, recipe_state = self._verified() if self._steps else (None, {})
 
         def take_lock() -> None:
-            lock = _take_lock(self._out)
-            self._release_output_dir = weakref.finalize(self, _release_lock, lock)
+            self._lock = _take_lock(self._out)
+            self._release_output_dir = weakref.finalize(self, _release_lock, self._lock)
+            # Under the lock: a move to previous_runs/ a killed run left midway.
+            for root in {self._out, self._export_dir}:
+                _finish_moves(root)
 
         _on_rank_zero(take_lock)
+        self._stage = "loaded"
         if self.options.async_save and _sharded():  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._checkpoint_0_6_1 is None:
@@ -647,7 +685,7 @@ class CheckpointManager:
             )
             if folder is not None:
                 _on_rank_zero(lambda: self._finish_run(epoch))
-            self._release_output_dir()
+            self._end()
 
     def _required_files(self) -> list[str]:
         """What every step checkpoint of this run's layout lists (the files of ranks
@@ -853,6 +891,7 @@ class CheckpointManager:
             epoch_end (bool): the epoch just ended (``progress.epochs_run`` counts it).
                 Default: ``False``
         """
+        self._expect("save()", "loaded")
         step, n = self._progress.global_step, self.options.every_n_steps
         if not epoch_end:
             if n is not None and step % n == 0 and step % self._steps_per_epoch != 0:
@@ -863,7 +902,7 @@ class CheckpointManager:
         self._export(epoch := self._progress.epochs_run - 1, final=done)
         if done:
             _on_rank_zero(lambda: self._finish_run(epoch))
-            self._release_output_dir()
+            self._end()
 
     def _finish_run(self, epoch: int) -> None:
         """Once the final export is whole, delete the run's step checkpoints, as
@@ -990,11 +1029,16 @@ class CheckpointManager:
                 step=self._progress.global_step,
             )
 
+    def _end(self) -> None:
+        """The run ended: release ``output_dir``; only :meth:`close` may follow."""
+        self._release_output_dir()
+        self._stage = "ended"
+
     def close(self) -> None:
         """Complete a step checkpoint still being written in the background and
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
-        self._release_output_dir()
+        self._end()
         _barrier()  # a next run in these processes finds the lock released
 
 

@@ -88,22 +88,10 @@ def _move_journal(target: Path) -> Path:
     return target.parent / f".{target.name}.moving.json"
 
 
-def _finish_moves(folder: Path, first: bool) -> None:
+def _finish_moves(folder: Path) -> None:
     """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
-    of what it was moving joins what it moved. Only the ``first`` process (rank 0,
-    which found no live run holding the folder) moves; the others wait for it, as
-    there is no process group yet to wait with."""
+    of what it was moving joins what it moved."""
     journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
-    if not first:
-        deadline = time.monotonic() + 120
-        while any(journal.exists() for journal in journals):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"{journals[0]} was not finished by rank 0 within 120 s: start "
-                    "again."
-                )
-            time.sleep(0.1)
-        return
     for journal in journals:
         move = _read_json(journal)
         target = folder / PREVIOUS_RUNS / str(move.get("target"))
@@ -171,11 +159,6 @@ def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
         )
 
 
-# The locks this process holds, by lock file: a process runs one recipe at a time, so
-# a new run here takes over the lock of an earlier one (a test's, or one that raised).
-_HELD: dict[Path, _Lock] = {}
-
-
 @dataclass(eq=False)
 class _Lock:
     """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
@@ -183,6 +166,7 @@ class _Lock:
 
     path: Path
     fd: int
+    held: bool = True
 
 
 def _owner_of(path: Path) -> str:
@@ -207,7 +191,7 @@ def _check_lock(folder: Path) -> None:
     """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
     atomically, later)."""
     path = (folder / LOCK_FILE).absolute()
-    if path in _HELD or not path.is_file():
+    if not path.is_file():
         return
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -222,39 +206,34 @@ def _take_lock(folder: Path) -> _Lock:
     """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
     live owner's lock is never taken over, whatever its file holds."""
     path = (folder / LOCK_FILE).absolute()
-    if (earlier := _HELD.pop(path, None)) is not None:
-        lock = _Lock(path, earlier.fd)
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise _in_use(folder) from None
-            # The owner before us deletes the file as it releases it: a lock on a
-            # deleted file locks nothing, so try again on the one now there.
-            if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
+    folder.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
-        lock = _Lock(path, fd)
-        if path.stat().st_size:  # a run that held it ended without deleting it
-            _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
+            raise _in_use(folder) from None
+        # The owner before us deletes the file as it releases it: a lock on a
+        # deleted file locks nothing, so try again on the one now there.
+        if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    lock = _Lock(path, fd)
+    if path.stat().st_size:  # a run that held it ended without deleting it
+        _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
     owner = {"pid": os.getpid(), "host": socket.gethostname()}
     owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     os.ftruncate(lock.fd, 0)
     os.pwrite(lock.fd, json.dumps(owner).encode(), 0)
-    _HELD[path] = lock
     return lock
 
 
 def _release_lock(lock: _Lock) -> None:
-    """Delete the lock file and release the lock, unless a later run of this process
-    took it over."""
-    if _HELD.get(lock.path) is not lock:
+    """Delete the lock file and release the lock (once: a second call does nothing)."""
+    if not lock.held:
         return
-    del _HELD[lock.path]
+    lock.held = False
     lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
     os.close(lock.fd)
 

@@ -260,10 +260,12 @@ def train(
     lr_lambda: Callable[[int], float] | None = None,
     average: bool = False,
     adapter_config: dict[str, Any] | None = None,
+    kill: bool = True,
 ) -> Run:
     """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
-    of an epoch's last step). ``lr_lambda``: a ``LambdaLR`` schedule, built after
+    of an epoch's last step): its lock is released as the kernel releases a killed
+    process's, unless ``kill`` is ``False`` (the run only paused). ``lr_lambda``: a ``LambdaLR`` schedule, built after
     ``load`` as the recipes build theirs."""
     manager = build_manager(cfg, adapter_config)
     model = build(manager.load_base_checkpoint())
@@ -306,10 +308,22 @@ def train(
             progress.global_step += 1
             manager.save()
             if progress.global_step == stop_after:
+                if kill:
+                    killed(manager)
                 return run
         progress.epochs_run += 1
         manager.save(epoch_end=True)
     return run
+
+
+def killed(manager: CheckpointManager) -> None:
+    """What the kernel does to the lock of a process killed while ``manager``
+    trains: releases it, leaving the file (the manager's own release, a no-op then,
+    would delete it)."""
+    lock = getattr(manager, "_lock", None)  # none before load()
+    if lock is not None and lock.held:
+        os.close(lock.fd)
+        lock.held = False
 
 
 def resume(cfg: DictConfig, **kwargs: Any) -> Run:
@@ -1617,7 +1631,7 @@ def test_a_live_runs_lock_refuses_the_run_whatever_its_file_says(
                 attempt(cfg)
         assert sorted(p.name for p in lock.parent.iterdir()) == [LOCK_FILE]
     # Its process is gone: the lock is free, whatever the file says.
-    run = train(cfg, stop_after=1)
+    run = train(cfg, stop_after=1, kill=False)
     assert_held_by_this_process(lock)
     assert run.progress.global_step == 1
 
@@ -1747,13 +1761,10 @@ def test_the_lock_is_held_while_training_and_released_after_the_last_save(
     manager = build_manager(cfg)
     manager.load_base_checkpoint()
     assert not lock.exists()  # building it and the base checkpoint take nothing
-    run = train(cfg, stop_after=8)  # before its epoch-end save
+    run = train(cfg, stop_after=8, kill=False)  # before its epoch-end save
     assert_held_by_this_process(lock)
     with pytest.raises(CheckpointError, match="in use by another run"):
-        # Another process's view: it does not hold this process's lock.
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(run_folder, "_HELD", {})
-            build_manager(cfg)
+        build_manager(cfg)  # a second run, even in this process
     run.progress.epochs_run += 1
     run.manager.save(epoch_end=True)
     assert not lock.exists()
@@ -2294,3 +2305,71 @@ def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
     train(plain, stop_after=7)
     with pytest.raises(CheckpointError, match=r"holds no state for \['average'\]"):
         resume(plain, average=True)
+
+
+# -- the order of calls ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resume_it", [False, True], ids=["new_run", "resume"])
+def test_building_the_manager_changes_nothing_on_disk(
+    tmp_path: Path, resume_it: bool
+) -> None:
+    # A folder holding what every policy acts on: a run's step checkpoints and
+    # exports, a killed save's leftovers, a move to previous_runs/ stopped midway.
+    out = tmp_path / "out"
+    train(make_config(tmp_path), stop_after=7)
+    (out / ".step_7.partial").mkdir()
+    aside = out / PREVIOUS_RUNS / "run_earlier"
+    aside.mkdir(parents=True)
+    journal = out / PREVIOUS_RUNS / ".run_earlier.moving.json"
+    journal.write_text(json.dumps({"target": "run_earlier", "names": ["step_3"]}))
+    before = snapshot_files(out)
+    cfg = make_config(
+        tmp_path, keep_previous_runs=True, resume_from_checkpoint=resume_it
+    )
+    manager = build_manager(cfg)
+    manager.load_base_checkpoint()
+    assert snapshot_files(out) == before
+    # What the folder needs done is done by load(), under the lock.
+    killed(manager)
+    train(cfg, stop_after=7 if resume_it else 1)
+    assert not journal.exists() and (aside / "step_3").is_dir()
+
+
+def manager_loaded(tmp_path: Path) -> tuple[CheckpointManager, Callable[[], None]]:
+    """A manager and the load(...) call a recipe makes, over a fresh model."""
+    cfg = make_config(tmp_path)
+    manager = build_manager(cfg)
+    model = two_layer_model()
+    optimizer = make_optimizer(model, cfg, in_backward=False)
+    loader = make_loader(Samples(), cfg.batch_size)
+    progress = TrainingProgress(total_epochs=cfg.epochs)
+
+    def load() -> None:
+        manager.load(
+            model, optimizer, loader, progress, steps_per_epoch=STEPS_PER_EPOCH
+        )
+
+    return manager, load
+
+
+def test_each_call_out_of_order_raises_naming_the_call_to_make_first(
+    tmp_path: Path,
+) -> None:
+    manager, load = manager_loaded(tmp_path)
+    with pytest.raises(RuntimeError, match=r"save\(\) needs load_base_checkpoint\(\) "):
+        manager.save()
+    with pytest.raises(RuntimeError, match=r"load\(\) needs load_base_checkpoint\(\)"):
+        load()
+    manager.load_base_checkpoint()
+    with pytest.raises(RuntimeError, match=r"load_base_checkpoint\(\) was called"):
+        manager.load_base_checkpoint()
+    with pytest.raises(RuntimeError, match=r"save\(\) needs load\(\.\.\.\) first"):
+        manager.save(epoch_end=True)
+    load()
+    manager.save()
+    manager.close()
+    for call in (manager.save, load):
+        with pytest.raises(RuntimeError, match="after the run ended"):
+            call()
+    manager.close()  # closing again does nothing
