@@ -34,16 +34,15 @@ def setup_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
     num_training_steps: int,
-    global_step: int,
+    global_step: int = 0,
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Build the LR scheduler where a run that has taken ``global_step`` steps needs
-    it.
+    """Build the LR scheduler, where a run that has taken ``global_step`` steps needs
+    it (``last_epoch=global_step - 1``).
 
-    The scheduler is not checkpointed: ``last_epoch=global_step - 1`` puts it where
-    the interrupted run was. A scheduler built at ``last_epoch >= 0`` reads each
-    group's ``initial_lr``, which the optimizer state of an epoch checkpoint brings
-    back but a sharded one cannot (it loads only the entries a new optimizer has),
-    so a group without one gets the optimizer's base ``lr``.
+    A recipe builds it for a new run (``global_step`` 0) before the checkpoint
+    manager's ``load()``, which saves its state with every step checkpoint and puts
+    it back on resume. A scheduler built at ``last_epoch >= 0`` reads each group's
+    ``initial_lr``; a group without one gets the optimizer's base ``lr``.
 
     Args:
         make_scheduler (Callable[..., LRScheduler] | None): builds the scheduler from
@@ -52,7 +51,7 @@ def setup_lr_scheduler(
             keeps the LR constant.
         optimizer (torch.optim.Optimizer): the optimizer, plain or in-backward.
         num_training_steps (int): the run's optimizer steps, all epochs.
-        global_step (int): the steps already taken (0 for a new run).
+        global_step (int): the steps already taken. Default: ``0``
 
     Returns:
         LRScheduler | None: the scheduler, or ``None``.

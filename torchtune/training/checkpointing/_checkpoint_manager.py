@@ -15,12 +15,15 @@ metadata, unless ``checkpointer.keep_last_n_checkpoints`` keeps its step checkpo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
+import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +62,8 @@ from torchtune.training.checkpointing._run_folder import (
     start_run,
 )
 from torchtune.training.checkpointing._step_format import (
+    DCP_METADATA,
     MANIFEST,
-    MODEL_OPTIMIZER_DCP,
-    MODEL_OPTIMIZER_FILE,
     RECIPE_STATE,
     CheckpointError,
     _barrier,
@@ -206,14 +208,102 @@ def _described(steps: Sequence[Path]) -> str:
 
 # -- what a checkpoint holds ---------------------------------------------------------
 
+# The entries of the mapping a recipe hands to load(), and the one the manager adds:
+# each process's RNG state.
+PROGRESS_KEY, RNG_STATE_KEY = "progress", "rng"
+REQUIRED_STATES = (MODEL_KEY, OPT_KEY, DATALOADER_KEY, PROGRESS_KEY)
+
 
 def _trainable(model: torch.nn.Module) -> dict[str, Any]:
     return dsd.get_model_state_dict(model, options=_TRAINABLE)
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    optimizer_state = dsd.get_optimizer_state_dict(model, optimizer)
-    return {"model": _trainable(model), "optimizer": optimizer_state}
+class _ModelState:
+    """The trainable weights and the buffers of a model, through
+    ``torch.distributed.checkpoint.state_dict`` (a sharded model's as shards), the
+    way torchtitan's ``ModelWrapper`` saves a model. Frozen weights are the base
+    checkpoint's, read again on resume."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return _trainable(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        non_strict = dsd.StateDictOptions(strict=False)  # the frozen ones are not in it
+        dsd.set_model_state_dict(self.module, state_dict, options=non_strict)
+
+
+class _OptimizerState:
+    """An optimizer's state keyed by parameter name, through
+    ``torch.distributed.checkpoint.state_dict``, as torchtitan's optimizers container
+    saves it: plain and in-backward optimizers, sharded or not, load each other's."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dsd.get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        dsd.set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+
+# State each process has its own of (its data position, its RNG) is saved under the
+# process's rank, whole, as torch.save bytes: DCP keeps one copy of an entry that
+# every process names alike, and loads only into the structure a new object already
+# has (a loader's state grows as it iterates).
+
+
+def _this_process(value: Any) -> dict[str, bytes]:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return {f"rank_{_rank()}": buffer.getvalue()}
+
+
+def _of_this_process(state_dict: Mapping[str, bytes]) -> Any:
+    return torch.load(io.BytesIO(state_dict[f"rank_{_rank()}"]), weights_only=True)
+
+
+class _LoaderPosition:
+    """A dataloader's position in its epoch, saved mid-epoch only: after an epoch's
+    end the next epoch starts its loader afresh (``epoch_end``, set before a save)."""
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader, self.epoch_end = dataloader, False
+
+    def state_dict(self) -> dict[str, bytes]:
+        return _this_process(None if self.epoch_end else self.dataloader.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, bytes]) -> None:
+        if (position := _of_this_process(state_dict)) is not None:
+            self.dataloader.load_state_dict(position)
+
+
+class _RngState:
+    """The RNG state of this process: torch's, and CUDA's once it is in use."""
+
+    def state_dict(self) -> dict[str, bytes]:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return _this_process(rng)
+
+    def load_state_dict(self, state_dict: Mapping[str, bytes]) -> None:
+        rng = _of_this_process(state_dict)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+@contextlib.contextmanager
+def _one_process_dcp() -> Iterator[None]:
+    """DCP in one process without a process group, which it warns about at every
+    call ("assuming the intent is to save in a single process"): the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -324,8 +414,9 @@ class CheckpointManager:
     or written); a LoRA recipe also gives the adapter's PEFT config, which every
     export carries and which turns on the merged export. The recipe then reads
     the weights to start from with :meth:`load_base_checkpoint`, builds its model,
-    optimizer and data, and hands them over with :meth:`load`, which puts a resumed
-    run back where it was. In the loop, :meth:`save` after every optimizer step and
+    optimizer, data and LR scheduler, and hands them over with :meth:`load`, as one
+    mapping of stateful objects (and anything else it must resume with), which puts
+    a resumed run back where it was. In the loop, :meth:`save` after every optimizer step and
     ``save(epoch_end=True)`` after every epoch: a step checkpoint when one is due
     (``save_every_n_steps``) and at every epoch's end, then the epoch export through
     the configured checkpointer. ``resume_from_checkpoint: True`` continues from the
@@ -353,7 +444,9 @@ class CheckpointManager:
         manager = CheckpointManager(CheckpointOptions.from_config(cfg))  # __init__
         model.load_state_dict(manager.load_base_checkpoint()[MODEL_KEY])
         progress = TrainingProgress(total_epochs=cfg.epochs)
-        manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
+        states = {"model": model, "optimizer": optimizer, "dataloader": dataloader}
+        states |= {"progress": progress, "lr_scheduler": lr_scheduler}
+        manager.load(states, steps_per_epoch=10)
         for epoch in range(progress.epochs_run, progress.total_epochs):
             for batch in batches:  # forward, backward, optimizer.step()
                 progress.global_step += 1
@@ -564,66 +657,93 @@ class CheckpointManager:
 
     def load(
         self,
-        model: torch.nn.Module | Mapping[str, torch.nn.Module],
-        optimizer: torch.optim.Optimizer,
-        dataloader: Any,
-        progress: Any,
+        states: Mapping[str, Any],
         *,
         steps_per_epoch: int,
         exporters: Mapping[str, tuple[Any, Path | str]] | None = None,
-        states: Mapping[str, Any] | None = None,
     ) -> None:
-        """Hand over what the run saves and, resuming, put it back where it was.
+        """Hand over what the run saves, one mapping of stateful objects, and,
+        resuming, put each back where it was.
 
         A resume first verifies the checkpoint and checks that the run continues its
         trajectory (the settings of :data:`TRAJECTORY_KEYS`, the dataset's length and
-        a hash of its first, middle and last sample, the number of processes); then
+        a fingerprint of its contents and order, the number of processes); then
         the lock is taken (one run per ``output_dir``); a new run moves an earlier
         run's checkpoints aside. A resume of an epoch-end checkpoint rewrites that
         epoch's export if it is not whole (a crash or a full disk while it was
         written). Call it on every rank, after :meth:`load_base_checkpoint`.
 
+        Every entry is saved with each step checkpoint, in one
+        ``torch.distributed.checkpoint`` (DCP) checkpoint with the others, and
+        restored together: the model and the optimizer through
+        ``torch.distributed.checkpoint.state_dict`` (a sharded model's as shards),
+        the dataloader's position per process, each process's RNG state (added by
+        the manager), and every other entry as its ``state_dict()`` holds it:
+        tensors (sharded ``DTensor`` s too) and plain values, which DCP saves once
+        for all processes. An entry whose state differs between processes must key
+        it by rank itself.
+
         Args:
-            model (nn.Module | Mapping[str, nn.Module]): the model (FSDP2-sharded in
-                a distributed run), or several by name in one process.
-            optimizer (torch.optim.Optimizer): the optimizer of all of them, plain or
-                :class:`~torchtune.training.OptimizerInBackward`.
-            dataloader (Any): the ``StatefulDataLoader``; mid-epoch, its position.
-            progress (Any): where training stands, with ``state_dict`` and
-                ``load_state_dict`` and the attributes ``epochs_run``,
-                ``total_epochs`` and ``global_step`` (a :class:`TrainingProgress`).
+            states (Mapping[str, Any]): by name: ``"model"``, the model
+                (FSDP2-sharded in a distributed run), or several by name in one
+                process; ``"optimizer"``, the optimizer of all of them, plain or
+                :class:`~torchtune.training.OptimizerInBackward`; ``"dataloader"``,
+                the ``StatefulDataLoader`` (its position is saved mid-epoch);
+                ``"progress"``, where training stands (a :class:`TrainingProgress`);
+                and anything else the run must resume with, each with
+                ``state_dict()`` and ``load_state_dict()``: the LR scheduler, an EMA
+                of the weights, a sampler of one's own. A ``None`` entry (no LR
+                scheduler) is left out.
             steps_per_epoch (int): the optimizer steps of an epoch.
             exporters (Mapping[str, tuple[Any, Path | str]] | None): for a model of
                 a mapping that its own checkpointer exports (not the configured
                 one): that checkpointer and the folder it writes to, its
                 ``output_dir``. Default: ``None``
-            states (Mapping[str, Any] | None): anything else the run must resume
-                with (an EMA of the weights, a sampler of one's own), by name: each
-                with ``state_dict()`` and ``load_state_dict()``, saved per process
-                with every step checkpoint (tensors and plain values only) and
-                restored with the rest. Default: ``None``
 
         Raises:
             CheckpointError: if no checkpoint to resume is whole, it does not match
-                the model, was trained with other settings (unless
-                ``resume_allow_changes``), or another run holds ``output_dir``.
-            ValueError: if an epoch would have no optimizer step.
+                the model or holds no state for an entry, was trained with other
+                settings (unless ``resume_allow_changes``), or another run holds
+                ``output_dir``.
+            ValueError: if ``states`` lacks one of ``"model"``, ``"optimizer"``,
+                ``"dataloader"`` and ``"progress"``, or an epoch would have no
+                optimizer step.
         """
         self._expect("load()", "base_loaded")
+        states = {name: s for name, s in states.items() if s is not None}
+        if missing := [key for key in REQUIRED_STATES if key not in states]:
+            raise ValueError(
+                f"load() needs the run's {missing} among its states (it has "
+                f"{sorted(states)}): pass them by these names."
+            )
+        if RNG_STATE_KEY in states:
+            raise ValueError(
+                f"load() saves each process's RNG state as {RNG_STATE_KEY!r} itself: "
+                "give yours another name."
+            )
+        model = states[MODEL_KEY]
         self._models_given_by_name = isinstance(model, Mapping)
         self._models = dict(model) if self._models_given_by_name else {MODEL_KEY: model}
-        self._optimizer, self._dataloader = optimizer, dataloader
-        self._progress, self._steps_per_epoch = progress, steps_per_epoch
-        self._states = dict(states or {})
+        # Several models are saved as one, each under its name.
+        module = torch.nn.ModuleDict(model) if self._models_given_by_name else model
+        self._optimizer, self._dataloader = states[OPT_KEY], states[DATALOADER_KEY]
+        self._progress, self._steps_per_epoch = states[PROGRESS_KEY], steps_per_epoch
+        self._states = {
+            **states,
+            MODEL_KEY: _ModelState(module),
+            OPT_KEY: _OptimizerState(module, self._optimizer),
+            DATALOADER_KEY: _LoaderPosition(self._dataloader),
+            RNG_STATE_KEY: _RngState(),
+        }
         configured = (self._checkpointer, self._export_dir)
         exporters = {name: configured for name in self._models} | dict(exporters or {})
         self._exporters = {name: exporter for name, (exporter, _) in exporters.items()}
         self._export_roots = sorted({Path(folder) for _, folder in exporters.values()})
-        dataset = dataloader.dataset
+        dataset = self._dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
                 f"An epoch has no optimizer step: {len(dataset)} samples make "
-                f"{len(dataloader)} batches per process ({dict(self.options.trajectory)})"
+                f"{len(self._dataloader)} batches per process ({dict(self.options.trajectory)})"
                 ": use more data, or a smaller batch_size or gradient_accumulation_steps."
             )
         self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
@@ -688,12 +808,9 @@ class CheckpointManager:
             self._end()
 
     def _required_files(self) -> list[str]:
-        """What every step checkpoint of this run's layout lists (the files of ranks
-        other than 0 are checked once the saved number of processes is known): a
-        file its manifest does not list is never loaded."""
-        if _sharded():
-            return [RECIPE_STATE, f"{MODEL_OPTIMIZER_DCP}/.metadata", "rank_0.pt"]
-        return [RECIPE_STATE, MODEL_OPTIMIZER_FILE, "rank_0.pt"]
+        """What every step checkpoint lists: it is whole when its DCP metadata is,
+        and a file its manifest does not list is never loaded."""
+        return [RECIPE_STATE, DCP_METADATA]
 
     def _verified(self) -> tuple[Path, dict[str, Any]]:
         """The newest resume point whose every byte verifies (a damaged one gives way
@@ -752,34 +869,16 @@ class CheckpointManager:
         settings that the checkpoint's replaced."""
         optimizer, before = self._optimizer, _hyperparameters(self._optimizer)
         if folder is None:
-            recipe_state = self._restore_legacy()
-        elif _sharded():
-            (model,) = self._models.values()
-            state = _sharded_state(model, optimizer)
-            dcp.load(state, checkpoint_id=folder / MODEL_OPTIMIZER_DCP)
-            non_strict = dsd.StateDictOptions(strict=False)
-            dsd.set_model_state_dict(model, state["model"], options=non_strict)
-            dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            self._progress.load_state_dict(self._restore_legacy())
+        else:
+            self._check_holds(folder)
+            with _one_process_dcp():
+                states = dict(self._states)
+                dcp.load(states, checkpoint_id=folder, no_dist=not _sharded())
+            # DCP fills only the hyperparameters a new optimizer's groups have.
             saved = recipe_state["optimizer_param_group_hyperparameters"]
             for group, values in zip(optimizer.param_groups, saved, strict=True):
                 group.update(values)
-        else:
-            state = _load(folder / MODEL_OPTIMIZER_FILE)
-            for name, model in self._models.items():
-                saved = (
-                    state["model"][name]
-                    if self._models_given_by_name
-                    else state["model"]
-                )
-                missing, unexpected = model.load_state_dict(saved, strict=False)
-                missing = sorted(set(missing) & set(_trainable(model)))
-                if missing or unexpected:
-                    raise CheckpointError(
-                        f"{folder} does not match this model: missing trainable entries "
-                        f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. "
-                        "Resume with the model that saved it."
-                    )
-            optimizer.load_state_dict(state["optimizer"])
         replaced = set()
         for configured, saved in zip(before, _hyperparameters(optimizer), strict=False):
             # The LR a scheduler starts from is the saved initial_lr.
@@ -793,32 +892,10 @@ class CheckpointManager:
                 f"replaces {', '.join(sorted(replaced))}. To train with the config's "
                 "values, start a new run (resume_from_checkpoint=False)."
             )
-        self._progress.load_state_dict(recipe_state)
         if folder is None:
             return
         self._run_id = _read_json(folder / MANIFEST).get("run_id")
         self._run_id = self._run_id or read_run_file(self._out)
-        rank_file = f"rank_{_rank()}.pt"
-        if rank_file not in _read_json(folder / MANIFEST).get("files", {}):
-            raise CheckpointError(
-                f"{folder / MANIFEST} lists no {rank_file}: the checkpoint is not "
-                "whole. Resume another one (checkpointer.recipe_checkpoint=step_N)."
-            )
-        rank_state = _load(folder / rank_file)
-        if rank_state[DATALOADER_KEY]:
-            self._dataloader.load_state_dict(rank_state[DATALOADER_KEY])
-        saved = rank_state.get("states", {})
-        if missing := sorted(set(self._states) - set(saved)):
-            raise CheckpointError(
-                f"{folder} holds no state for {missing} (it holds {sorted(saved)}): it "
-                "was saved by a run that did not pass them to load(states=...). Resume "
-                "with the recipe that saved it, or resume_from_checkpoint=False."
-            )
-        for name, stateful in self._states.items():
-            stateful.load_state_dict(saved[name])
-        torch.set_rng_state(rank_state["rng"]["torch"])
-        if "cuda" in rank_state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
         _on_rank_zero(
             lambda: branch_at(
                 folder,
@@ -831,9 +908,34 @@ class CheckpointManager:
         self._newest = folder
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
 
+    def _check_holds(self, folder: Path) -> None:
+        """Refuse a step checkpoint that lacks an entry of the run's states, or whose
+        model is not this one, naming what differs (before DCP would fail on the
+        first missing key)."""
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        names = {key.split(".")[0] for key in saved}
+        if missing := sorted(set(self._states) - names):
+            raise CheckpointError(
+                f"{folder} holds no state for {missing} (it holds {sorted(names)}): it "
+                "was saved by a run that did not pass them to load(). Resume with the "
+                "recipe that saved it, or resume_from_checkpoint=False."
+            )
+        prefix = f"{MODEL_KEY}."
+        held = {k.removeprefix(prefix) for k in saved if k.startswith(prefix)}
+        expected = set(self._states[MODEL_KEY].state_dict())
+        missing, unexpected = sorted(expected - held), sorted(held - expected)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{folder} does not match this model: missing trainable entries "
+                f"{missing[:5]}, unexpected entries {unexpected[:5]}. Resume with the "
+                "model that saved it."
+            )
+
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
-        checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
+        checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress.
+        It holds no LR scheduler state: a scheduler among the run's states is put
+        where 0.6.1 built it on resume, at the checkpoint's step."""
 
         def name_the_run() -> str:
             # The run the folder names, or a new name for a 0.6.1 run it never had.
@@ -871,6 +973,15 @@ class CheckpointManager:
             else:
                 optimizer.load_state_dict(optim)
         steps = state[EPOCHS_KEY] * self._steps_per_epoch
+        for scheduler in self._states.values():
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                # As if built with last_epoch=steps - 1, from the loaded initial_lr.
+                groups = zip(optimizer.param_groups, scheduler.base_lrs, strict=True)
+                scheduler.base_lrs = [g.setdefault("initial_lr", b) for g, b in groups]
+                scheduler.last_epoch = steps - 1
+                with warnings.catch_warnings():  # "step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
         return {**state, "global_step": steps}
 
     @property
@@ -938,27 +1049,14 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
         _barrier()
-        future = None
-        if _sharded():
-            state = _sharded_state(*self._models.values(), self._optimizer)
-            where = partial / MODEL_OPTIMIZER_DCP
-            if self.options.async_save and not wait:
-                group = self._async_group
-                future = dcp.async_save(state, checkpoint_id=where, process_group=group)
-            else:
-                dcp.save(state, checkpoint_id=where)
+        self._states[DATALOADER_KEY].epoch_end = not mid_epoch
+        states, future = dict(self._states), None
+        if self.options.async_save and _sharded() and not wait:
+            group = self._async_group
+            future = dcp.async_save(states, checkpoint_id=partial, process_group=group)
         else:
-            models = {n: _trainable(m) for n, m in self._models.items()}
-            model = models if self._models_given_by_name else models[MODEL_KEY]
-            state = {"model": model, "optimizer": self._optimizer.state_dict()}
-            _save_file(state, partial / MODEL_OPTIMIZER_FILE)
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        loader = self._dataloader.state_dict() if mid_epoch else None
-        rank_state = {DATALOADER_KEY: loader, "rng": rng}
-        rank_state["states"] = {n: s.state_dict() for n, s in self._states.items()}
-        _save_file(rank_state, partial / f"rank_{_rank()}.pt")
+            with _one_process_dcp():
+                dcp.save(states, checkpoint_id=partial, no_dist=not _sharded())
         if _rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
             recipe_state["optimizer_component"] = self.options.optimizer_component
@@ -1028,6 +1126,11 @@ class CheckpointManager:
                 run_id=self._run_id,
                 step=self._progress.global_step,
             )
+            if not final:  # the checkpointer speaks of its final save only
+                message = (
+                    f"Epoch {epoch}'s weights exported to {folder} ({_size([folder])})"
+                )
+                utils.log_rank_zero(log, message)
 
     def _end(self) -> None:
         """The run ended: release ``output_dir``; only :meth:`close` may follow."""

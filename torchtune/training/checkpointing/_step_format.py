@@ -1,9 +1,10 @@
 """The files of a step checkpoint and of an epoch export, and their verification.
 
-A step checkpoint is the folder ``step_{N}/``: ``model_optimizer.pt`` (one process)
-or the sharded ``model_optimizer/`` of ``torch.distributed.checkpoint``,
-``recipe_state.pt``, one ``rank_{r}.pt`` per process, and ``manifest.json``, written
-last: the size and CRC-32 of every file, the run id and step, and a CRC-32 of these
+A step checkpoint is the folder ``step_{N}/``: a ``torch.distributed.checkpoint``
+(DCP) checkpoint of every stateful object of the run, one format for one process and
+for many (its ``.metadata``, written last, and its data files), ``recipe_state.pt``
+(what a resume checks before anything is built) and ``manifest.json``, written after
+them: the size and CRC-32 of every file, the run id and step, and a CRC-32 of these
 entries themselves. An epoch export's manifest is ``.epoch_{N}.manifest.json``,
 beside the folder. The processes of a distributed run share the reading.
 """
@@ -32,7 +33,8 @@ log = utils.get_logger("DEBUG")
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 RECIPE_STATE = "recipe_state.pt"
-MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
+# A DCP checkpoint is whole once its metadata is written.
+DCP_METADATA = ".metadata"
 
 
 class CheckpointError(ValueError):
@@ -166,10 +168,8 @@ def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 
 def _intact(manifest: Mapping[str, Any]) -> bool:
-    """Whether a manifest's entries are as written (one of an earlier build, which
-    has no checksum of its own, is taken as it is)."""
-    saved = manifest.get("manifest_crc32")
-    return saved is None or saved == _manifest_checksum(manifest)
+    """Whether a manifest's entries are as written."""
+    return manifest.get("manifest_crc32") == _manifest_checksum(manifest)
 
 
 def write_manifest(root: Path, path: Path, *, run_id: str | None, step: int) -> None:
@@ -202,7 +202,8 @@ def verify(
 
     Raises:
         CheckpointError: if the manifest is missing (the save did not finish),
-            damaged or of another version, or a file is missing or damaged.
+            damaged (its own checksum, version or entries), or a file is missing or
+            damaged.
     """
     path = Path(manifest) if manifest else Path(folder) / MANIFEST
     if not path.is_file():
@@ -211,21 +212,18 @@ def verify(
         )
     try:
         manifest = json.loads(path.read_text())
-        version, files = manifest.get("version", 1), manifest["files"]
+        files = manifest["files"]
         if not _intact(manifest):
             raise ValueError("its entries changed since it was written")
-        if version not in (1, MANIFEST_VERSION):
-            raise ValueError(f"version {version!r} is no manifest version")
-        entries = files.values() if version == MANIFEST_VERSION else []
+        if manifest["version"] != MANIFEST_VERSION:
+            raise ValueError(
+                f"version {manifest['version']!r} is not {MANIFEST_VERSION}"
+            )
+        entries = files.values()
         if any((type(e["size"]), type(e["crc32"])) != (int, str) for e in entries):
             raise TypeError("its file list is not a manifest's")
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path} is damaged ({e})") from e
-    if version != MANIFEST_VERSION:
-        raise CheckpointError(
-            f"{path} is of manifest version {version}, which this build cannot verify: "
-            "resume with the build that wrote it, or resume_from_checkpoint=False."
-        )
     problems = [f"{path} lists no {n}" for n in required if n not in files]
     for n in sorted(files)[_rank() :: _world_size()]:
         path, size = Path(folder) / n, files[n]["size"]
@@ -263,8 +261,7 @@ def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
 __all__ = [
     "MANIFEST",
     "MANIFEST_VERSION",
-    "MODEL_OPTIMIZER_DCP",
-    "MODEL_OPTIMIZER_FILE",
+    "DCP_METADATA",
     "RECIPE_STATE",
     "CheckpointError",
     "export_manifest",

@@ -21,6 +21,8 @@ restored something wrongly, not rounding.
 from __future__ import annotations
 
 import fcntl
+import gc
+import io
 import json
 import logging
 import multiprocessing
@@ -48,8 +50,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from tests.helpers import BITWISE, make_model, snapshot_files
-from tests.recipes.utils import held_by_another_process
+from tests.helpers import BITWISE, WeightAverage, make_model, snapshot_files
+from tests.recipes.utils import held_by_another_process, step_state
 from tests.torchtune.distributed_launcher import (
     DistributedRun,
     run_distributed,
@@ -81,8 +83,8 @@ from torchtune.training.checkpointing._run_folder import (
     read_run_file,
 )
 from torchtune.training.checkpointing._step_format import (
+    DCP_METADATA,
     MANIFEST,
-    MODEL_OPTIMIZER_FILE,
     RECIPE_STATE,
     CheckpointError,
     _manifest_checksum,
@@ -94,6 +96,8 @@ from torchtune.training.checkpointing._step_format import (
 )
 
 EXPORT_FILE = "model-00001-of-00001.bin"
+# The data file of a one-process DCP checkpoint (beside its .metadata).
+DCP_DATA = "__0_0.distcp"
 STEPS_PER_EPOCH = 4  # 8 samples, batch_size 2
 
 
@@ -222,25 +226,6 @@ class Run:
     average: WeightAverage | None = None
 
 
-class WeightAverage:
-    """An exponential moving average of a model's weights: state of a recipe's own
-    that the manager saves and restores through ``load(states=...)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.average = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    def update(self) -> None:
-        for name, value in self.model.state_dict().items():
-            self.average[name].mul_(0.9).add_(value, alpha=0.1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"average": self.average}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.average = {k: v.clone() for k, v in state_dict["average"].items()}
-
-
 def build_manager(
     cfg: DictConfig, adapter_config: dict[str, Any] | None = None
 ) -> CheckpointManager:
@@ -262,11 +247,12 @@ def train(
     adapter_config: dict[str, Any] | None = None,
     kill: bool = True,
 ) -> Run:
-    """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
+    """A recipe's setup and loop (one batch per optimizer step), handing the manager
+    its stateful objects as a recipe does. ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
     of an epoch's last step): its lock is released as the kernel releases a killed
-    process's, unless ``kill`` is ``False`` (the run only paused). ``lr_lambda``: a ``LambdaLR`` schedule, built after
-    ``load`` as the recipes build theirs."""
+    process's, unless ``kill`` is ``False`` (the run only paused). ``lr_lambda``: a ``LambdaLR`` schedule, built before
+    ``load``, which saves and restores it, as the recipes build theirs."""
     manager = build_manager(cfg, adapter_config)
     model = build(manager.load_base_checkpoint())
     optimizer = make_optimizer(model, cfg, in_backward)
@@ -275,22 +261,16 @@ def train(
     steps_per_epoch = len(loader) // cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = min(steps_per_epoch, cfg.get("max_steps_per_epoch") or 10**9)
     progress = TrainingProgress(total_epochs=cfg.epochs)
-    states = {"average": WeightAverage(model)} if average else {}
-    manager.load(
-        model,
-        optimizer,
-        loader,
-        progress,
-        steps_per_epoch=steps_per_epoch,
-        states=states,
-    )
-    run = Run(manager, model, optimizer, progress, progress.global_step)
-    run.average = states.get("average")
     scheduler = None
     if lr_lambda is not None:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda, last_epoch=progress.global_step - 1
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    states = {"model": model, "optimizer": optimizer, "dataloader": loader}
+    states |= {"progress": progress, "lr_scheduler": scheduler}
+    if average:
+        states["average"] = WeightAverage(model)
+    manager.load(states, steps_per_epoch=steps_per_epoch)
+    run = Run(manager, model, optimizer, progress, progress.global_step)
+    run.average = states.get("average")
     for epoch in range(progress.epochs_run, progress.total_epochs):
         loader.sampler.set_epoch(epoch)
         for _, batch in training.epoch_batches(
@@ -413,9 +393,7 @@ def test_a_partly_frozen_models_step_checkpoint_holds_its_trainable_part(
 ) -> None:
     cfg = make_config(tmp_path)
     train(cfg, stop_after=7, build=frozen_model)
-    saved = torch.load(
-        tmp_path / "out" / "step_6" / MODEL_OPTIMIZER_FILE, weights_only=False
-    )
+    saved = step_state(tmp_path / "out" / "step_6")
     assert sorted(saved["model"]) == ["3.bias", "3.weight"]
     run = resume(cfg, build=frozen_model)
     assert run.resumed_at == 6
@@ -582,7 +560,7 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
     real_async_save = dcp.async_save
 
     def async_save(*args: Any, **kwargs: Any) -> Any:
-        in_background.append(kwargs["checkpoint_id"].parent.name)
+        in_background.append(kwargs["checkpoint_id"].name)
         return real_async_save(*args, **kwargs)
 
     monkeypatch.setattr(dcp, "async_save", async_save)
@@ -592,8 +570,7 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
     expected_background = [".step_3.partial", ".step_4.partial", ".step_6.partial"]
     assert in_background == (expected_background if asynchronous else [])
     out = tmp_path / "out"
-    assert (out / "step_6" / "model_optimizer" / ".metadata").is_file()
-    assert not (out / "step_6" / MODEL_OPTIMIZER_FILE).exists()
+    assert (out / "step_6" / DCP_METADATA).is_file()
     run = resume(cfg, build=sharded_model)
     run.manager.close()
     assert run.resumed_at == 6
@@ -656,11 +633,9 @@ def test_save_writes_every_n_steps_and_an_epochs_last_step_only_at_its_end(
     assert not (out / PREVIOUS_RUNS).exists()
     for n in expected:
         recipe_state = torch.load(out / f"step_{n}" / RECIPE_STATE, weights_only=False)
-        rank_state = torch.load(out / f"step_{n}" / "rank_0.pt", weights_only=False)
+        loader = step_state(out / f"step_{n}")[training.DATALOADER_KEY]["rank_0"]
         assert recipe_state["epoch_end"] == (n % STEPS_PER_EPOCH == 0), n
-        assert (rank_state[training.DATALOADER_KEY] is None) == (
-            n % STEPS_PER_EPOCH == 0
-        ), n
+        assert (torch.load(io.BytesIO(loader)) is None) == (n % STEPS_PER_EPOCH == 0), n
         assert recipe_state["global_step"] == n
     assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
@@ -694,13 +669,13 @@ def test_keep_last_n_keeps_the_newest(tmp_path: Path) -> None:
 def test_saving_a_step_again_sets_the_earlier_one_aside(tmp_path: Path) -> None:
     run = train(make_config(tmp_path), stop_after=3)
     out, run_id = tmp_path / "out", read_run_file(tmp_path / "out")
-    saves = [(out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes()]
+    saves = [step_state(out / "step_3")["model"]]
     for _ in range(2):
         with torch.no_grad():
             run.model[0].weight.add_(1.0)
         run.manager.save()  # global_step is still 3: due again
-        saves.append((out / "step_3" / MODEL_OPTIMIZER_FILE).read_bytes())
-    assert len(set(saves)) == 3
+        saves.append(step_state(out / "step_3")["model"])
+    assert len({float(save["0.weight"].sum()) for save in saves}) == 3
     replaced = out / PREVIOUS_RUNS / f"run_{run_id}-replaced"
     # Never merged into an earlier move: the second goes beside the first.
     for folder, data in (
@@ -709,8 +684,8 @@ def test_saving_a_step_again_sets_the_earlier_one_aside(tmp_path: Path) -> None:
         (out / "step_3", saves[2]),
     ):
         verify(folder)
-        assert (folder / MODEL_OPTIMIZER_FILE).read_bytes() == data, folder
-    saved = torch.load(out / "step_3" / MODEL_OPTIMIZER_FILE, weights_only=False)
+        torch.testing.assert_close(step_state(folder)["model"], data, **BITWISE)
+    saved = step_state(out / "step_3")
     torch.testing.assert_close(saved["model"], run.model.state_dict(), **BITWISE)
 
 
@@ -731,11 +706,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     # The run id: the UTC time the run started and 8 random hex digits.
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", read_run_file(out))
     assert manifest["run_id"] == read_run_file(out)
-    assert sorted(manifest["files"]) == [
-        MODEL_OPTIMIZER_FILE,
-        "rank_0.pt",
-        RECIPE_STATE,
-    ]
+    assert sorted(manifest["files"]) == [DCP_METADATA, DCP_DATA, RECIPE_STATE]
     for name, entry in manifest["files"].items():
         data = (out / "step_3" / name).read_bytes()
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
@@ -750,7 +721,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     verify(out / "epoch_0", export_manifest(out / "epoch_0"))
     assert not (out / "recipe_state").exists()  # 0.6.1's epoch recipe state
     # epoch_0 holds the model after step 4; the run trained on to step 5 since.
-    after_4 = torch.load(out / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False)
+    after_4 = step_state(out / "step_4")
     weights = torch.load(out / "epoch_0" / EXPORT_FILE, weights_only=True)
     torch.testing.assert_close(weights, after_4["model"], **BITWISE)
     assert set(weights) == set(run.model.state_dict())
@@ -795,6 +766,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
     monkeypatch.undo()
+    gc.collect()  # the killed run's manager lets its lock go, as a dead process's
     out = tmp_path / "out"
     assert step_names(out) == ["step_3", "step_4"]
     assert (out / ".step_6.partial").is_dir()
@@ -813,12 +785,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     out = tmp_path / "out"
-    damaged = out / "step_4" / MODEL_OPTIMIZER_FILE
+    damaged = out / "step_4" / DCP_DATA
     size = damaged.stat().st_size
     if damage == "truncated":
         damaged.write_bytes(damaged.read_bytes()[:100])
     else:
-        # The last byte is in the zip's end record, which torch.load reads first.
         where = {"first byte": 0, "middle byte": size // 2, "last byte": size - 1}
         flip_byte(damaged, where[damage])
         assert damaged.stat().st_size == size  # a size check alone misses it
@@ -848,7 +819,7 @@ def test_a_folder_without_manifest_is_not_a_checkpoint(
     train(cfg, stop_after=5)
     out = tmp_path / "out"
     (out / "step_9").mkdir()
-    (out / "step_9" / MODEL_OPTIMIZER_FILE).write_bytes(b"half written")
+    (out / "step_9" / DCP_DATA).write_bytes(b"half written")
     with pytest.raises(CheckpointError, match=f"has no {MANIFEST}"):
         verify(out / "step_9")
     with caplog.at_level(logging.WARNING):
@@ -885,39 +856,6 @@ def test_a_manifest_that_cannot_be_read_is_damaged_and_the_resume_falls_back(
     with caplog.at_level(logging.WARNING):
         run = resume(cfg)
     assert f"{manifest} is damaged" in warnings_text(caplog)
-    assert run.resumed_at == 3
-
-
-@pytest.mark.parametrize(
-    "entries",
-    ["sizes_as_version_1_wrote_them", "checksums_but_version_1", "unversioned"],
-)
-def test_a_version_1_manifest_is_refused_naming_the_version(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, entries: str
-) -> None:
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=5)
-    out = tmp_path / "out"
-    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
-    files = manifest["files"]
-    # Version 1 (an earlier build of this patch set) recorded each file's size.
-    legacy = {
-        "version": 1,
-        "global_step": 4,
-        "world_size": 1,
-        "files": {n: e["size"] for n, e in files.items()}
-        if entries == "sizes_as_version_1_wrote_them"
-        else files,
-    }
-    if entries == "unversioned":  # a manifest that names no version is version 1
-        del legacy["version"]
-    (out / "step_4" / MANIFEST).write_text(json.dumps(legacy))
-    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
-    with pytest.raises(CheckpointError, match="of manifest version 1"):
-        resume(named)
-    with caplog.at_level(logging.WARNING):
-        run = resume(cfg)
-    assert "of manifest version 1" in warnings_text(caplog)
     assert run.resumed_at == 3
 
 
@@ -990,9 +928,7 @@ def test_keep_previous_runs_moves_an_earlier_runs_files_aside_but_not_its_base(
         assert after.get(name) == entry, name
     torch.testing.assert_close(
         torch.load(out / "epoch_1" / EXPORT_FILE, weights_only=True),
-        torch.load(aside / "step_8" / MODEL_OPTIMIZER_FILE, weights_only=False)[
-            "model"
-        ],
+        step_state(aside / "step_8")["model"],
         **BITWISE,
     )
     assert run.resumed_at == 0
@@ -1179,12 +1115,12 @@ class RunsCode:
         return (Path.touch, (self.path,))
 
 
-@pytest.mark.parametrize("name", [MODEL_OPTIMIZER_FILE, RECIPE_STATE, "rank_0.pt"])
-def test_a_step_checkpoint_file_holding_pickled_code_is_refused_not_run(
-    tmp_path: Path, name: str
+def test_a_recipe_state_holding_pickled_code_is_refused_not_run(
+    tmp_path: Path,
 ) -> None:
-    """Every file of a step checkpoint is read with ``weights_only=True``: tensors and
-    plain values only."""
+    """The recipe state, read before anything is built, is read with
+    ``weights_only=True``: tensors and plain values only."""
+    name = RECIPE_STATE
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     step_4, ran = tmp_path / "out" / "step_4", tmp_path / "code ran"
@@ -1276,7 +1212,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     out = tmp_path / "out"
-    flip_byte(out / "step_4" / MODEL_OPTIMIZER_FILE, 0)
+    flip_byte(out / "step_4" / DCP_DATA, 0)
     recipe_state = torch.load(out / "step_3" / RECIPE_STATE, weights_only=False)
     recipe_state["optimizer_component"] = "torch.optim.SGD"
     rewrite(out / "step_3", RECIPE_STATE, recipe_state)
@@ -1423,22 +1359,6 @@ def test_a_step_checkpoint_without_a_trajectory_resumes_in_one_process(
         resume(named)
 
 
-def test_a_manifest_that_names_no_run_resumes_as_the_folders_run(
-    tmp_path: Path,
-) -> None:
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=5)
-    out = tmp_path / "out"
-    run_id = read_run_file(out)
-    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
-    del manifest["run_id"], manifest["manifest_crc32"]  # as an earlier build wrote it
-    (out / "step_4" / MANIFEST).write_text(json.dumps(manifest))
-    run = resume(cfg)
-    assert run.resumed_at == 4
-    assert json.loads((out / "step_6" / MANIFEST).read_text())["run_id"] == run_id
-    assert_same_weights(run.model, uninterrupted(tmp_path))
-
-
 def test_a_trajectory_setting_added_on_resume_is_refused(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     del cfg["max_steps_per_epoch"]
@@ -1495,12 +1415,10 @@ def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_writte
     with pytest.raises(
         ValueError, match="^An epoch has no optimizer step: 1 samples make 0 batches"
     ):
+        optimizer = make_optimizer(model, cfg, False)
+        states = {"model": model, "optimizer": optimizer, "dataloader": loader}
         manager.load(
-            model,
-            make_optimizer(model, cfg, False),
-            loader,
-            TrainingProgress(total_epochs=2),
-            steps_per_epoch=0,
+            states | {"progress": TrainingProgress(total_epochs=2)}, steps_per_epoch=0
         )
     assert snapshot_files(tmp_path) == before
 
@@ -1828,9 +1746,7 @@ def test_a_lora_export_merges_into_copies_and_leaves_the_live_weights(
     adapter = torch.load(epoch_0 / "adapter_model.pt", weights_only=True)
     torch.testing.assert_close(adapter, {k: live[k] for k in adapter_names}, **BITWISE)
     # The step checkpoint holds the trainable part, the adapter, alone.
-    saved = torch.load(
-        tmp_path / "out" / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False
-    )
+    saved = step_state(tmp_path / "out" / "step_4")
     assert sorted(saved["model"]) == adapter_names
     if adapter_only:
         assert not (epoch_0 / EXPORT_FILE).exists()
@@ -1990,9 +1906,8 @@ def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_sta
     optimizer = make_optimizer(nn.ModuleList([policy, value]), cfg, in_backward=True)
     progress = TrainingProgress(total_epochs=2)
     models = {"policy": policy, "value": value}
-    manager.load(
-        models, optimizer, make_loader(Samples(), 2), progress, steps_per_epoch=4
-    )
+    states = {"model": models, "optimizer": optimizer, "progress": progress}
+    manager.load(states | {"dataloader": make_loader(Samples(), 2)}, steps_per_epoch=4)
     manager.close()
     assert progress.global_step == STEPS_PER_EPOCH
     saved = value_run.optimizer.state_dict()["state"]
@@ -2153,6 +2068,9 @@ def test_upstreams_final_epoch_notes_are_logged_at_the_final_epoch_only(
     with caplog.at_level(logging.INFO):
         train(cfg)
     assert caplog.text.count("Saving final epoch checkpoint.") == 1
+    # The others are named by the manager, with their size.
+    for epoch in (0, 1):
+        assert f"Epoch {epoch}'s weights exported to {tmp_path / 'out'}" in caplog.text
     # Pruning is named only when keep_last_n_checkpoints asks for it.
     assert "Deleted " not in caplog.text
     caplog.clear()
@@ -2223,7 +2141,7 @@ def test_a_folder_name_longer_than_the_file_system_allows_is_refused(
     [
         ("a character of the run id lost", "its entries changed since it was written"),
         ("the version damaged", "its entries changed since it was written"),
-        ("rank_0.pt dropped, checksum redone", "lists no rank_0.pt"),
+        ("the DCP metadata dropped, checksum redone", "lists no .metadata"),
     ],
 )
 def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
@@ -2240,8 +2158,8 @@ def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
     elif edit == "the version damaged":
         manifest["version"] = "2x"
     else:
-        del manifest["files"]["rank_0.pt"]
-        (step / "rank_0.pt").unlink()
+        del manifest["files"][DCP_METADATA]
+        (step / DCP_METADATA).unlink()
         manifest["manifest_crc32"] = _manifest_checksum(manifest)
     (step / MANIFEST).write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING):
@@ -2290,7 +2208,7 @@ def test_a_move_to_previous_runs_stopped_midway_is_finished_by_the_next_start(
 def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
     tmp_path: Path,
 ) -> None:
-    # A weight average the library knows nothing of, handed to load(states=...):
+    # A weight average the library knows nothing of, handed to load() with the rest:
     # killed after step 7 (newest checkpoint: step_6), the resumed run ends with
     # the uninterrupted run's average, bitwise.
     cfg = make_config(tmp_path)
@@ -2346,9 +2264,8 @@ def manager_loaded(tmp_path: Path) -> tuple[CheckpointManager, Callable[[], None
     progress = TrainingProgress(total_epochs=cfg.epochs)
 
     def load() -> None:
-        manager.load(
-            model, optimizer, loader, progress, steps_per_epoch=STEPS_PER_EPOCH
-        )
+        states = {"model": model, "optimizer": optimizer, "dataloader": loader}
+        manager.load(states | {"progress": progress}, steps_per_epoch=STEPS_PER_EPOCH)
 
     return manager, load
 
