@@ -49,39 +49,39 @@ from torchtune.training.checkpointing._export import (
 from torchtune.training.checkpointing._run_folder import (
     PREVIOUS_RUNS,
     RUN_FILE,
-    _check_lock,
-    _check_outside,
-    _finish_moves,
-    _release_lock,
-    _set_aside,
-    _take_lock,
-    _write_run_file,
     branch_at,
+    check_lock,
+    check_outside,
     check_writable,
+    finish_moves,
     read_run_file,
+    release_lock,
+    set_aside,
     start_run,
+    take_lock,
+    write_run_file,
 )
 from torchtune.training.checkpointing._step_format import (
     DCP_METADATA,
     MANIFEST,
     RECIPE_STATE,
     CheckpointError,
-    _barrier,
-    _delete,
-    _fsync_dir,
-    _load,
-    _on_rank_zero,
-    _rank,
-    _read_json,
-    _save_file,
-    _sharded,
-    _size,
-    _step_dirs,
-    _warn,
-    _world_size,
+    barrier,
+    delete_paths,
     export_manifest,
+    fsync_dir,
+    in_process_group,
+    load_weights_only,
+    on_rank_zero,
+    process_count,
+    process_rank,
+    read_json,
+    save_synced,
+    size_of,
+    step_checkpoints_in,
     step_of,
     verify,
+    warn,
     write_manifest,
 )
 from torchtune.training.checkpointing._utils import (
@@ -259,11 +259,13 @@ class _OptimizerState:
 def _this_process(value: Any) -> dict[str, bytes]:
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    return {f"rank_{_rank()}": buffer.getvalue()}
+    return {f"rank_{process_rank()}": buffer.getvalue()}
 
 
 def _of_this_process(state_dict: Mapping[str, bytes]) -> Any:
-    return torch.load(io.BytesIO(state_dict[f"rank_{_rank()}"]), weights_only=True)
+    return torch.load(
+        io.BytesIO(state_dict[f"rank_{process_rank()}"]), weights_only=True
+    )
 
 
 class _LoaderPosition:
@@ -379,7 +381,7 @@ class CheckpointOptions:
                 own = section.get("output_dir")
                 out_key = f"{key}.output_dir" if own else "output_dir"
                 out = Path(own or output_dir)
-                _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
+                check_outside(root, f"{key}.checkpoint_dir", out, out_key)
                 files = section.get("checkpoint_files")
                 names = [] if isinstance(files, str | Mapping) else list(files or [])
                 names += [section.get("adapter_checkpoint")]
@@ -488,11 +490,11 @@ class CheckpointManager:
         check_writable("checkpointer.output_dir", self._export_dir)
         # Refused now if another run trains there; load() takes the lock. Building
         # the manager only reads: nothing on disk changes before load().
-        _check_lock(self._out)
+        check_lock(self._out)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
-        self._steps, self._checkpoint_0_6_1 = self._resume_points()
+        self._steps, self._epoch_checkpoint = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
         self._newest: Path | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
@@ -544,12 +546,12 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpointer.recipe_checkpoint={requested} names the step checkpoint "
                 f"{folder}, which does not exist. The step checkpoints in {out} are "
-                f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
+                f"{[p.name for p in step_checkpoints_in(out)] or 'none'}: name one of them."
             )
-        steps = [folder] if requested else _step_dirs(out, read_run_file(out))
+        steps = [folder] if requested else step_checkpoints_in(out, read_run_file(out))
         epoch_state = export / "recipe_state" / RECIPE_STATE
         if not requested and self.options.named_epoch is not None:
-            steps = self._epoch_end(steps, written_by_0_6_1=epoch_state.is_file())
+            steps = self._epoch_end(steps, has_epoch_recipe_state=epoch_state.is_file())
         if steps or (epoch_state.is_file() and not self.options.async_save):
             self._check_optimizer(steps[0] if steps else epoch_state)
             return steps, None if steps else "epoch"
@@ -558,7 +560,7 @@ class CheckpointManager:
         moved = out / PREVIOUS_RUNS
         hint = f" Earlier runs' checkpoints are in {moved}: move one back to resume it."
         hint = hint if moved.is_dir() else ""
-        if final := _read_json(out / RUN_FILE).get("final_export"):
+        if final := read_json(out / RUN_FILE).get("final_export"):
             hint = (
                 f" The run there finished (final weights in {final}) and its step "
                 "checkpoints were deleted, as checkpointer.keep_last_n_checkpoints was "
@@ -571,10 +573,12 @@ class CheckpointManager:
             f"0.6.1 epoch checkpoint.{hint} Set resume_from_checkpoint=False to start."
         )
 
-    def _epoch_end(self, steps: list[Path], *, written_by_0_6_1: bool) -> list[Path]:
+    def _epoch_end(
+        self, steps: list[Path], *, has_epoch_recipe_state: bool
+    ) -> list[Path]:
         """The step checkpoint saved at the end of the epoch whose export the
         checkpointer's files name (torchtune 0.6.1's way to resume), or none where
-        the folder is one 0.6.1 wrote (``written_by_0_6_1``: its recipe state goes
+        the folder is one 0.6.1 wrote (``has_epoch_recipe_state``: its recipe state goes
         with them).
 
         Raises:
@@ -582,7 +586,7 @@ class CheckpointManager:
         """
         epoch = self.options.named_epoch
         ended = [step for step in steps if _epoch_ended(step) == epoch]
-        if ended or (written_by_0_6_1 and not steps):
+        if ended or (has_epoch_recipe_state and not steps):
             return ended
         if self.options.checkpointer.get("adapter_checkpoint"):
             key, newest = "adapter_checkpoint", "unset it"
@@ -629,7 +633,7 @@ class CheckpointManager:
         """
         self._expect("load_base_checkpoint()", "built")
         self._stage = "base_loaded"
-        epoch, cfg = self._checkpoint_0_6_1 == "epoch", self.options.checkpointer
+        epoch, cfg = self._epoch_checkpoint == "epoch", self.options.checkpointer
         if self._steps and self.options.named_epoch is not None:
             # The files named under epoch_{N}/ are read from the output folder, as
             # in 0.6.1, which then also reads a recipe state: the step checkpoint's,
@@ -646,7 +650,9 @@ class CheckpointManager:
         if not epoch:
             return state
         weights = (MODEL_KEY, ADAPTER_KEY)
-        self._state_0_6_1 = {k: state.pop(k) for k in list(state) if k not in weights}
+        self._epoch_recipe_state = {
+            k: state.pop(k) for k in list(state) if k not in weights
+        }
         if self.adapter_config and ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
@@ -746,24 +752,26 @@ class CheckpointManager:
                 f"{len(self._dataloader)} batches per process ({dict(self.options.trajectory)})"
                 ": use more data, or a smaller batch_size or gradient_accumulation_steps."
             )
-        self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
+        self._trajectory = {**self.options.trajectory, "world_size": process_count()}
         self._trajectory |= _dataset_identity(dataset)
         folder, recipe_state = self._verified() if self._steps else (None, {})
 
-        def take_lock() -> None:
-            self._lock = _take_lock(self._out)
-            self._release_output_dir = weakref.finalize(self, _release_lock, self._lock)
+        def lock_output_dir() -> None:
+            self._lock = take_lock(self._out)
+            self._release_output_dir = weakref.finalize(self, release_lock, self._lock)
             # Under the lock: a move to previous_runs/ a killed run left midway.
             for root in {self._out, self._export_dir}:
-                _finish_moves(root)
+                finish_moves(root)
 
-        _on_rank_zero(take_lock)
+        on_rank_zero(lock_output_dir)
         self._stage = "loaded"
-        if self.options.async_save and _sharded():  # its collectives run from a thread
+        if (
+            self.options.async_save and in_process_group()
+        ):  # its collectives run from a thread
             self._async_group = dist.new_group(backend="gloo")
-        if folder is None and self._checkpoint_0_6_1 is None:
+        if folder is None and self._epoch_checkpoint is None:
             folders = {self._out, self._export_dir, *self._export_roots}
-            self._run_id = _on_rank_zero(
+            self._run_id = on_rank_zero(
                 lambda: start_run(
                     self._out,
                     folders,
@@ -791,20 +799,20 @@ class CheckpointManager:
             if problem is not None:
                 problems.append(problem)
         if problems:
-            _warn(
+            warn(
                 f"The export of epoch {epoch} is not this checkpoint's "
                 f"({'; '.join(problems)}): rewriting it from {folder}."
             )
             self._export(epoch, final=done)
         if done:
             key, value = self.options.length
-            _warn(
+            warn(
                 f"resume_from_checkpoint=True: {folder or self._export_dir} is at the "
                 f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
                 f"nothing left to do. To train further, set {key} to more than {value}."
             )
             if folder is not None:
-                _on_rank_zero(lambda: self._finish_run(epoch))
+                on_rank_zero(lambda: self._finish_run(epoch))
             self._end()
 
     def _required_files(self) -> list[str]:
@@ -826,14 +834,14 @@ class CheckpointManager:
                         f"checkpointer.recipe_checkpoint={named} cannot be resumed: "
                         f"{e}. Name another one, or leave it unset."
                     ) from e
-                _warn(f"Skipping step checkpoint {folder}: {e}")
+                warn(f"Skipping step checkpoint {folder}: {e}")
         else:
             raise CheckpointError(
                 f"resume_from_checkpoint=True, but no step checkpoint in {self._out} is "
                 "whole (see the warnings). Set resume_from_checkpoint=False to start anew."
             )
         self._check_optimizer(folder)  # from_config checked the newest
-        recipe_state = _load(folder / RECIPE_STATE)
+        recipe_state = load_weights_only(folder / RECIPE_STATE)
         # Settings an earlier build did not record are not compared (the earliest
         # recorded its world size alone).
         old, new = recipe_state.get("trajectory"), self._trajectory
@@ -844,7 +852,7 @@ class CheckpointManager:
         if recipe_state.get("epoch_end") and length in diff:
             # Training a finished (or epoch-end) run further: nothing to match.
             before, after = diff.pop(length)
-            _warn(
+            warn(
                 f"Resuming {folder} with {length}={after} (it was trained with "
                 f"{before}): training goes on to the new {length}, and a learning rate "
                 f"schedule is rebuilt over it, from this step on."
@@ -857,7 +865,7 @@ class CheckpointManager:
                 "positions are per process), or resume_from_checkpoint=False."
             )
         if diff:
-            _warn(
+            warn(
                 f"resume_allow_changes=True: resuming {folder} with other settings "
                 f"({listed}); this run differs from an uninterrupted one."
             )
@@ -874,7 +882,7 @@ class CheckpointManager:
             self._check_holds(folder)
             with _one_process_dcp():
                 states = dict(self._states)
-                dcp.load(states, checkpoint_id=folder, no_dist=not _sharded())
+                dcp.load(states, checkpoint_id=folder, no_dist=not in_process_group())
             # DCP fills only the hyperparameters a new optimizer's groups have.
             saved = recipe_state["optimizer_param_group_hyperparameters"]
             for group, values in zip(optimizer.param_groups, saved, strict=True):
@@ -887,16 +895,16 @@ class CheckpointManager:
                 if key in saved and _differs(value, now := saved[key]):
                     replaced.add(f"optimizer.{key}={value} (the checkpoint's: {now})")
         if replaced:
-            _warn(
+            warn(
                 f"Resuming from {folder or 'the epoch checkpoint'}: its optimizer state "
                 f"replaces {', '.join(sorted(replaced))}. To train with the config's "
                 "values, start a new run (resume_from_checkpoint=False)."
             )
         if folder is None:
             return
-        self._run_id = _read_json(folder / MANIFEST).get("run_id")
+        self._run_id = read_json(folder / MANIFEST).get("run_id")
         self._run_id = self._run_id or read_run_file(self._out)
-        _on_rank_zero(
+        on_rank_zero(
             lambda: branch_at(
                 folder,
                 run_id=self._run_id,
@@ -940,11 +948,11 @@ class CheckpointManager:
         def name_the_run() -> str:
             # The run the folder names, or a new name for a 0.6.1 run it never had.
             run_id = read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
-            return _write_run_file(self._out, run_id)
+            return write_run_file(self._out, run_id)
 
-        self._run_id = _on_rank_zero(name_the_run)
+        self._run_id = on_rank_zero(name_the_run)
         models, optimizer = list(self._models.values()), self._optimizer
-        if self._checkpoint_0_6_1 == "dcp":
+        if self._epoch_checkpoint == "dcp":
             (model,) = models
             dsd._init_optim_state(optimizer)  # DCP loads into existing tensors
             state = {MODEL_KEY: model.state_dict(), EPOCHS_KEY: 0}
@@ -957,14 +965,14 @@ class CheckpointManager:
                 model, optimizer, model_state_dict=weights, optim_state_dict=optim
             )
         else:
-            state, optim = self._state_0_6_1, self._state_0_6_1[OPT_KEY]
+            state, optim = self._epoch_recipe_state, self._epoch_recipe_state[OPT_KEY]
             if legacy_format.is_legacy_in_bwd_state_dict(optim):
                 # Several models (PPO): 0.6.1 saved the last one's parameters only.
                 pairs = [(m, n, p) for m in models for n, p in m.named_parameters()]
                 names = [(n if m is models[-1] else None, p) for m, n, p in pairs]
                 convert = legacy_format.convert_legacy_optim_in_bwd_state_dict
-                optim = convert(optim, None if _sharded() else names)
-            if _sharded():
+                optim = convert(optim, None if in_process_group() else names)
+            if in_process_group():
                 load_from_full_optimizer_state_dict(
                     models[0], optimizer, optim, self.options.device
                 )
@@ -1012,7 +1020,7 @@ class CheckpointManager:
         self._write_step(mid_epoch=False, wait=done)
         self._export(epoch := self._progress.epochs_run - 1, final=done)
         if done:
-            _on_rank_zero(lambda: self._finish_run(epoch))
+            on_rank_zero(lambda: self._finish_run(epoch))
             self._end()
 
     def _finish_run(self, epoch: int) -> None:
@@ -1020,20 +1028,23 @@ class CheckpointManager:
         torchtune 0.6.1 leaves no resumable state after the final epoch, unless
         ``keep_last_n_checkpoints`` asks to keep them (to train further later)."""
         final, n = self._export_dir / f"epoch_{epoch}", self.options.keep_last_n
-        steps, (key, value) = _step_dirs(self._out, self._run_id), self.options.length
+        steps, (key, value) = (
+            step_checkpoints_in(self._out, self._run_id),
+            self.options.length,
+        )
         if n is not None:
             kept = (
                 f"Its resumable state is kept (checkpointer.keep_last_n_checkpoints={n}:"
-                f" {', '.join(p.name for p in steps)}, {_size(steps)}); to train "
+                f" {', '.join(p.name for p in steps)}, {size_of(steps)}); to train "
                 f"further: resume_from_checkpoint=True, {key} > {value}."
             )
         else:
             kept = (
-                f"Its step checkpoints ({_size(steps)}) are deleted: to keep them, for "
+                f"Its step checkpoints ({size_of(steps)}) are deleted: to keep them, for "
                 "training further later, set checkpointer.keep_last_n_checkpoints."
             )
-            _delete(steps)
-        _write_run_file(self._out, self._run_id, final_export=str(final))
+            delete_paths(steps)
+        write_run_file(self._out, self._run_id, final_export=str(final))
         log.info(
             f"Training done (run {self._run_id}, {self._progress.epochs_run} epochs). "
             f"Final weights in {final} (every file checksummed). {kept}"
@@ -1045,26 +1056,26 @@ class CheckpointManager:
         self._finish_pending()
         step = self._progress.global_step
         partial = self._out / f".step_{step}.partial"
-        if _rank() == 0:
+        if process_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
-        _barrier()
+        barrier()
         self._states[DATALOADER_KEY].epoch_end = not mid_epoch
         states, future = dict(self._states), None
-        if self.options.async_save and _sharded() and not wait:
+        if self.options.async_save and in_process_group() and not wait:
             group = self._async_group
             future = dcp.async_save(states, checkpoint_id=partial, process_group=group)
         else:
             with _one_process_dcp():
-                dcp.save(states, checkpoint_id=partial, no_dist=not _sharded())
-        if _rank() == 0:
+                dcp.save(states, checkpoint_id=partial, no_dist=not in_process_group())
+        if process_rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
             recipe_state["optimizer_component"] = self.options.optimizer_component
             recipe_state["trajectory"] = self._trajectory
             # Each group's hyperparameters: DCP loads only what a new optimizer has.
             hyperparameters = _hyperparameters(self._optimizer)
             recipe_state["optimizer_param_group_hyperparameters"] = hyperparameters
-            _save_file(recipe_state, partial / RECIPE_STATE)
+            save_synced(recipe_state, partial / RECIPE_STATE)
         self._pending = (future, partial, step)
         if future is None:
             self._finish_pending()
@@ -1076,26 +1087,28 @@ class CheckpointManager:
         (future, partial, step), self._pending = self._pending, None
         if future is not None:
             future.result()
-        _barrier()
+        barrier()
         write_manifest(partial, partial / MANIFEST, run_id=self._run_id, step=step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
         def publish() -> None:
             final = self._out / f"step_{step}"
-            _fsync_dir(partial)
+            fsync_dir(partial)
             if final.exists():  # never rewrite a checkpoint: keep the one replaced
                 label = f"run_{self._run_id}-replaced"
-                _set_aside([final], label, "Saving a step again")
+                set_aside([final], label, "Saving a step again")
             os.replace(partial, final)
-            _fsync_dir(self._out)
-            replaced = _step_dirs(self._out, self._run_id)[keep:] if keep else []
-            _delete(replaced)
+            fsync_dir(self._out)
+            replaced = (
+                step_checkpoints_in(self._out, self._run_id)[keep:] if keep else []
+            )
+            delete_paths(replaced)
             if self.options.keep_last_n is not None:
                 for old in replaced:
                     log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
             log.info(f"Step checkpoint saved to {final}")
 
-        _on_rank_zero(publish)
+        on_rank_zero(publish)
         self._newest = self._out / f"step_{step}"
 
     def _export(self, epoch: int, *, final: bool) -> None:
@@ -1117,7 +1130,7 @@ class CheckpointManager:
                     adapter_only=adapter_only,
                     final=final,
                 )
-        _barrier()
+        barrier()
         for root in self._export_roots:
             folder = root / f"epoch_{epoch}"
             write_manifest(
@@ -1127,9 +1140,7 @@ class CheckpointManager:
                 step=self._progress.global_step,
             )
             if not final:  # the checkpointer speaks of its final save only
-                message = (
-                    f"Epoch {epoch}'s weights exported to {folder} ({_size([folder])})"
-                )
+                message = f"Epoch {epoch}'s weights exported to {folder} ({size_of([folder])})"
                 utils.log_rank_zero(log, message)
 
     def _end(self) -> None:
@@ -1142,7 +1153,7 @@ class CheckpointManager:
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
         self._end()
-        _barrier()  # a next run in these processes finds the lock released
+        barrier()  # a next run in these processes finds the lock released
 
 
 __all__ = [

@@ -22,9 +22,9 @@ from torchtune.modules import peft
 from torchtune.training._distributed import gather_cpu_state_dict
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
-    _rank,
-    _sharded,
     export_manifest,
+    in_process_group,
+    process_rank,
     verify,
 )
 from torchtune.training.checkpointing._utils import (
@@ -48,11 +48,11 @@ def export_state(
     adapter, its config and, unless ``adapter_only``, the merged weights. Call it on
     every rank (a sharded model is gathered); rank 0 gets the state, the others
     ``None``. The live weights are never changed."""
-    if _sharded():
-        state = gather_cpu_state_dict(model, _rank() == 0, device, adapter_only)
+    if in_process_group():
+        state = gather_cpu_state_dict(model, process_rank() == 0, device, adapter_only)
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if _rank() != 0:
+    if process_rank() != 0:
         return None
     if adapter_config is None:
         return {MODEL_KEY: state}

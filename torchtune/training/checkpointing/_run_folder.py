@@ -25,13 +25,13 @@ from typing import Any
 
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
-    _delete,
-    _fsync_dir,
-    _read_json,
-    _size,
-    _step_dirs,
-    _warn,
+    delete_paths,
+    fsync_dir,
+    read_json,
+    size_of,
+    step_checkpoints_in,
     step_of,
+    warn,
 )
 
 RUN_FILE, LOCK_FILE = "torchtune_run.json", "torchtune_run.lock"
@@ -47,17 +47,17 @@ _RESUMABLE = re.compile(r"step_\d+|\.step_\d+\.partial|dist_epoch_\d+|recipe_sta
 
 
 def read_run_file(folder: Path) -> str | None:
-    return _read_json(folder / RUN_FILE).get("run_id")
+    return read_json(folder / RUN_FILE).get("run_id")
 
 
-def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
+def write_run_file(folder: Path, run_id: str, **more: Any) -> str:
     """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
     (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
     return run_id
 
 
-def _set_aside(
+def set_aside(
     entries: list[Path], label: str, reason: str, copies: Sequence[Path] = ()
 ) -> None:
     """Move ``entries`` (and copy ``copies``, which stay in use) into
@@ -78,29 +78,29 @@ def _set_aside(
         journal.write_text(json.dumps({"target": target.name, "names": moved}))
         for name in moved:
             os.replace(folder / name, target / name)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         journal.unlink()
         also = f", copied {', '.join(copied)} (read by this run)" if copied else ""
-        _warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
+        warn(f"{reason}: moved {', '.join(moved)}{also} to {target}; nothing deleted")
 
 
 def _move_journal(target: Path) -> Path:
     return target.parent / f".{target.name}.moving.json"
 
 
-def _finish_moves(folder: Path) -> None:
+def finish_moves(folder: Path) -> None:
     """Finish a move to ``previous_runs/`` that a process stopped midway: the rest
     of what it was moving joins what it moved."""
     journals = sorted((folder / PREVIOUS_RUNS).glob(".*.moving.json"))
     for journal in journals:
-        move = _read_json(journal)
+        move = read_json(journal)
         target = folder / PREVIOUS_RUNS / str(move.get("target"))
         left = [n for n in move.get("names", []) if (folder / n).exists()]
         for name in left:
             os.replace(folder / name, target / name)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         journal.unlink()
-        _warn(
+        warn(
             f"Finished moving {', '.join(left) or 'nothing'} to {target}, a move an "
             "earlier process stopped midway"
         )
@@ -148,7 +148,7 @@ def check_writable(key: str, path: str | Path) -> None:
         )
 
 
-def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
+def check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
     """Refuse an output folder equal to or inside the folder of a base checkpoint."""
     base_path, out_path = base.resolve(), out.resolve()
     if out_path == base_path or base_path in out_path.parents:
@@ -160,7 +160,7 @@ def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
 
 
 @dataclass(eq=False)
-class _Lock:
+class RunLock:
     """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
     when the process ends, however it ends, so it is never stale."""
 
@@ -170,7 +170,7 @@ class _Lock:
 
 
 def _owner_of(path: Path) -> str:
-    owner = _read_json(path)
+    owner = read_json(path)
     if not owner:
         return "a run whose lock file does not say which"
     return (
@@ -187,8 +187,8 @@ def _in_use(folder: Path) -> CheckpointError:
     )
 
 
-def _check_lock(folder: Path) -> None:
-    """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
+def check_lock(folder: Path) -> None:
+    """Refuse ``folder`` early if a live run holds its lock (:func:`take_lock` decides,
     atomically, later)."""
     path = (folder / LOCK_FILE).absolute()
     if not path.is_file():
@@ -202,7 +202,7 @@ def _check_lock(folder: Path) -> None:
         os.close(fd)  # which releases the shared lock
 
 
-def _take_lock(folder: Path) -> _Lock:
+def take_lock(folder: Path) -> RunLock:
     """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
     live owner's lock is never taken over, whatever its file holds."""
     path = (folder / LOCK_FILE).absolute()
@@ -219,9 +219,9 @@ def _take_lock(folder: Path) -> _Lock:
         if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
             break
         os.close(fd)
-    lock = _Lock(path, fd)
+    lock = RunLock(path, fd)
     if path.stat().st_size:  # a run that held it ended without deleting it
-        _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
+        warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
     owner = {"pid": os.getpid(), "host": socket.gethostname()}
     owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     os.ftruncate(lock.fd, 0)
@@ -229,12 +229,12 @@ def _take_lock(folder: Path) -> _Lock:
     return lock
 
 
-def _release_lock(lock: _Lock) -> None:
+def release_lock(lock: RunLock) -> None:
     """Delete the lock file and release the lock (once: a second call does nothing)."""
     if not lock.held:
         return
     lock.held = False
-    lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
+    lock.path.unlink(missing_ok=True)  # while still held: see take_lock
     os.close(lock.fd)
 
 
@@ -261,7 +261,7 @@ def start_run(
         else:
             _clear_earlier_run(out, found)
     run_id = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
-    return _write_run_file(out, run_id)
+    return write_run_file(out, run_id)
 
 
 def _clear_earlier_run(out: Path, found: list[Path]) -> None:
@@ -274,7 +274,7 @@ def _clear_earlier_run(out: Path, found: list[Path]) -> None:
     if resumable:
         names = ", ".join(sorted(e.name for e in resumable))
         message.append(
-            f"Deleting its resumable state ({names}: {_size(resumable)}), "
+            f"Deleting its resumable state ({names}: {size_of(resumable)}), "
             "which this new run must not continue."
         )
     if exports:
@@ -286,8 +286,8 @@ def _clear_earlier_run(out: Path, found: list[Path]) -> None:
         "To keep an earlier run's files, set keep_previous_runs=True (moved "
         f"to {out / PREVIOUS_RUNS}), or use another output_dir."
     )
-    _warn(" ".join(message))
-    _delete(resumable)
+    warn(" ".join(message))
+    delete_paths(resumable)
 
 
 def _set_earlier_run_aside(out: Path, found: list[Path], read: Sequence[Path]) -> None:
@@ -302,7 +302,7 @@ def _set_earlier_run_aside(out: Path, found: list[Path], read: Sequence[Path]) -
         "neither overwrite nor resume (to resume: move them back)"
     )
     moved = [e for e in found if e not in kept]
-    _set_aside(moved, f"run_{earlier}", reason, copies=kept)
+    set_aside(moved, f"run_{earlier}", reason, copies=kept)
 
 
 def branch_at(
@@ -318,7 +318,7 @@ def branch_at(
     ``keep_previous_runs``, moved aside with the exports of the epochs after
     ``epochs_done``), so that pruning and later resumes see this branch only."""
     out = folder.parent
-    later = [p for p in _step_dirs(out) if step_of(p) > step_of(folder)]
+    later = [p for p in step_checkpoints_in(out) if step_of(p) > step_of(folder)]
     if later and keep_previous_runs:
         for root in export_roots:
             epochs = [(p, step_of(p, "epoch")) for p in root.glob("epoch_*")]
@@ -327,24 +327,32 @@ def branch_at(
             f"Resuming from {folder.name}: the later checkpoints of this run "
             "(damaged, or of the timeline this resume branches from) go aside"
         )
-        _set_aside(later, f"run_{run_id}-after-{folder.name}", reason)
+        set_aside(later, f"run_{run_id}-after-{folder.name}", reason)
     elif later:
-        _warn(
+        warn(
             f"Resuming from {folder.name}: deleting this run's later step checkpoints "
-            f"({', '.join(p.name for p in later)}: {_size(later)}), damaged or of the "
+            f"({', '.join(p.name for p in later)}: {size_of(later)}), damaged or of the "
             "timeline this resume branches from, so that later resumes continue "
             "this branch. To keep them, set keep_previous_runs=True (moved to "
             f"{out / PREVIOUS_RUNS})."
         )
-        _delete(later)
+        delete_paths(later)
 
 
 __all__ = [
     "LOCK_FILE",
     "PREVIOUS_RUNS",
     "RUN_FILE",
+    "RunLock",
     "branch_at",
+    "check_lock",
+    "check_outside",
     "check_writable",
+    "finish_moves",
     "read_run_file",
+    "release_lock",
+    "set_aside",
     "start_run",
+    "take_lock",
+    "write_run_file",
 ]

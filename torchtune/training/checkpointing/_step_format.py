@@ -7,6 +7,10 @@ for many (its ``.metadata``, written last, and its data files), ``recipe_state.p
 them: the size and CRC-32 of every file, the run id and step, and a CRC-32 of these
 entries themselves. An epoch export's manifest is ``.epoch_{N}.manifest.json``,
 beside the folder. The processes of a distributed run share the reading.
+
+It also holds what the other checkpointing modules share: which process this is and
+how the processes wait for each other (:func:`process_rank`, :func:`on_rank_zero`,
+...), and how files are written, read and deleted.
 """
 
 from __future__ import annotations
@@ -41,53 +45,53 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed, or an output folder that cannot be used."""
 
 
-def _sharded() -> bool:
+def in_process_group() -> bool:
     """A ``torch.distributed`` run, whose models are sharded (FSDP2), one process too."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _sharded() else 0
+def process_rank() -> int:
+    return dist.get_rank() if in_process_group() else 0
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if _sharded() else 1
+def process_count() -> int:
+    return dist.get_world_size() if in_process_group() else 1
 
 
-def _barrier() -> None:
-    if _world_size() > 1:
+def barrier() -> None:
+    if process_count() > 1:
         dist.barrier()
 
 
 def _all_ranks(items: list[Any]) -> list[Any]:
     """Every rank's ``items``, concatenated in rank order (call it on every rank)."""
-    if _world_size() == 1:
+    if process_count() == 1:
         return items
-    parts: list[Any] = [None] * _world_size()
+    parts: list[Any] = [None] * process_count()
     dist.all_gather_object(parts, items)
     return [item for part in parts for item in part]
 
 
-def _on_rank_zero(fn: Callable[[], Any]) -> Any:
+def on_rank_zero(fn: Callable[[], Any]) -> Any:
     """``fn()`` on rank 0, the others waiting; every rank gets its result, or raises
     what it raised."""
     outcome: list[Any] = [None, None]
     try:
-        outcome[0] = fn() if _rank() == 0 else None
+        outcome[0] = fn() if process_rank() == 0 else None
     except Exception as e:  # re-raised on every rank below
         outcome[1] = e
-    if _world_size() > 1:
+    if process_count() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     utils.log_rank_zero(log, message, level=logging.WARNING)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -95,14 +99,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def save_synced(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _load(path: Path) -> Any:
+def load_weights_only(path: Path) -> Any:
     """A step checkpoint file, which holds tensors and plain values only: anything
     else is refused rather than unpickled, which could run code."""
     try:
@@ -117,14 +121,14 @@ def _load(path: Path) -> Any:
         ) from e
 
 
-def _size(paths: Sequence[Path]) -> str:
+def size_of(paths: Sequence[Path]) -> str:
     """The bytes of the files in ``paths`` (files or folders), for a message."""
     files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))]
     total = sum(f.stat().st_size for f in files if f.is_file())
     return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
 
 
-def _delete(paths: Sequence[Path]) -> None:
+def delete_paths(paths: Sequence[Path]) -> None:
     for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
@@ -132,7 +136,7 @@ def _delete(paths: Sequence[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; ``{}`` if it is missing or unreadable."""
     try:
         value = json.loads(path.read_text())
@@ -176,15 +180,15 @@ def write_manifest(root: Path, path: Path, *, run_id: str | None, step: int) -> 
     """Write the manifest ``path`` of the folder ``root``, saved by run ``run_id`` at
     ``step``: the size and CRC-32 of each of its files (the ranks of a distributed run
     share the reading), and a CRC-32 of these entries. Call it on every rank."""
-    files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
-    files = [p for p in files if p != path][_rank() :: _world_size()]
+    files = on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
+    files = [p for p in files if p != path][process_rank() :: process_count()]
     mine = [(p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files]
     files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
     manifest = {"version": MANIFEST_VERSION, "run_id": run_id, "step": step}
     manifest["files"] = files
     manifest["manifest_crc32"] = _manifest_checksum(manifest)
     text = json.dumps(manifest, indent=1)
-    _on_rank_zero(lambda: path.write_text(text))
+    on_rank_zero(lambda: path.write_text(text))
 
 
 def verify(
@@ -225,7 +229,7 @@ def verify(
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path} is damaged ({e})") from e
     problems = [f"{path} lists no {n}" for n in required if n not in files]
-    for n in sorted(files)[_rank() :: _world_size()]:
+    for n in sorted(files)[process_rank() :: process_count()]:
         path, size = Path(folder) / n, files[n]["size"]
         if not path.is_file():
             problems.append(f"{path} is missing")
@@ -244,11 +248,11 @@ def step_of(path: Path, kind: str = "step") -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
+def step_checkpoints_in(folder: Path, run_id: str | None = None) -> list[Path]:
     """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
     those of that run (or of no recorded run)."""
     steps = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None]
-    manifests = {p: _read_json(p / MANIFEST) for p in steps}
+    manifests = {p: read_json(p / MANIFEST) for p in steps}
     # A damaged manifest's run id cannot be trusted: verify() reports it.
     own = [
         p
@@ -259,14 +263,27 @@ def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
 
 
 __all__ = [
+    "DCP_METADATA",
     "MANIFEST",
     "MANIFEST_VERSION",
-    "DCP_METADATA",
     "RECIPE_STATE",
     "CheckpointError",
+    "barrier",
+    "delete_paths",
     "export_manifest",
     "file_checksum",
+    "fsync_dir",
+    "in_process_group",
+    "load_weights_only",
+    "on_rank_zero",
+    "process_count",
+    "process_rank",
+    "read_json",
+    "save_synced",
+    "size_of",
+    "step_checkpoints_in",
     "step_of",
     "verify",
+    "warn",
     "write_manifest",
 ]

@@ -77,10 +77,10 @@ from torchtune.training.checkpointing._run_folder import (
     LOCK_FILE,
     PREVIOUS_RUNS,
     RUN_FILE,
-    _release_lock,
-    _take_lock,
     check_writable,
     read_run_file,
+    release_lock,
+    take_lock,
 )
 from torchtune.training.checkpointing._step_format import (
     DCP_METADATA,
@@ -88,9 +88,9 @@ from torchtune.training.checkpointing._step_format import (
     RECIPE_STATE,
     CheckpointError,
     _manifest_checksum,
-    _on_rank_zero,
     export_manifest,
     file_checksum,
+    on_rank_zero,
     step_of,
     verify,
 )
@@ -741,13 +741,13 @@ def test_file_checksum_is_the_crc32_of_a_large_and_of_an_empty_file(
 
 
 def test_on_rank_zero_returns_the_result_or_raises_what_the_function_raised() -> None:
-    assert _on_rank_zero(lambda: "rank 0's") == "rank 0's"
+    assert on_rank_zero(lambda: "rank 0's") == "rank 0's"
 
     def refuse() -> None:
         raise CheckpointError("refused on rank 0")
 
     with pytest.raises(CheckpointError, match="^refused on rank 0$"):
-        _on_rank_zero(refuse)
+        on_rank_zero(refuse)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
@@ -1558,13 +1558,13 @@ def _contend_for_the_lock(folder: Path, barrier: Any, outcomes: Any) -> None:
     """One of two runs starting together (a forked process)."""
     barrier.wait()
     try:
-        lock = _take_lock(folder)
+        lock = take_lock(folder)
     except CheckpointError:
         lock = None
     outcomes.put(lock is not None)
     barrier.wait()  # both have tried before the winner lets go
     if lock is not None:
-        _release_lock(lock)
+        release_lock(lock)
 
 
 @pytest.mark.parametrize("before", ["no lock file", "a dead run's lock file"])
@@ -1617,7 +1617,7 @@ def test_a_stopped_runs_lock_is_taken_over_saying_so_and_a_new_one_silently(
     crashed.wait()
     stale = write_lock(tmp_path / "stale", crashed.pid, socket.gethostname())
     with caplog.at_level(logging.WARNING):
-        locks = [_take_lock(tmp_path / "new"), _take_lock(tmp_path / "stale")]
+        locks = [take_lock(tmp_path / "new"), take_lock(tmp_path / "stale")]
     try:
         assert warnings_text(caplog) == (
             f"Taking over {stale}, left by a run that stopped: process {crashed.pid} "
@@ -1627,7 +1627,7 @@ def test_a_stopped_runs_lock_is_taken_over_saying_so_and_a_new_one_silently(
         assert_held_by_this_process(tmp_path / "new" / LOCK_FILE)
     finally:
         for lock in locks:
-            _release_lock(lock)
+            release_lock(lock)
 
 
 def test_a_lock_file_deleted_by_its_releasing_owner_is_locked_anew(
@@ -1646,13 +1646,13 @@ def test_a_lock_file_deleted_by_its_releasing_owner_is_locked_anew(
         flock(fd, operation)
 
     monkeypatch.setattr(run_folder.fcntl, "flock", released_meanwhile)
-    lock = _take_lock(folder)
+    lock = take_lock(folder)
     try:
         assert len(locked) == 2  # the deleted file's, then the new file's
         assert os.fstat(lock.fd).st_ino == os.stat(folder / LOCK_FILE).st_ino
         assert_held_by_this_process(folder / LOCK_FILE)
     finally:
-        _release_lock(lock)
+        release_lock(lock)
 
 
 def test_every_rank_of_a_two_node_run_judges_a_stale_lock_alike(
