@@ -842,11 +842,8 @@ class CheckpointManager:
             )
         self._check_optimizer(folder)  # from_config checked the newest
         recipe_state = load_weights_only(folder / RECIPE_STATE)
-        # Settings an earlier build did not record are not compared (the earliest
-        # recorded its world size alone).
-        old, new = recipe_state.get("trajectory"), self._trajectory
-        old = old or {"world_size": recipe_state.get("world_size", 1)}
-        pairs = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys())}
+        old, new = recipe_state["trajectory"], self._trajectory
+        pairs = {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())}
         diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
         length = self.options.length[0]
         if recipe_state.get("epoch_end") and length in diff:

@@ -1336,29 +1336,6 @@ def test_more_epochs_at_an_epoch_end_extend_the_run_and_say_so(
     )
 
 
-@pytest.mark.parametrize(
-    "recorded", [{"world_size": 1}, {}], ids=["world_size_alone", "nothing"]
-)
-def test_a_step_checkpoint_without_a_trajectory_resumes_in_one_process(
-    tmp_path: Path, recorded: dict[str, int]
-) -> None:
-    """An earlier build recorded the world size alone, or nothing: a one-process
-    run's."""
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=7)
-    step_6 = tmp_path / "out" / "step_6"
-    recipe_state = torch.load(step_6 / RECIPE_STATE, weights_only=False)
-    del recipe_state["trajectory"]
-    rewrite(step_6, RECIPE_STATE, {**recipe_state, **recorded})
-    run = resume(cfg)
-    assert run.resumed_at == 6
-    assert_same_weights(run.model, uninterrupted(tmp_path))
-    rewrite(step_6, RECIPE_STATE, {**recipe_state, "world_size": 2})
-    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_6"}})
-    with pytest.raises(CheckpointError, match=r"\(world_size: 2 then, 1 now\)"):
-        resume(named)
-
-
 def test_a_trajectory_setting_added_on_resume_is_refused(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     del cfg["max_steps_per_epoch"]
