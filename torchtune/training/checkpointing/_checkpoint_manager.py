@@ -727,11 +727,10 @@ class CheckpointManager:
                 f"load() saves each process's RNG state as {RNG_STATE_KEY!r} itself: "
                 "give yours another name."
             )
-        model = states[MODEL_KEY]
-        self._models_given_by_name = isinstance(model, Mapping)
-        self._models = dict(model) if self._models_given_by_name else {MODEL_KEY: model}
+        model, by_name = states[MODEL_KEY], isinstance(states[MODEL_KEY], Mapping)
+        self._models = dict(model) if by_name else {MODEL_KEY: model}
         # Several models are saved as one, each under its name.
-        module = torch.nn.ModuleDict(model) if self._models_given_by_name else model
+        module = torch.nn.ModuleDict(model) if by_name else model
         self._optimizer, self._dataloader = states[OPT_KEY], states[DATALOADER_KEY]
         self._progress, self._steps_per_epoch = states[PROGRESS_KEY], steps_per_epoch
         self._states = {
