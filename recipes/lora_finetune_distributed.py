@@ -207,12 +207,22 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
         steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
         self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
-        # On resume: the trained adapter, optimizer, data position, RNG and progress.
-        self._checkpoint.load(
-            self._model,
+        # Saved with every step checkpoint, and put back on resume: the trained
+        # adapter, optimizer, data position, LR schedule, RNG and progress.
+        cfg_lr_scheduler = cfg.get("lr_scheduler", None)
+        self._lr_scheduler = training.setup_lr_scheduler(
+            cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
-            self._dataloader,
-            self.progress,
+            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
+        )
+        self._checkpoint.load(
+            {
+                "model": self._model,
+                "optimizer": self._optimizer,
+                "dataloader": self._dataloader,
+                "progress": self.progress,
+                "lr_scheduler": self._lr_scheduler,
+            },
             steps_per_epoch=self._steps_per_epoch,
         )
         # Logs and the config copy are written once every check has passed and
@@ -223,13 +233,6 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             metric_logger.log_config(cfg)
         self._step_logger = training.StepLogger.from_options(
             metric_logger, self._opts, world_size=self.world_size
-        )
-        cfg_lr_scheduler = cfg.get("lr_scheduler", None)
-        self._lr_scheduler = training.setup_lr_scheduler(
-            cfg_lr_scheduler and partial(config.instantiate, cfg_lr_scheduler),
-            self._optimizer,
-            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.progress.global_step,
         )
         if self._opts.compile["optimizer_step"]:
             # After the scheduler: it wraps the optimizer's bound step() method,
@@ -406,7 +409,14 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                         self._opts.clip_grad_norm,
                     )
                 # Stop before a non-finite step updates (plain) or is saved.
-                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
+                training.stop_if_not_finite(
+                    running_loss,
+                    grad_norm,
+                    step=self.progress.global_step + 1,
+                    epoch=curr_epoch,
+                    batch=idx,
+                    newest_checkpoint=self._checkpoint.newest_checkpoint,
+                )
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

@@ -305,10 +305,12 @@ class PPOFullFinetuneRecipeSingleDevice(FTRecipeInterface):
         # Both trained models by name, exported by their own checkpointers. On
         # resume: their weights, the optimizer, data position, RNG and progress.
         self._checkpoint.load(
-            {"policy": self._policy_model, "value": self._value_model},
-            self._optimizer,
-            self._dataloader,
-            self.progress,
+            {
+                "model": {"policy": self._policy_model, "value": self._value_model},
+                "optimizer": self._optimizer,
+                "dataloader": self._dataloader,
+                "progress": self.progress,
+            },
             steps_per_epoch=batches_per_epoch,
             exporters={
                 "value": (self._value_checkpointer, cfg.value_checkpointer.output_dir)

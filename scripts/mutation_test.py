@@ -224,7 +224,7 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "its callers pass every argument after the folder by keyword, which both "
         "signatures accept"
     ),
-    (_RUN_FOLDER, "_take_lock", "core/NumberReplacer", "os.ftruncate(lock.fd, 1)"): (
+    (_RUN_FOLDER, "take_lock", "core/NumberReplacer", "os.ftruncate(lock.fd, 1)"): (
         "the owner written next at offset 0 is longer than one byte, so the file "
         "holds the same either way"
     ),
@@ -278,11 +278,11 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
 ELSEWHERE: dict[tuple[str, str, str, str], str] = {
     (
         _STEP_FORMAT,
-        "_on_rank_zero",
+        "on_rank_zero",
         "core/NumberReplacer",
         "dist.broadcast_object_list(outcome, src= 1)",
     ): "2 processes: rank 0's result is the one broadcast",
-    (_STEP_FORMAT, "_on_rank_zero", "core/NumberReplacer", "if _world_size() > 2:"): (
+    (_STEP_FORMAT, "on_rank_zero", "core/NumberReplacer", "if process_count() > 2:"): (
         "2 processes: the other ranks get rank 0's result"
     ),
     **{

@@ -88,7 +88,7 @@ DEPRECATED_TESTS=(
   "$TT/test_optim_in_bwd_deprecated.py"
 )
 DEPRECATED_TARGETS=(
-  _DEPRECATION _STEPPED_BY _warn _in_backward _optim_map
+  _DEPRECATION _STEPPED_BY warn _in_backward _optim_map
   OptimizerInBackwardWrapper create_optim_in_bwd_wrapper register_optim_in_bwd_hooks
 )
 LEGACY_TESTS=(
@@ -104,12 +104,12 @@ MANAGER_TARGETS=(
   TrainingProgress _differs _dataset_identity CheckpointOptions CheckpointManager
 )
 STEP_FORMAT_TARGETS=(
-  _on_rank_zero _load _read_json file_checksum write_manifest verify step_of _step_dirs
+  on_rank_zero load_weights_only read_json file_checksum write_manifest verify step_of step_checkpoints_in
 )
 RUN_FOLDER_TARGETS=(
-  check_writable _check_lock _take_lock earlier_runs_state publish_step
+  check_writable check_lock take_lock earlier_runs_state publish_step
 )
-EXPORT_TARGETS=(_FinalEpochNotes export_state save_export not_this_runs_export)
+EXPORT_TARGETS=(export_state save_export not_this_runs_export)
 # Multi-process (gloo) scenarios take minutes each; the import-order check runs
 # fresh interpreters and cannot see a mutant that the other tests miss.
 DESELECT="not two_gloo and not without_a_cycle"

@@ -1,5 +1,6 @@
 """What several test files need: the bitwise tolerance, a tiny model and the training
-loop every recipe runs, a model's weights, and a folder's files.
+loop every recipe runs, a model's weights, a folder's files, and state of a recipe's
+own for the checkpoint manager to save (:class:`WeightAverage`).
 
 Two kinds of "snapshot", named apart: :func:`weights_of` (a model's parameters, to
 compare trainings) and :func:`snapshot_files` (every file and folder under a path,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,3 +95,23 @@ def snapshot_files(root: Path) -> dict[str, tuple[str, int] | None]:
         )
         for p in sorted(root.rglob("*"))
     }
+
+
+class WeightAverage:
+    """An exponential moving average of a model's weights (a sharded model's as
+    shards): state of a recipe's own, which the checkpoint manager saves and
+    restores as one more entry of the mapping its ``load()`` takes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.average = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def update(self) -> None:
+        for name, value in self.model.state_dict().items():
+            self.average[name].mul_(0.9).add_(value, alpha=0.1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"average": self.average}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.average = {k: v.clone() for k, v in state_dict["average"].items()}

@@ -205,12 +205,23 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         # Full optimizer steps per epoch, at most max_steps_per_epoch (null: all).
         steps = len(self._dataloader) // self._opts.gradient_accumulation_steps
         self._steps_per_epoch = min(steps, cfg.get("max_steps_per_epoch") or steps)
-        # On resume: the trained weights, optimizer, data position, RNG and progress.
-        self._checkpoint.load(
-            self._model,
+        # Saved with every step checkpoint, and put back on resume: the trained
+        # weights, optimizer, data position, LR schedule, RNG and progress.
+        cfg_lr_scheduler = cfg.get("lr_scheduler", None)
+        self._lr_scheduler = training.setup_lr_scheduler(
+            cfg_lr_scheduler
+            and functools.partial(config.instantiate, cfg_lr_scheduler),
             self._optimizer,
-            self._dataloader,
-            self.progress,
+            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
+        )
+        self._checkpoint.load(
+            {
+                "model": self._model,
+                "optimizer": self._optimizer,
+                "dataloader": self._dataloader,
+                "progress": self.progress,
+                "lr_scheduler": self._lr_scheduler,
+            },
             steps_per_epoch=self._steps_per_epoch,
         )
         # Logs and the config copy are written once every check has passed and
@@ -230,14 +241,6 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
         if self._early_exit_layers is not None:
             self._final_hidden = None
             self._model.norm.register_forward_pre_hook(self._keep_final_hidden)
-        cfg_lr_scheduler = cfg.get("lr_scheduler", None)
-        self._lr_scheduler = training.setup_lr_scheduler(
-            cfg_lr_scheduler
-            and functools.partial(config.instantiate, cfg_lr_scheduler),
-            self._optimizer,
-            num_training_steps=self.progress.total_epochs * self._steps_per_epoch,
-            global_step=self.progress.global_step,
-        )
         if self._opts.compile["optimizer_step"]:
             # After the scheduler: it wraps the optimizer's bound step() method,
             # which a compiled step is not.
@@ -529,7 +532,14 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                         self._opts.clip_grad_norm,
                     )
                 # Stop before a non-finite step updates (plain) or is saved.
-                self._checkpoint.stop_if_not_finite(running_loss, grad_norm, batch=idx)
+                training.stop_if_not_finite(
+                    running_loss,
+                    grad_norm,
+                    step=self.progress.global_step + 1,
+                    epoch=curr_epoch,
+                    batch=idx,
+                    newest_checkpoint=self._checkpoint.newest_checkpoint,
+                )
                 # A no-op after an in-backward backward, which already updated.
                 self._optimizer.step()
                 self._optimizer.zero_grad(set_to_none=True)

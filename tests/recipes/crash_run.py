@@ -12,8 +12,9 @@ the kill point names, so the kill is triggered by an event of the run itself, ne
 by a timer, and lands at the same place every time:
 
 - ``after_step:N``: right after the metrics of step N are logged and flushed.
-- ``in_step_save:N``: while the model and optimizer file of step checkpoint N is
-  being written (half of its bytes are on disk).
+- ``in_step_save:N``: while the data file of step checkpoint N (this process's
+  ``torch.distributed.checkpoint`` shard) is being written (half of its bytes are
+  on disk).
 - ``before_rename:N``: once step checkpoint N is complete under its temporary
   name, just before it is renamed to ``step_N``.
 - ``in_epoch_save:E``: while the checkpointer writes the weights of epoch E
@@ -25,7 +26,7 @@ by a timer, and lands at the same place every time:
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
 import signal
 import sys
@@ -34,8 +35,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from tests.recipes.utils import (
     _subprocess_env,
@@ -54,19 +53,6 @@ def _die() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_half_and_die(obj: Any, f: Any) -> None:
-    buffer = io.BytesIO()
-    _real_save(obj, buffer)
-    data = buffer.getvalue()[: len(buffer.getvalue()) // 2]
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-    _die()
-
-
-_real_save = torch.save
 
 
 def install(kill_point: str) -> None:
@@ -108,19 +94,22 @@ def install(kill_point: str) -> None:
         _checkpointer.save_file = save_file
 
     elif what == "in_step_save":
+        from torch.distributed.checkpoint import filesystem
 
-        def save(obj, f, *args, **kwargs):
-            hit = (
-                isinstance(f, io.IOBase)
-                and f".step_{n}.partial" in str(getattr(f, "name", ""))
-                and isinstance(obj, dict)
-                and "optimizer" in obj
-            )
-            if hit:
-                _write_half_and_die(obj, f)
-            return _real_save(obj, f, *args, **kwargs)
+        real_create_stream = filesystem.FileSystem.create_stream
 
-        torch.save = save
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with real_create_stream(self, path, mode) as stream:
+                yield stream
+            path = Path(path)
+            if path.parent.name == f".step_{n}.partial" and path.suffix == ".distcp":
+                os.truncate(path, path.stat().st_size // 2)
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                _die()
+
+        filesystem.FileSystem.create_stream = create_stream
 
     elif what == "before_rename":
         real_replace = os.replace

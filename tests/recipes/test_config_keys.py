@@ -56,7 +56,9 @@ from tests.assets.make_assets import TINY_MODEL_KWARGS, TinyAssets
 from tests.recipes.utils import (
     BITWISE_TRAINING,
     TuneRun,
+    as_indexed,
     assert_same_training,
+    full_optimizer_state,
     load_recipe_class,
     read_run,
     run_tune_in_process,
@@ -486,9 +488,7 @@ def format_run(
     (resumed_dir / "recipe_state").mkdir()
     torch.save(
         {
-            "optimizer": torch.load(
-                epoch_end / "model_optimizer.pt", weights_only=False
-            )["optimizer"],
+            "optimizer": as_indexed(full_optimizer_state(epoch_end)),
             "seed": 0,
             "epochs_run": 1,
             "total_epochs": EPOCHS,

@@ -67,7 +67,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.testing import assert_close
 
 import torchtune
@@ -79,8 +78,10 @@ from tests.recipes.utils import (
     as_0_6_1_in_backward,
     assert_metrics_close,
     assert_series_close,
+    process_state,
     run_tune_forked,
     shipped_config_overrides,
+    step_state,
     tiny_config,
 )
 from tests.torchtune.distributed_launcher import preloaded_context
@@ -334,12 +335,7 @@ class Runs:
 def _full_step_checkpoint(step_dir: Path) -> dict[str, Any]:
     """The model and optimizer state of the sharded step checkpoint ``step_dir``,
     gathered into full tensors (keyed by the policy's parameter names)."""
-    full = step_dir.parent / f"{step_dir.name}_full.pt"
-    dcp_to_torch_save(step_dir / "model_optimizer", full)
-    try:
-        return torch.load(full, weights_only=False)
-    finally:
-        full.unlink()
+    return step_state(step_dir)
 
 
 def _rewrite_as_0_6_1_in_backward(output_dir: Path, *, checkpoint_wrapped: bool):
@@ -438,7 +434,7 @@ def test_in_backward_resume_from_plain_async_epoch_0_equals_uninterrupted_run(
     step_dirs = {p.name for p in uninterrupted.output_dir.glob("step_*")}
     assert step_dirs == {f"step_{STEPS}", f"step_{EPOCHS * STEPS}"}
     step_checkpoint = uninterrupted.output_dir / f"step_{STEPS}"
-    assert (step_checkpoint / "model_optimizer" / ".metadata").is_file()
+    assert (step_checkpoint / ".metadata").is_file()
     copied = resumed.output_dir / step_checkpoint.name
     assert f"Resumed from step checkpoint {copied}." in resumed.output
     assert list(resumed.metrics) == list(EPOCH_1)
@@ -454,11 +450,10 @@ def test_in_backward_resume_from_mid_epoch_step_checkpoint_equals_uninterrupted_
     # Every SAVE_EVERY steps, and at each epoch's end before the epoch export.
     step_dirs = {p.name for p in uninterrupted.output_dir.glob("step_*")}
     assert step_dirs == {"step_2", "step_3", "step_4", "step_6"}
-    # Each rank wrote its own shards and its own dataloader position.
+    # One DCP checkpoint: each rank's shards and its own dataloader position.
     step_checkpoint = uninterrupted.output_dir / f"step_{RESUME_STEP}"
-    assert (step_checkpoint / "model_optimizer" / ".metadata").is_file()
-    ranks = {p.name for p in step_checkpoint.glob("rank_*.pt")}
-    assert ranks == {"rank_0.pt", "rank_1.pt"}
+    assert (step_checkpoint / ".metadata").is_file()
+    assert set(process_state(step_checkpoint, "dataloader")) == {"rank_0", "rank_1"}
 
     resumed = runs["in_bwd_from_step"]
     # Found without being named, and continued from step RESUME_STEP + 1.

@@ -300,7 +300,7 @@ def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run
 ) -> None:
     # Every rank wrote its shards (a distributed checkpoint); no 0.6.1 dist_epoch_*.
     step = plain_async.output_dir / f"step_{STEPS}"
-    assert (step / "model_optimizer" / ".metadata").is_file()
+    assert (step / ".metadata").is_file()
     assert not list(plain_async.output_dir.glob("dist_epoch_*"))
     assert_same_training(
         in_bwd_async_from_plain,
@@ -312,19 +312,17 @@ def test_in_backward_resume_from_plain_async_checkpoint_equals_uninterrupted_run
     )
 
 
-def _write_0_6_1_epoch_checkpoint(
-    source: TuneRun, epoch: int, out: Path, names: list[str] | None = None
-) -> None:
+def _write_0_6_1_epoch_checkpoint(source: TuneRun, epoch: int, out: Path) -> None:
     """Write into ``out`` the checkpoint of ``epoch`` torchtune 0.6.1 would have left:
     ``source``'s ``epoch_{epoch}`` and a ``recipe_state/recipe_state.pt`` holding the
     optimizer state of the step checkpoint of that epoch's end, keyed by parameter
-    name (``names``: see ``utils.full_optimizer_state``)."""
+    name."""
     from torchtune import training
 
     shutil.copytree(source.output_dir / f"epoch_{epoch}", out / f"epoch_{epoch}")
     step_dir = source.output_dir / f"step_{(epoch + 1) * STEPS}"
     state = {
-        training.OPT_KEY: full_optimizer_state(step_dir, names),
+        training.OPT_KEY: full_optimizer_state(step_dir),
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: epoch + 1,
         training.TOTAL_EPOCHS_KEY: EPOCHS,
@@ -418,7 +416,7 @@ def test_a_partly_frozen_models_optimizer_state_holds_what_0_6_1_saved(
     assert 0 < len(trainable) < len(names)
     # The step checkpoint of the last epoch's end.
     step_dir = frozen_in_bwd.output_dir / f"step_{EPOCHS * STEPS}"
-    saved = full_optimizer_state(step_dir, names)
+    saved = full_optimizer_state(step_dir)
     # 0.6.1's optimizer held every parameter, in model order, and had state for
     # those that train (plain: one optimizer over model.parameters(); in-backward:
     # one per parameter, the frozen ones never stepped). This tree's holds the same.
@@ -445,9 +443,7 @@ def test_a_partly_frozen_model_resumes_as_uninterrupted(
 ) -> None:
     out = runs_dir / f"frozen_resumed_from_{checkpoint_format.replace(' ', '_')}"
     if checkpoint_format == "0.6.1 in-backward":
-        model = partly_frozen_llama2(FROZEN, **tiny_assets.model_kwargs)
-        names = [name for name, _ in model.named_parameters()]
-        _write_0_6_1_epoch_checkpoint(frozen_in_bwd, 1, out, names)
+        _write_0_6_1_epoch_checkpoint(frozen_in_bwd, 1, out)
         _rewrite_as_0_6_1_in_backward(out, checkpoint_wrapped=False)
         resume = {"checkpointer.checkpoint_files": [EPOCH_1_WEIGHTS]}
     else:

@@ -28,7 +28,13 @@ from tests.recipes.single_device import (
     Recipe,
     Runs,
 )
-from tests.recipes.utils import BITWISE_TRAINING, TuneRun, assert_same_training
+from tests.recipes.utils import (
+    BITWISE_TRAINING,
+    TuneRun,
+    as_indexed,
+    assert_same_training,
+    full_optimizer_state,
+)
 
 pytestmark = pytest.mark.integration_test
 
@@ -53,9 +59,9 @@ def _write_0_6_1_in_backward_checkpoint(
     from torchtune.models.llama2 import llama2
 
     shutil.copytree(run.output_dir / "epoch_0", out / "epoch_0")
-    epoch_end = run.output_dir / f"step_{STEPS_PER_EPOCH}" / "model_optimizer.pt"
+    epoch_end = run.output_dir / f"step_{STEPS_PER_EPOCH}"
     state = {
-        training.OPT_KEY: torch.load(epoch_end, weights_only=False)["optimizer"],
+        training.OPT_KEY: as_indexed(full_optimizer_state(epoch_end)),
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: 1,
         training.TOTAL_EPOCHS_KEY: 2,

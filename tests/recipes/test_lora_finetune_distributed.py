@@ -221,10 +221,21 @@ def one_process(runs_dir: Path, tiny_assets: TinyAssets) -> dict[str, Any]:
         try:
             recipe = load_recipe_class(RECIPE, RECIPE_CLASS)(cfg)
             recipe.setup(cfg)
+            # Around the last save: the step checkpoint and the gathered export.
+            manager, seen = recipe._checkpoint, {}
+            save = manager.save
+
+            def last_save_seen(*, epoch_end: bool = False) -> None:
+                done = recipe.progress.epochs_run == recipe.progress.total_epochs
+                if done:
+                    seen["before"] = _local_params(recipe._model)
+                save(epoch_end=epoch_end)
+                if done:
+                    seen["after"] = _local_params(recipe._model)
+
+            mp.setattr(manager, "save", last_save_seen)
             recipe.train()
-            before = _local_params(recipe._model)
-            recipe._checkpoint.save(epoch_end=True)
-            after = _local_params(recipe._model)
+            before, after = seen["before"], seen["after"]
             recipe.cleanup()
         finally:
             if torch.distributed.is_initialized():
@@ -326,9 +337,7 @@ def test_asynchronous_epoch_checkpoint_resumes_to_the_uninterrupted_run(
         enable_async_checkpointing=True,
         **KEEP_EPOCH_STEPS,
     )
-    assert (
-        run.output_dir / f"step_{STEPS}" / "model_optimizer" / ".metadata"
-    ).is_file()
+    assert (run.output_dir / f"step_{STEPS}" / ".metadata").is_file()
     assert not list(run.output_dir.glob("dist_epoch_*"))
     assert (run.output_dir / "epoch_0" / "adapter_model.pt").is_file()
     assert list((run.output_dir / "epoch_1").glob("model-*.safetensors"))

@@ -56,11 +56,13 @@ from tests.recipes.single_device import (
 from tests.recipes.utils import (
     BITWISE_TRAINING,
     TuneRun,
+    as_indexed,
     assert_same_steps,
     assert_same_training,
     assert_series_close,
     assert_weights_close,
     format_override,
+    full_optimizer_state,
     load_recipe_class,
     series,
 )
@@ -101,9 +103,9 @@ def _write_0_6_1_epoch_checkpoint(
     from torchtune import training
 
     shutil.copytree(run.output_dir / "epoch_0", out / "epoch_0")
-    step = run.output_dir / f"step_{steps_per_epoch}" / "model_optimizer.pt"
+    step = run.output_dir / f"step_{steps_per_epoch}"
     state = {
-        training.OPT_KEY: torch.load(step, weights_only=False)["optimizer"],
+        training.OPT_KEY: as_indexed(full_optimizer_state(step)),
         training.SEED_KEY: 0,
         training.EPOCHS_KEY: 1,
         training.TOTAL_EPOCHS_KEY: 2,

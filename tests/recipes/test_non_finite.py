@@ -33,6 +33,7 @@ from tests.recipes.utils import (
     load_weights,
     run_recipe,
     run_tune_in_process,
+    step_state,
     tiny_config,
 )
 
@@ -141,5 +142,5 @@ def test_a_non_finite_step_stops_the_run_before_it_is_applied_or_saved(
     assert "resume_from_checkpoint=True" not in message
     # Nothing of the non-finite step was saved, and what was saved is finite.
     assert max(int(p.name[5:]) for p in tmp_path.glob("step_*")) == step - 1
-    saved = torch.load(newest / "model_optimizer.pt", weights_only=True)
+    saved = step_state(newest)
     assert all(torch.isfinite(w).all() for w in saved["model"].values())

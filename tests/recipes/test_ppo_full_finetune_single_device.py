@@ -68,10 +68,13 @@ from tests.helpers import BITWISE, snapshot_files
 from tests.recipes.utils import (
     TuneRun,
     TuneRunError,
+    as_indexed,
     assert_metrics_close,
     assert_series_close,
+    full_optimizer_state,
     run_tune_in_process,
     series,
+    step_state,
     tiny_config,
 )
 from torchtune import training
@@ -168,9 +171,7 @@ def _write_0_6_1_recipe_state(source: TuneRun, out: Path) -> Path:
         training.RNG_KEY,
     )
     state = {key: recipe_state[key] for key in keys}
-    state[training.OPT_KEY] = torch.load(
-        step / "model_optimizer.pt", weights_only=False
-    )["optimizer"]
+    state[training.OPT_KEY] = as_indexed(full_optimizer_state(step))
     path = out / "recipe_state" / "recipe_state.pt"
     path.parent.mkdir(parents=True)
     torch.save(state, path)
@@ -373,12 +374,9 @@ def test_saved_checkpoint_holds_the_optimizer_state_of_both_models_in_both_modes
     ]
     saved = {}
     for mode in ("plain", "bwd"):
-        state = torch.load(
-            runs[mode].output_dir / EPOCH_0_END / "model_optimizer.pt",
-            weights_only=False,
-        )
-        assert sorted(state["model"]) == ["policy", "value"]
-        optimizer = state["optimizer"]
+        state = step_state(runs[mode].output_dir / EPOCH_0_END)
+        assert {name.split(".")[0] for name in state["model"]} == {"policy", "value"}
+        optimizer = as_indexed(state["optimizer"])
         # The standard torch.optim format: one group, the policy's parameters and
         # then the value model's, and AdamW state for every one of them.
         (group,) = optimizer["param_groups"]
@@ -471,8 +469,8 @@ def test_resume_from_a_mid_epoch_step_checkpoint_gives_the_uninterrupted_metrics
     step_1 = runs["bwd"].output_dir / "step_1"
     recipe_state = torch.load(step_1 / "recipe_state.pt", weights_only=False)
     assert (recipe_state["global_step"], recipe_state["steps_run"]) == (1, 1)
-    saved = torch.load(step_1 / "model_optimizer.pt", weights_only=False)
-    assert sorted(saved["model"]) == ["policy", "value"]
+    saved = step_state(step_1)
+    assert {name.split(".")[0] for name in saved["model"]} == {"policy", "value"}
 
     out = tmp_path / "out"
     shutil.copytree(step_1, out / "step_1")

@@ -68,6 +68,7 @@ from tests.recipes.utils import (
     TuneRun,
     assert_same_training,
     full_optimizer_state,
+    process_state,
     run_tune_forked,
     run_tune_in_process,
     series,
@@ -260,8 +261,8 @@ def test_in_backward_resume_from_a_mid_epoch_step_checkpoint_equals_uninterrupte
     position and RNG, and fake quantization set from the resumed step count: off for
     step 2, on from step 3."""
     step_1 = in_bwd.output_dir / "step_1"
-    assert (step_1 / "model_optimizer" / ".metadata").is_file()
-    assert {p.name for p in step_1.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+    assert (step_1 / ".metadata").is_file()
+    assert set(process_state(step_1, "dataloader")) == {"rank_0", "rank_1"}
     out = runs_dir / "in_bwd_from_step_1"
     shutil.copytree(step_1, out / "step_1")
     resumed = _train(
@@ -366,11 +367,15 @@ def test_final_checkpoint_holds_the_unquantized_trained_weights_under_the_base_k
 
 
 def test_rank_0_alone_writes_the_epoch_checkpoints(in_bwd: TuneRun) -> None:
-    # Every rank takes part in gathering the full state; only rank 0 writes it, once.
+    # Every rank takes part in gathering the full state; only rank 0 writes it, once
+    # (the checkpointer names each file it writes at the final epoch; before it, the
+    # manager names the export).
     out = in_bwd.output_dir
-    for epoch in range(EPOCHS):
-        saved = f"{out / f'epoch_{epoch}' / SHARD}"
-        assert in_bwd.output.count(f" saved to {saved}\n") == 1, saved
+    final = f"{out / f'epoch_{EPOCHS - 1}' / SHARD}"
+    assert in_bwd.output.count(f" saved to {final}\n") == 1, final
+    for epoch in range(EPOCHS - 1):
+        exported = f"Epoch {epoch}'s weights exported to {out / f'epoch_{epoch}'} ("
+        assert in_bwd.output.count(exported) == 1, exported
 
 
 # A partly frozen model: the embedding (in FSDP's root unit, beside trainable
@@ -411,7 +416,7 @@ def test_a_partly_frozen_models_optimizer_state_holds_every_parameter(
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert 0 < len(trainable) < len(names)
     # The step checkpoint of the last epoch's end.
-    saved = full_optimizer_state(run.output_dir / f"step_{EPOCHS * STEPS}", names)
+    saved = full_optimizer_state(run.output_dir / f"step_{EPOCHS * STEPS}")
     (group,) = saved["param_groups"]
     assert group["params"] == names
     assert sorted(saved["state"]) == sorted(trainable)

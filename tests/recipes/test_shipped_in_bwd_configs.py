@@ -51,6 +51,8 @@ from tests.helpers import BITWISE
 from tests.recipes.utils import (
     REPO_ROOT,
     TuneRun,
+    as_indexed,
+    full_optimizer_state,
     is_ppo_config,
     ppo_shipped_config_overrides,
     run_tune_forked,
@@ -329,8 +331,8 @@ def test_shipped_config_trains_in_backward_on_cpu(
     # The saved optimizer state is the config's own: 8-bit for each parameter the
     # optimizer keeps in 8 bits, so an 8-bit config really ran its 8-bit path.
     numels = _tiny_param_numels(tiny_assets, config)
-    final = run.output_dir / f"step_{2 * STEPS_PER_EPOCH}" / "model_optimizer.pt"
-    saved = torch.load(final, weights_only=False)["optimizer"]
+    final = run.output_dir / f"step_{2 * STEPS_PER_EPOCH}"
+    saved = as_indexed(full_optimizer_state(final))
     (group,) = saved["param_groups"]
     # Saved in the model's parameter order (names may carry activation checkpointing's
     # wrapper prefix).

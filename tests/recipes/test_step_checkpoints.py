@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.testing import assert_close
 
 from tests.assets.make_assets import TinyAssets
@@ -47,8 +46,10 @@ from tests.recipes.utils import (
     assert_steps,
     assert_weights_close,
     load_weights,
+    process_state,
     run_recipe,
     run_tune_in_process,
+    step_state,
     tiny_config,
 )
 from torchtune.training.checkpointing._run_folder import RUN_FILE, read_run_file
@@ -151,9 +152,9 @@ def test_a_step_checkpoint_holds_everything_to_resume(
             names
         )
         assert not [n for n in names if n.startswith(".step_")]
-        state = torch.load(run.output_dir / "step_4" / "rank_0.pt", weights_only=False)
+        loader = process_state(run.output_dir / "step_4", "dataloader")["rank_0"]
         # Mid-epoch 1, after one of its three batches.
-        assert state["dataloader"]["_sampler_iter_yielded"] == 1, state["dataloader"]
+        assert loader["_sampler_iter_yielded"] == 1, loader
 
 
 # A resume at epoch 0's end (step 3), and in the other mode, is in
@@ -207,13 +208,13 @@ def test_a_resume_mid_epoch_gives_the_uninterrupted_losses_bitwise(
     uninterrupted = run_recipe(recipe, config, settings, out)
     step_4 = uninterrupted.output_dir / "step_4"
     if "distributed" in recipe:
-        # Each rank wrote its own shards and its own dataloader position.
-        assert (step_4 / "model_optimizer" / ".metadata").is_file()
-        assert {p.name for p in step_4.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+        # One DCP checkpoint: each rank's shards and its own dataloader position.
+        assert (step_4 / ".metadata").is_file()
+        assert set(process_state(step_4, "dataloader")) == {"rank_0", "rank_1"}
     else:
         # A LoRA step checkpoint holds the adapter only: the base weights never
         # change.
-        saved = torch.load(step_4 / "model_optimizer.pt", weights_only=False)
+        saved = step_state(step_4)
         assert saved["model"] and all("lora" in name for name in saved["model"])
     out = tmp_path_factory.mktemp(f"{recipe}_{mode}_resumed")
     shutil.copytree(step_4, out / "step_4")
@@ -290,7 +291,7 @@ def newest_whole_step(out: Path) -> int:
             verify(folder)
         except CheckpointError:
             continue
-        torch.load(folder / "model_optimizer.pt", weights_only=False)
+        step_state(folder)
         return partial_step(folder) or step_of(folder)
     raise AssertionError(f"no whole step checkpoint in {out}")
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -858,32 +860,43 @@ def load_recipe_class(recipe: str, class_name: str) -> type:
     return getattr(module, class_name)
 
 
-def full_optimizer_state(
-    step_dir: Path, names: list[str] | None = None
-) -> dict[str, Any]:
-    """The optimizer state of the step checkpoint ``step_dir`` as one full state
-    dict keyed by parameter name (what torch's full-state API gives): from its
-    sharded ``model_optimizer/`` (a distributed checkpoint), or from its
-    ``model_optimizer.pt``, whose torch format numbers the parameters in model order
-    (``names``: the model's parameter names)."""
+def step_state(step_dir: Path) -> dict[str, Any]:
+    """Everything the step checkpoint ``step_dir`` holds, as one full state dict:
+    its ``torch.distributed.checkpoint`` files read back whole (the model's and the
+    optimizer's entries keyed by parameter name, as torch's full-state API gives
+    them; the dataloader's and the RNG's per process, as ``torch.save`` bytes)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    if (step_dir / "model_optimizer").is_dir():
-        full = step_dir.parent / f".{step_dir.name}_full.pt"
-        dcp_to_torch_save(step_dir / "model_optimizer", full)
-        try:
-            return torch.load(full, weights_only=False)["optimizer"]
-        finally:
-            full.unlink()
-    saved = torch.load(step_dir / "model_optimizer.pt", weights_only=False)
-    saved = saved["optimizer"]
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(step_dir, Path(folder) / "state.pt")
+        return torch.load(Path(folder) / "state.pt", weights_only=False)
+
+
+def full_optimizer_state(step_dir: Path) -> dict[str, Any]:
+    """The optimizer state of the step checkpoint ``step_dir`` as one full state
+    dict keyed by parameter name (what torch's full-state API gives)."""
+    return step_state(step_dir)["optimizer"]
+
+
+def as_indexed(optimizer_state: Mapping[str, Any]) -> dict[str, Any]:
+    """A full optimizer state dict keyed by parameter name in ``torch.optim``'s own
+    format, as a single-device optimizer's ``state_dict()`` gives it: parameters
+    numbered in the order of the groups' ``params``."""
+    groups = optimizer_state["param_groups"]
+    index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
     return {
-        "state": {names[i]: state for i, state in saved["state"].items()},
+        "state": {index[n]: state for n, state in optimizer_state["state"].items()},
         "param_groups": [
-            g | {"params": [names[i] for i in g["params"]]}
-            for g in saved["param_groups"]
+            g | {"params": [index[n] for n in g["params"]]} for g in groups
         ],
     }
+
+
+def process_state(step_dir: Path, key: str) -> dict[str, Any]:
+    """What each process saved of ``key`` (``"dataloader"``, ``"rng"``) in the step
+    checkpoint ``step_dir``, by rank name (``"rank_0"``, ...)."""
+    saved = step_state(step_dir)[key]
+    return {rank: torch.load(io.BytesIO(data)) for rank, data in saved.items()}
 
 
 def as_0_6_1_in_backward(

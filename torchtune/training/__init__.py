@@ -68,6 +68,7 @@ from torchtune.training.loop import (
     setup_lr_scheduler,
     setup_profiler,
     stateful_dataloader,
+    stop_if_not_finite,
 )
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup, get_lr
 from torchtune.training.memory import (
@@ -162,6 +163,7 @@ __all__ = [
     "setup_lr_scheduler",
     "setup_profiler",
     "stateful_dataloader",
+    "stop_if_not_finite",
     # learning rate
     "get_cosine_schedule_with_warmup",
     "get_lr",

@@ -1,6 +1,6 @@
 """Helpers for what every recipe's training loop repeats: the resumable loader and the
-batches left in an epoch, the LR scheduler of a resumed run, the profiler, and
-showing and logging each step (:class:`StepLogger`).
+batches left in an epoch, the LR scheduler of a resumed run, the profiler, stopping
+before a non-finite step, and showing and logging each step (:class:`StepLogger`).
 
 The step itself (forward, loss, backward, ``optimizer.step()``, ``zero_grad``, the
 scheduler and profiler steps) stays in each recipe, where a user edits it after
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -32,16 +34,15 @@ def setup_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
     num_training_steps: int,
-    global_step: int,
+    global_step: int = 0,
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Build the LR scheduler where a run that has taken ``global_step`` steps needs
-    it.
+    """Build the LR scheduler, where a run that has taken ``global_step`` steps needs
+    it (``last_epoch=global_step - 1``).
 
-    The scheduler is not checkpointed: ``last_epoch=global_step - 1`` puts it where
-    the interrupted run was. A scheduler built at ``last_epoch >= 0`` reads each
-    group's ``initial_lr``, which the optimizer state of an epoch checkpoint brings
-    back but a sharded one cannot (it loads only the entries a new optimizer has),
-    so a group without one gets the optimizer's base ``lr``.
+    A recipe builds it for a new run (``global_step`` 0) before the checkpoint
+    manager's ``load()``, which saves its state with every step checkpoint and puts
+    it back on resume. A scheduler built at ``last_epoch >= 0`` reads each group's
+    ``initial_lr``; a group without one gets the optimizer's base ``lr``.
 
     Args:
         make_scheduler (Callable[..., LRScheduler] | None): builds the scheduler from
@@ -50,7 +51,7 @@ def setup_lr_scheduler(
             keeps the LR constant.
         optimizer (torch.optim.Optimizer): the optimizer, plain or in-backward.
         num_training_steps (int): the run's optimizer steps, all epochs.
-        global_step (int): the steps already taken (0 for a new run).
+        global_step (int): the steps already taken. Default: ``0``
 
     Returns:
         LRScheduler | None: the scheduler, or ``None``.
@@ -143,6 +144,60 @@ def next_token_labels(
     count = (shifted != ignore_index).sum()
     shifted[..., 0] = torch.where(count == 0, 0, shifted[..., 0])
     return shifted, count
+
+
+def stop_if_not_finite(
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    *,
+    step: int,
+    epoch: int,
+    batch: int,
+    newest_checkpoint: Path | None,
+) -> None:
+    """Stop the run if the step about to be taken has a non-finite loss or gradient
+    norm on any process: call it after backward and before ``optimizer.step()`` and
+    the checkpoint manager's ``save()``, so that the weights a plain step would
+    update and every checkpoint stay finite. In a distributed run call it on every
+    rank: the ranks agree, so that all stop together.
+
+    Args:
+        loss (torch.Tensor): the step's loss (any scale: only its finiteness counts).
+        grad_norm (torch.Tensor): the step's gradient norm, before clipping.
+        step (int): the step about to be taken (``progress.global_step + 1``).
+        epoch (int): the epoch it belongs to.
+        batch (int): the position in the epoch of the step's last batch.
+        newest_checkpoint (Path | None): the newest step checkpoint, saved before
+            this step (``CheckpointManager.newest_checkpoint``), or ``None``.
+
+    Raises:
+        FloatingPointError: naming the step, the epoch, the batch and
+            ``newest_checkpoint``.
+    """
+    finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite:
+        return
+    resume = (
+        "No step checkpoint is known to be from before the divergence: the newest "
+        f"({newest_checkpoint}) holds finite weights, but a loss often grows for "
+        "steps before it is not finite, and a resume brings back a checkpoint's "
+        "optimizer state, its learning rate included. Start a new run "
+        "(resume_from_checkpoint=False) once the cause is fixed"
+        if newest_checkpoint is not None
+        else "No step checkpoint was saved yet: start a new run "
+        "(resume_from_checkpoint=False) once the cause is fixed"
+    )
+    raise FloatingPointError(
+        f"Step {step} (epoch {epoch}, up to batch {batch} of the epoch) has a "
+        f"non-finite loss ({float(loss)}) or gradient norm ({float(grad_norm)}) on at "
+        "least one process: stopping before anything is saved, and before the "
+        "optimizer steps (an in-backward update without clipping is applied as "
+        "gradients arrive; with a non-finite loss, nothing is applied). "
+        f"{resume}. The usual causes: a learning rate too high, an overflow in low "
+        "precision, bad data in these batches."
+    )
 
 
 def epoch_batches(

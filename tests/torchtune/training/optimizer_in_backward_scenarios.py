@@ -49,7 +49,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import default_collate
 
-from tests.helpers import BITWISE, make_model, train
+from tests.helpers import BITWISE, WeightAverage, make_model, train
 from tests.torchtune.distributed_launcher import main_from_argv, write_report
 from torchtune import training
 from torchtune.training import OptimizerInBackward
@@ -183,6 +183,13 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
+    }
+
+
+def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each DTensor gathered into a full tensor."""
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()
     }
 
 
@@ -541,12 +548,13 @@ def train_with_manager(
     optimizer_name: str,
     stop_after: int | None = None,
     dies: bool = False,
-) -> tuple[nn.Module, int]:
-    """A distributed recipe's setup and loop, checkpointed by the CheckpointManager;
-    ``stop_after``: stop right after that step's ``save()`` (``close()`` then lets
-    an asynchronous save in flight complete, as a run stopped by a signal does;
-    with ``dies``, the save's files are all written but it is never completed, as
-    when the run is killed). Returns the model and the step it started from."""
+) -> tuple[nn.Module, int, WeightAverage]:
+    """A distributed recipe's setup and loop, checkpointed by the CheckpointManager,
+    with an average of the weights of its own; ``stop_after``: stop right after that
+    step's ``save()`` (``close()`` then lets an asynchronous save in flight
+    complete, as a run stopped by a signal does; with ``dies``, the save's files are
+    all written but it is never completed, as when the run is killed). Returns the
+    model, the step it started from and the average."""
     width = OPTIMIZERS[optimizer_name][2]
     manager = training.CheckpointManager(training.CheckpointOptions.from_config(cfg))
     state = manager.load_base_checkpoint()
@@ -565,7 +573,11 @@ def train_with_manager(
     )
     steps_per_epoch = len(loader)
     progress = training.TrainingProgress(total_epochs=cfg.epochs)
-    manager.load(model, optimizer, loader, progress, steps_per_epoch=steps_per_epoch)
+    # A recipe's own state: an average of the sharded weights.
+    average = WeightAverage(model)
+    states = {"model": model, "optimizer": optimizer, "dataloader": loader}
+    states |= {"progress": progress, "average": average}
+    manager.load(states, steps_per_epoch=steps_per_epoch)
     started_at = progress.global_step
     try:
         for epoch in range(progress.epochs_run, progress.total_epochs):
@@ -578,13 +590,14 @@ def train_with_manager(
                 model(x).square().mean().backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                average.update()
                 progress.global_step += 1
                 manager.save()
                 if progress.global_step == stop_after:
                     if dies and manager._pending is not None:
                         manager._pending[0].result()
                         manager._pending = None
-                    return model, started_at
+                    return model, started_at, average
             progress.epochs_run += 1
             manager.save(epoch_end=True)
     finally:
@@ -592,11 +605,11 @@ def train_with_manager(
         # close() releases output_dir on rank 0 alone: the next run's ranks must not
         # see this run's lock.
         dist.barrier()
-    return model, started_at
+    return model, started_at, average
 
 
 # The uninterrupted run's parameters, per optimizer (the same in every scenario).
-_UNINTERRUPTED: dict[str, dict[str, torch.Tensor]] = {}
+_UNINTERRUPTED: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
 
 def check_manager_resume(
@@ -609,7 +622,7 @@ def check_manager_resume(
     dies: bool = False,
 ) -> None:
     """A run stopped after step 7 resumes from its mid-epoch step_6 (sharded by DCP,
-    each rank's data position in its own file) into the given optimizer, and ends
+    each rank's data position under its rank) into the given optimizer, and ends
     exactly where the uninterrupted run (plain optimizer) ends; ``dies``: its
     asynchronous save of step_6 was written but never completed, and the resume
     publishes it."""
@@ -617,16 +630,19 @@ def check_manager_resume(
         cfg = manager_config(
             tmp / "uninterrupted", optimizer_name, asynchronous=asynchronous
         )
-        model, _ = train_with_manager(cfg, False, optimizer_name)
-        _UNINTERRUPTED[optimizer_name] = full_params(model)
+        model, _, average = train_with_manager(cfg, False, optimizer_name)
+        _UNINTERRUPTED[optimizer_name] = full_params(model), full(average.average)
     cfg = manager_config(tmp / "run", optimizer_name, asynchronous=asynchronous)
     train_with_manager(cfg, save_in_backward, optimizer_name, stop_after=7, dies=dies)
     cfg.resume_from_checkpoint = True
-    resumed, started_at = train_with_manager(cfg, load_in_backward, optimizer_name)
-    assert started_at == 6, started_at
-    torch.testing.assert_close(
-        full_params(resumed), _UNINTERRUPTED[optimizer_name], **BITWISE
+    resumed, started_at, average = train_with_manager(
+        cfg, load_in_backward, optimizer_name
     )
+    assert started_at == 6, started_at
+    params, averaged = _UNINTERRUPTED[optimizer_name]
+    torch.testing.assert_close(full_params(resumed), params, **BITWISE)
+    # The recipe's own state, sharded like the weights, resumed with them.
+    torch.testing.assert_close(full(average.average), averaged, **BITWISE)
 
 
 # Each a scenario of its own: where the run saves (in backward or plain) and what

@@ -260,3 +260,35 @@ def test_a_batch_without_targets_adds_zero_loss_and_zero_gradients(chunks: int) 
     loss_fn = CEWithChunkedOutputLoss(num_output_chunks=2)
     unguarded = loss_fn(list(head(hidden).chunk(2, dim=1)), labels)
     assert torch.isnan(unguarded * count)
+
+
+def test_stop_if_not_finite_goes_on_when_finite_and_names_where_it_stopped() -> None:
+    finite, nan, inf = (
+        torch.tensor(0.5),
+        torch.tensor(float("nan")),
+        torch.tensor(float("inf")),
+    )
+    where = {"step": 6, "epoch": 1, "batch": 1}
+    newest = Path("out/step_4")
+    training.stop_if_not_finite(finite, finite, **where, newest_checkpoint=newest)
+    for loss, grad_norm in ((nan, finite), (finite, inf)):
+        with pytest.raises(FloatingPointError) as stopped:
+            training.stop_if_not_finite(
+                loss, grad_norm, **where, newest_checkpoint=newest
+            )
+        message = str(stopped.value)
+        # The step, its epoch and batch, the two values and the checkpoint to resume.
+        for carried in (
+            "Step 6",
+            "epoch 1",
+            "batch 1",
+            "(nan)" if loss is nan else "(inf)",
+        ):
+            assert carried in message
+        # No checkpoint is offered as good (its weights may be diverging already,
+        # and a resume brings its learning rate back): a new run is.
+        assert f"({newest})" in message and "No step checkpoint is known" in message
+        assert "resume_from_checkpoint=False" in message
+        assert "resume_from_checkpoint=True" not in message
+    with pytest.raises(FloatingPointError, match="No step checkpoint was saved yet"):
+        training.stop_if_not_finite(nan, finite, **where, newest_checkpoint=None)

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,39 +52,38 @@ from torchtune.training.checkpointing._export import (
 )
 from torchtune.training.checkpointing._run_folder import (
     RUN_FILE,
-    _check_lock,
-    _check_outside,
-    _release_lock,
-    _take_lock,
-    _write_run_file,
+    check_lock,
+    check_outside,
     check_writable,
     earlier_runs_state,
     publish_step,
     read_run_file,
+    release_lock,
     run_head,
+    take_lock,
+    write_run_file,
 )
 from torchtune.training.checkpointing._step_format import (
+    DCP_METADATA,
     MANIFEST,
-    MODEL_OPTIMIZER_DCP,
-    MODEL_OPTIMIZER_FILE,
     RECIPE_STATE,
     CheckpointError,
-    _barrier,
-    _delete,
-    _load,
-    _on_rank_zero,
-    _rank,
-    _read_json,
-    _save_file,
-    _sharded,
-    _size,
-    _step_dirs,
-    _warn,
-    _world_size,
+    barrier,
+    delete_paths,
     export_manifest,
+    in_process_group,
+    load_weights_only,
+    on_rank_zero,
     partial_step,
+    process_count,
+    process_rank,
+    read_json,
+    save_synced,
+    size_of,
+    step_checkpoints_in,
     step_of,
     verify,
+    warn,
     whole_partial,
     write_manifest,
 )
@@ -148,6 +149,11 @@ NOT_COMPARED_ON_RESUME = (
 # The dataset's fingerprint hashes this many samples, spread evenly over it (all of a
 # smaller one): a reordered or edited dataset is caught unless every one of them stays.
 FINGERPRINT_SAMPLES = 4096
+# What a manager has been asked so far, in the only order that works, and the call
+# that takes it from each stage to the next: save() only after load(), load() only
+# after load_base_checkpoint(), nothing but close() once the run has ended.
+_STAGES = ("built", "base_loaded", "loaded", "ended")
+_ADVANCED_BY = ("load_base_checkpoint()", "load(...)", "save(epoch_end=True)")
 # The trainable parameters and the buffers: frozen weights are the base checkpoint's.
 _TRAINABLE = dsd.StateDictOptions(ignore_frozen_params=True)
 
@@ -291,22 +297,112 @@ def _whole_or_deleted(partial: Path) -> tuple[str, int | None] | None:
     finish."""
     state = whole_partial(partial)
     if state is None:
-        _warn(f"Deleting {partial} ({_size([partial])}): a save that did not finish")
-        _delete([partial])
+        warn(f"Deleting {partial} ({size_of([partial])}): a save that did not finish")
+        delete_paths([partial])
         return None
     return state["run_id"], state.get("after")
 
 
 # -- what a checkpoint holds ---------------------------------------------------------
 
+# The entries of the mapping a recipe hands to load(), and the one the manager adds:
+# each process's RNG state.
+PROGRESS_KEY, RNG_STATE_KEY = "progress", "rng"
+REQUIRED_STATES = (MODEL_KEY, OPT_KEY, DATALOADER_KEY, PROGRESS_KEY)
+
 
 def _trainable(model: torch.nn.Module) -> dict[str, Any]:
     return dsd.get_model_state_dict(model, options=_TRAINABLE)
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    optimizer_state = dsd.get_optimizer_state_dict(model, optimizer)
-    return {"model": _trainable(model), "optimizer": optimizer_state}
+class _ModelState:
+    """The trainable weights and the buffers of a model, through
+    ``torch.distributed.checkpoint.state_dict`` (a sharded model's as shards), the
+    way torchtitan's ``ModelWrapper`` saves a model. Frozen weights are the base
+    checkpoint's, read again on resume."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return _trainable(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        non_strict = dsd.StateDictOptions(strict=False)  # the frozen ones are not in it
+        dsd.set_model_state_dict(self.module, state_dict, options=non_strict)
+
+
+class _OptimizerState:
+    """An optimizer's state keyed by parameter name, through
+    ``torch.distributed.checkpoint.state_dict``, as torchtitan's optimizers container
+    saves it: plain and in-backward optimizers, sharded or not, load each other's."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dsd.get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        dsd.set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+
+# State each process has its own of (its data position, its RNG) is saved under the
+# process's rank, whole, as torch.save bytes: DCP keeps one copy of an entry that
+# every process names alike, and loads only into the structure a new object already
+# has (a loader's state grows as it iterates).
+
+
+def _this_process(value: Any) -> dict[str, bytes]:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return {f"rank_{process_rank()}": buffer.getvalue()}
+
+
+def _of_this_process(state_dict: Mapping[str, bytes]) -> Any:
+    return torch.load(
+        io.BytesIO(state_dict[f"rank_{process_rank()}"]), weights_only=True
+    )
+
+
+class _LoaderPosition:
+    """A dataloader's position in its epoch, saved mid-epoch only: after an epoch's
+    end the next epoch starts its loader afresh (``epoch_end``, set before a save)."""
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader, self.epoch_end = dataloader, False
+
+    def state_dict(self) -> dict[str, bytes]:
+        return _this_process(None if self.epoch_end else self.dataloader.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, bytes]) -> None:
+        if (position := _of_this_process(state_dict)) is not None:
+            self.dataloader.load_state_dict(position)
+
+
+class _RngState:
+    """The RNG state of this process: torch's, and CUDA's once it is in use."""
+
+    def state_dict(self) -> dict[str, bytes]:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return _this_process(rng)
+
+    def load_state_dict(self, state_dict: Mapping[str, bytes]) -> None:
+        rng = _of_this_process(state_dict)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+@contextlib.contextmanager
+def _one_process_dcp() -> Iterator[None]:
+    """DCP in one process without a process group, which it warns about at every
+    call ("assuming the intent is to save in a single process"): the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _hyperparameters(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -378,7 +474,7 @@ class CheckpointOptions:
                 own = section.get("output_dir")
                 out_key = f"{key}.output_dir" if own else "output_dir"
                 out = Path(own or output_dir)
-                _check_outside(root, f"{key}.checkpoint_dir", out, out_key)
+                check_outside(root, f"{key}.checkpoint_dir", out, out_key)
         length = "epochs" if "epochs" in cfg else "num_steps"
         resume = cfg.get("resume_from_checkpoint", False)
         return cls(
@@ -407,8 +503,9 @@ class CheckpointManager:
     or written); a LoRA recipe also gives the adapter's PEFT config, which every
     export carries and which turns on the merged export. The recipe then reads
     the weights to start from with :meth:`load_base_checkpoint`, builds its model,
-    optimizer and data, and hands them over with :meth:`load`, which puts a resumed
-    run back where it was. In the loop, :meth:`save` after every optimizer step and
+    optimizer, data and LR scheduler, and hands them over with :meth:`load`, as one
+    mapping of stateful objects (and anything else it must resume with), which puts
+    a resumed run back where it was. In the loop, :meth:`save` after every optimizer step and
     ``save(epoch_end=True)`` after every epoch: a step checkpoint when one is due
     (``save_every_n_steps``) and at every epoch's end, then the epoch export through
     the configured checkpointer. ``resume_from_checkpoint: True`` continues from the
@@ -424,12 +521,21 @@ class CheckpointManager:
             ``save_adapter_weights_only``, the weights with the adapter merged in.
             Default: ``None`` (the model has no adapter).
 
+    .. warning::
+        The calls come in this order: :meth:`load_base_checkpoint`, :meth:`load`,
+        then :meth:`save` until the last epoch's save; :meth:`close` at any time.
+        A call out of order raises a ``RuntimeError`` naming the call to make first.
+        Building the manager only reads ``output_dir``: nothing on disk changes
+        before :meth:`load`, which takes the folder's lock.
+
     Example (a recipe's use; ``docs/source/step_checkpoints.rst`` runs one)::
 
         manager = CheckpointManager(CheckpointOptions.from_config(cfg))  # __init__
         model.load_state_dict(manager.load_base_checkpoint()[MODEL_KEY])
         progress = TrainingProgress(total_epochs=cfg.epochs)
-        manager.load(model, optimizer, dataloader, progress, steps_per_epoch=10)
+        states = {"model": model, "optimizer": optimizer, "dataloader": dataloader}
+        states |= {"progress": progress, "lr_scheduler": lr_scheduler}
+        manager.load(states, steps_per_epoch=10)
         for epoch in range(progress.epochs_run, progress.total_epochs):
             for batch in batches:  # forward, backward, optimizer.step()
                 progress.global_step += 1
@@ -475,17 +581,40 @@ class CheckpointManager:
                 "a resume would apply the adapter to them a second time. Set output_dir "
                 "and checkpointer.output_dir to another folder."
             )
-        if int(os.environ.get("RANK", 0)) == 0:  # rank 0 judges the lock for all
-            _check_lock(self._out)
+        # Refused now if another run trains there; load() takes the lock. Building
+        # the manager only reads: nothing on disk changes before load().
+        check_lock(self._out)
         # A resume continues from the first whole one of these step checkpoints, or
         # else from a torchtune 0.6.1 checkpoint: "epoch" (recipe_state/ and the
         # epoch's export) or "dcp" (an asynchronous save's dist_epoch_N/).
-        self._steps, self._checkpoint_0_6_1 = self._resume_points()
+        self._steps, self._epoch_checkpoint = self._resume_points()
         self._checkpointer = self._run_id = self._pending = self._async_group = None
         # The step checkpoint this run continues from: its last published, or the
         # one it resumed (None: a new run, or one that resumed another folder's).
         self._after: int | None = None
+        self._newest: Path | None = None
         self._release_output_dir: Callable[[], Any] = lambda: None
+        # The calls made so far: load_base_checkpoint(), then load(), then save()
+        # until the run ends (its last epoch's save, or close()).
+        self._stage = "built"
+
+    def _expect(self, call: str, stage: str) -> None:
+        """Refuse ``call`` unless the run is at ``stage`` (see :data:`_STAGES`),
+        naming the calls to make first."""
+        now, needed = _STAGES.index(self._stage), _STAGES.index(stage)
+        if now < needed:
+            missing = " then ".join(_ADVANCED_BY[now:needed])
+            raise RuntimeError(
+                f"CheckpointManager.{call} needs {missing} first: call it before."
+            )
+        if self._stage == "ended":
+            raise RuntimeError(
+                f"CheckpointManager.{call} after the run ended (its last epoch's "
+                "save(epoch_end=True), or close()): build a new CheckpointManager "
+                "for another run."
+            )
+        if now > needed:
+            raise RuntimeError(f"CheckpointManager.{call} was called already.")
 
     # -- choosing what a resume continues from ----------------------------------------
 
@@ -513,19 +642,19 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpointer.recipe_checkpoint={requested} names the step checkpoint "
                 f"{folder}, which does not exist. The step checkpoints in {out} are "
-                f"{[p.name for p in _step_dirs(out)] or 'none'}: name one of them."
+                f"{[p.name for p in step_checkpoints_in(out)] or 'none'}: name one of them."
             )
         steps = [folder] if requested else self._timeline()
         epoch_state = export / "recipe_state" / RECIPE_STATE
         if not requested and self.options.named_epoch is not None:
-            steps = self._epoch_end(steps, written_by_0_6_1=epoch_state.is_file())
+            steps = self._epoch_end(steps, has_epoch_recipe_state=epoch_state.is_file())
         if steps or (epoch_state.is_file() and not self.options.async_save):
             self._check_optimizer(steps[0] if steps else epoch_state)
             return steps, None if steps else "epoch"
         if self.options.async_save and any(export.glob("dist_epoch_*/.metadata")):
             return [], "dcp"
         hint = ""
-        if final := _read_json(out / RUN_FILE).get("final_export"):
+        if final := read_json(out / RUN_FILE).get("final_export"):
             hint = self._way_on(Path(final))
         raise CheckpointError(
             "resume_from_checkpoint=True, but there is nothing to resume from: no "
@@ -577,14 +706,18 @@ class CheckpointManager:
             run_id, head = state["run_id"], partial_step(partial)
         steps = [p for p, state in partials.items() if state["run_id"] == run_id]
         steps += [
-            p for p in _step_dirs(out, run_id) if head is None or step_of(p) <= head
+            p
+            for p in step_checkpoints_in(out, run_id)
+            if head is None or step_of(p) <= head
         ]
         return sorted(steps, key=_number, reverse=True)  # a partial before its step
 
-    def _epoch_end(self, steps: list[Path], *, written_by_0_6_1: bool) -> list[Path]:
+    def _epoch_end(
+        self, steps: list[Path], *, has_epoch_recipe_state: bool
+    ) -> list[Path]:
         """The step checkpoint saved at the end of the epoch whose export the
         checkpointer's files name (torchtune 0.6.1's way to resume), or none where
-        the folder is one 0.6.1 wrote (``written_by_0_6_1``: its recipe state goes
+        the folder is one 0.6.1 wrote (``has_epoch_recipe_state``: its recipe state goes
         with them).
 
         Raises:
@@ -592,7 +725,7 @@ class CheckpointManager:
         """
         epoch = self.options.named_epoch
         ended = [step for step in steps if _epoch_ended(step) == epoch]
-        if ended or (written_by_0_6_1 and not steps):
+        if ended or (has_epoch_recipe_state and not steps):
             return ended
         if self.options.checkpointer.get("adapter_checkpoint"):
             key, newest = "adapter_checkpoint", "unset it"
@@ -637,7 +770,9 @@ class CheckpointManager:
             dict[str, Any]: ``MODEL_KEY`` (and ``ADAPTER_KEY`` when the
             checkpointer reads an adapter).
         """
-        epoch, cfg = self._checkpoint_0_6_1 == "epoch", self.options.checkpointer
+        self._expect("load_base_checkpoint()", "built")
+        self._stage = "base_loaded"
+        epoch, cfg = self._epoch_checkpoint == "epoch", self.options.checkpointer
         if self._steps and self.options.named_epoch is not None:
             # The files named under epoch_{N}/ are read from the output folder, as
             # in 0.6.1, which then also reads a recipe state: the step checkpoint's,
@@ -654,7 +789,9 @@ class CheckpointManager:
         if not epoch:
             return state
         weights = (MODEL_KEY, ADAPTER_KEY)
-        self._state_0_6_1 = {k: state.pop(k) for k in list(state) if k not in weights}
+        self._epoch_recipe_state = {
+            k: state.pop(k) for k in list(state) if k not in weights
+        }
         if self.adapter_config and ADAPTER_KEY not in state:
             raise ValueError(
                 "resume_from_checkpoint=True, but no adapter weights were found. Set "
@@ -665,16 +802,13 @@ class CheckpointManager:
 
     def load(
         self,
-        model: torch.nn.Module | Mapping[str, torch.nn.Module],
-        optimizer: torch.optim.Optimizer,
-        dataloader: Any,
-        progress: Any,
+        states: Mapping[str, Any],
         *,
         steps_per_epoch: int,
         exporters: Mapping[str, tuple[Any, Path | str]] | None = None,
-        states: Mapping[str, Any] | None = None,
     ) -> None:
-        """Hand over what the run saves and, resuming, put it back where it was.
+        """Hand over what the run saves, one mapping of stateful objects, and,
+        resuming, put each back where it was.
 
         A resume first verifies the checkpoint and checks that the run continues its
         trajectory (every setting but :data:`NOT_COMPARED_ON_RESUME`, the dataset's
@@ -686,74 +820,106 @@ class CheckpointManager:
         epoch's export if it is not whole (a crash or a full disk while it was
         written). Call it on every rank, after :meth:`load_base_checkpoint`.
 
+        Every entry is saved with each step checkpoint, in one
+        ``torch.distributed.checkpoint`` (DCP) checkpoint with the others, and
+        restored together: the model and the optimizer through
+        ``torch.distributed.checkpoint.state_dict`` (a sharded model's as shards),
+        the dataloader's position per process, each process's RNG state (added by
+        the manager), and every other entry as its ``state_dict()`` holds it:
+        tensors (sharded ``DTensor`` s too) and plain values, which DCP saves once
+        for all processes. An entry whose state differs between processes must key
+        it by rank itself.
+
         Args:
-            model (nn.Module | Mapping[str, nn.Module]): the model (FSDP2-sharded in
-                a distributed run), or several by name in one process.
-            optimizer (torch.optim.Optimizer): the optimizer of all of them, plain or
-                :class:`~torchtune.training.OptimizerInBackward`.
-            dataloader (Any): the ``StatefulDataLoader``; mid-epoch, its position.
-            progress (Any): where training stands, with ``state_dict`` and
-                ``load_state_dict`` and the attributes ``epochs_run``,
-                ``total_epochs`` and ``global_step`` (a :class:`TrainingProgress`).
+            states (Mapping[str, Any]): by name: ``"model"``, the model
+                (FSDP2-sharded in a distributed run), or several by name in one
+                process; ``"optimizer"``, the optimizer of all of them, plain or
+                :class:`~torchtune.training.OptimizerInBackward`; ``"dataloader"``,
+                the ``StatefulDataLoader`` (its position is saved mid-epoch);
+                ``"progress"``, where training stands (a :class:`TrainingProgress`);
+                and anything else the run must resume with, each with
+                ``state_dict()`` and ``load_state_dict()``: the LR scheduler, an EMA
+                of the weights, a sampler of one's own. A ``None`` entry (no LR
+                scheduler) is left out.
             steps_per_epoch (int): the optimizer steps of an epoch.
             exporters (Mapping[str, tuple[Any, Path | str]] | None): for a model of
                 a mapping that its own checkpointer exports (not the configured
                 one): that checkpointer and the folder it writes to, its
                 ``output_dir``. Default: ``None``
-            states (Mapping[str, Any] | None): anything else the run must resume
-                with (an EMA of the weights, a sampler of one's own), by name: each
-                with ``state_dict()`` and ``load_state_dict()``, saved per process
-                with every step checkpoint (tensors and plain values only) and
-                restored with the rest. Default: ``None``
 
         Raises:
             CheckpointError: if no checkpoint to resume is whole, it does not match
-                the model, was trained with other settings (unless
-                ``resume_allow_changes``), or another run holds ``output_dir``.
-            ValueError: if an epoch would have no optimizer step.
+                the model or holds no state for an entry, was trained with other
+                settings (unless ``resume_allow_changes``), or another run holds
+                ``output_dir``.
+            ValueError: if ``states`` lacks one of ``"model"``, ``"optimizer"``,
+                ``"dataloader"`` and ``"progress"``, or an epoch would have no
+                optimizer step.
         """
-        self._models_given_by_name = isinstance(model, Mapping)
-        self._models = dict(model) if self._models_given_by_name else {MODEL_KEY: model}
-        self._optimizer, self._dataloader = optimizer, dataloader
-        self._progress, self._steps_per_epoch = progress, steps_per_epoch
-        self._states = dict(states or {})
+        self._expect("load()", "base_loaded")
+        states = {name: s for name, s in states.items() if s is not None}
+        if missing := [key for key in REQUIRED_STATES if key not in states]:
+            raise ValueError(
+                f"load() needs the run's {missing} among its states (it has "
+                f"{sorted(states)}): pass them by these names."
+            )
+        if RNG_STATE_KEY in states:
+            raise ValueError(
+                f"load() saves each process's RNG state as {RNG_STATE_KEY!r} itself: "
+                "give yours another name."
+            )
+        model, by_name = states[MODEL_KEY], isinstance(states[MODEL_KEY], Mapping)
+        self._models = dict(model) if by_name else {MODEL_KEY: model}
+        # Several models are saved as one, each under its name.
+        module = torch.nn.ModuleDict(model) if by_name else model
+        self._optimizer, self._dataloader = states[OPT_KEY], states[DATALOADER_KEY]
+        self._progress, self._steps_per_epoch = states[PROGRESS_KEY], steps_per_epoch
+        self._states = {
+            **states,
+            MODEL_KEY: _ModelState(module),
+            OPT_KEY: _OptimizerState(module, self._optimizer),
+            DATALOADER_KEY: _LoaderPosition(self._dataloader),
+            RNG_STATE_KEY: _RngState(),
+        }
         configured = (self._checkpointer, self._export_dir)
         exporters = {name: configured for name in self._models} | dict(exporters or {})
         self._exporters = {name: exporter for name, (exporter, _) in exporters.items()}
         self._export_roots = sorted({Path(folder) for _, folder in exporters.values()})
-        dataset = dataloader.dataset
+        dataset = self._dataloader.dataset
         if steps_per_epoch < 1:
             raise ValueError(
                 f"An epoch has no optimizer step: {len(dataset)} samples make "
-                f"{len(dataloader)} batches per process: use more data, or a smaller "
-                "batch_size or gradient_accumulation_steps."
+                f"{len(self._dataloader)} batches per process ({dict(self.options.trajectory)})"
+                ": use more data, or a smaller batch_size or gradient_accumulation_steps."
             )
-        self._trajectory = {**self.options.trajectory, "world_size": _world_size()}
+        self._trajectory = {**self.options.trajectory, "world_size": process_count()}
         self._trajectory["steps_per_epoch"] = steps_per_epoch
         self._trajectory |= _dataset_identity(dataset)
         folder, recipe_state = self._verified() if self._steps else (None, {})
 
-        def take_lock() -> None:
-            lock = _take_lock(self._out)
-            self._release_output_dir = weakref.finalize(self, _release_lock, lock)
+        def lock_output_dir() -> None:
+            self._lock = take_lock(self._out)
+            self._release_output_dir = weakref.finalize(self, release_lock, self._lock)
 
-        _on_rank_zero(take_lock)
+        on_rank_zero(lock_output_dir)
+        self._stage = "loaded"
         self._publish_partials()
         if folder is not None and (step := partial_step(folder)) is not None:
             folder = folder.with_name(f"step_{step}")  # published now
-        if self.options.async_save and _sharded():  # its collectives run from a thread
+        if self.options.async_save and in_process_group():
+            # Its collectives run from a thread.
             self._async_group = dist.new_group(backend="gloo")
-        if folder is None and self._checkpoint_0_6_1 is None:
-            self._run_id = _on_rank_zero(
+        if folder is None and self._epoch_checkpoint is None:
+            self._run_id = on_rank_zero(
                 lambda: (
                     time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
                 )
             )
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             if earlier := earlier_runs_state(self._out, self._run_id):
-                _warn(
+                warn(
                     f"{self._out} holds an earlier run's resumable state "
-                    f"({', '.join(p.name for p in earlier)}: {_size(earlier)}). It stays "
+                    f"({', '.join(p.name for p in earlier)}: {size_of(earlier)}). It stays "
                     "until this run's first step checkpoint is whole, and is deleted "
                     "then. To continue that run instead, stop this one and resume it "
                     "(resume_from_checkpoint=True); to keep it, use another output_dir."
@@ -768,20 +934,18 @@ class CheckpointManager:
         rename), after verifying it, and delete the others: saves that did not
         finish. Call it on every rank, holding the lock."""
         out = self._out
-        found = _on_rank_zero(lambda: sorted(out.glob(".step_*.partial"), key=_number))
+        found = on_rank_zero(lambda: sorted(out.glob(".step_*.partial"), key=_number))
         for folder in found:
             step = partial_step(folder)
-            if (
-                written := _on_rank_zero(lambda f=folder: _whole_or_deleted(f))
-            ) is None:
+            if (written := on_rank_zero(lambda f=folder: _whole_or_deleted(f))) is None:
                 continue
             run_id, after = written
             if not (folder / MANIFEST).is_file():
                 write_manifest(folder, folder / MANIFEST, run_id=run_id, step=step)
             verify(folder)
             publish = dict(step=step, run_id=run_id, after=after, keep=None)
-            _on_rank_zero(lambda f=folder, kw=publish: publish_step(f, **kw))
-            _warn(
+            on_rank_zero(lambda f=folder, kw=publish: publish_step(f, **kw))
+            warn(
                 f"Published {out / f'step_{step}'}: a whole step checkpoint that the "
                 "run which saved it had not published yet"
             )
@@ -801,33 +965,30 @@ class CheckpointManager:
             if problem is not None:
                 problems.append(problem)
         if problems:
-            _warn(
+            warn(
                 f"The export of epoch {epoch} is not this checkpoint's "
                 f"({'; '.join(problems)}): rewriting it from {folder}."
             )
             self._export(epoch, final=done)
         if done:
             key, value = self.options.length
-            _warn(
+            warn(
                 f"resume_from_checkpoint=True: {folder or self._export_dir} is at the "
                 f"end of training ({progress.epochs_run} epochs done, {key}={value}): "
                 f"nothing left to do. To train further, set {key} to more than {value}."
             )
             # A run stopped before it finished (its final export torn, say) finishes
             # now; a finished one is left as it is.
-            finished = _read_json(self._out / RUN_FILE).get("final_export")
+            finished = read_json(self._out / RUN_FILE).get("final_export")
             own = folder is not None and folder.parent.resolve() == self._out.resolve()
             if own and not finished:
-                _on_rank_zero(lambda: self._finish_run(epoch))
-            self._release_output_dir()
+                on_rank_zero(lambda: self._finish_run(epoch))
+            self._end()
 
     def _required_files(self) -> list[str]:
-        """What every step checkpoint of this run's layout lists (the files of ranks
-        other than 0 are checked once the saved number of processes is known): a
-        file its manifest does not list is never loaded."""
-        if _sharded():
-            return [RECIPE_STATE, f"{MODEL_OPTIMIZER_DCP}/.metadata", "rank_0.pt"]
-        return [RECIPE_STATE, MODEL_OPTIMIZER_FILE, "rank_0.pt"]
+        """What every step checkpoint lists: it is whole when its DCP metadata is,
+        and a file its manifest does not list is never loaded."""
+        return [RECIPE_STATE, DCP_METADATA]
 
     def _verified(self) -> tuple[Path, dict[str, Any]]:
         """The newest resume point whose every byte verifies (a damaged one gives way
@@ -845,20 +1006,16 @@ class CheckpointManager:
                         f"checkpointer.recipe_checkpoint={named} cannot be resumed: "
                         f"{e}. Name another one, or leave it unset."
                     ) from e
-                _warn(f"Skipping step checkpoint {folder}: {e}")
+                warn(f"Skipping step checkpoint {folder}: {e}")
         else:
             raise CheckpointError(
                 f"resume_from_checkpoint=True, but no step checkpoint in {self._out} is "
                 "whole (see the warnings). Set resume_from_checkpoint=False to start anew."
             )
         self._check_optimizer(folder)  # from_config checked the newest
-        recipe_state = _load(folder / RECIPE_STATE)
-        # Settings an earlier build did not record are not compared (the earliest
-        # recorded its world size alone).
-        old, new = recipe_state.get("trajectory"), self._trajectory
-        keys = old.keys() | new.keys() if old else {"world_size"}
-        old = old or {"world_size": recipe_state.get("world_size", 1)}
-        pairs = {k: (old.get(k), new.get(k)) for k in sorted(keys)}
+        recipe_state = load_weights_only(folder / RECIPE_STATE)
+        old, new = recipe_state["trajectory"], self._trajectory
+        pairs = {k: (old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys())}
         diff = {k: pair for k, pair in pairs.items() if _differs(*pair)}
         length = self.options.length[0]
         if recipe_state.get("epoch_end") and length in diff:
@@ -873,7 +1030,7 @@ class CheckpointManager:
                     f", to the new {length}, and a learning rate schedule is rebuilt "
                     "over it, from this step on"
                 )
-            _warn(
+            warn(
                 f"Resuming {folder} with {length}={after} (it was trained with "
                 f"{before}): {then}."
             )
@@ -890,7 +1047,7 @@ class CheckpointManager:
                 "finds its place in the data by them), or resume_from_checkpoint=False."
             )
         if diff:
-            _warn(
+            warn(
                 f"resume_allow_changes=True: resuming {folder} with other settings "
                 f"({listed}); this run differs from an uninterrupted one."
             )
@@ -902,34 +1059,16 @@ class CheckpointManager:
         settings that the checkpoint's replaced."""
         optimizer, before = self._optimizer, _hyperparameters(self._optimizer)
         if folder is None:
-            recipe_state = self._restore_legacy()
-        elif _sharded():
-            (model,) = self._models.values()
-            state = _sharded_state(model, optimizer)
-            dcp.load(state, checkpoint_id=folder / MODEL_OPTIMIZER_DCP)
-            non_strict = dsd.StateDictOptions(strict=False)
-            dsd.set_model_state_dict(model, state["model"], options=non_strict)
-            dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            self._progress.load_state_dict(self._restore_legacy())
+        else:
+            self._check_holds(folder)
+            with _one_process_dcp():
+                states = dict(self._states)
+                dcp.load(states, checkpoint_id=folder, no_dist=not in_process_group())
+            # DCP fills only the hyperparameters a new optimizer's groups have.
             saved = recipe_state["optimizer_param_group_hyperparameters"]
             for group, values in zip(optimizer.param_groups, saved, strict=True):
                 group.update(values)
-        else:
-            state = _load(folder / MODEL_OPTIMIZER_FILE)
-            for name, model in self._models.items():
-                saved = (
-                    state["model"][name]
-                    if self._models_given_by_name
-                    else state["model"]
-                )
-                missing, unexpected = model.load_state_dict(saved, strict=False)
-                missing = sorted(set(missing) & set(_trainable(model)))
-                if missing or unexpected:
-                    raise CheckpointError(
-                        f"{folder} does not match this model: missing trainable entries "
-                        f"{missing[:5]}, unexpected entries {sorted(unexpected)[:5]}. "
-                        "Resume with the model that saved it."
-                    )
-            optimizer.load_state_dict(state["optimizer"])
         replaced = set()
         for configured, saved in zip(before, _hyperparameters(optimizer), strict=False):
             # The LR a scheduler starts from is the saved initial_lr.
@@ -938,66 +1077,70 @@ class CheckpointManager:
                 if key in saved and _differs(value, now := saved[key]):
                     replaced.add(f"optimizer.{key}={value} (the checkpoint's: {now})")
         if replaced:
-            _warn(
+            warn(
                 f"Resuming from {folder or 'the epoch checkpoint'}: its optimizer state "
                 f"replaces {', '.join(sorted(replaced))}. To train with the config's "
                 "values, start a new run (resume_from_checkpoint=False)."
             )
-        self._progress.load_state_dict(recipe_state)
         if folder is None:
             return
         if folder.parent.resolve() == self._out.resolve():
-            self._run_id = _read_json(folder / MANIFEST).get("run_id")
+            self._run_id = read_json(folder / MANIFEST).get("run_id")
             self._run_id = self._run_id or read_run_file(self._out)
             self._after = step_of(folder)
         else:  # another folder's: read only, this run's saves go to output_dir
-            self._run_id = _on_rank_zero(
+            self._run_id = on_rank_zero(
                 lambda: (
                     time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
                 )
             )
-        rank_file = f"rank_{_rank()}.pt"
-        if rank_file not in _read_json(folder / MANIFEST).get("files", {}):
-            raise CheckpointError(
-                f"{folder / MANIFEST} lists no {rank_file}: the checkpoint is not "
-                "whole. Resume another one (checkpointer.recipe_checkpoint=step_N)."
-            )
-        rank_state = _load(folder / rank_file)
-        if rank_state[DATALOADER_KEY]:
-            self._dataloader.load_state_dict(rank_state[DATALOADER_KEY])
-        saved = rank_state.get("states", {})
-        if missing := sorted(set(self._states) - set(saved)):
-            raise CheckpointError(
-                f"{folder} holds no state for {missing} (it holds {sorted(saved)}): it "
-                "was saved by a run that did not pass them to load(states=...). Resume "
-                "with the recipe that saved it, or resume_from_checkpoint=False."
-            )
-        for name, stateful in self._states.items():
-            stateful.load_state_dict(saved[name])
-        torch.set_rng_state(rank_state["rng"]["torch"])
-        if "cuda" in rank_state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rank_state["rng"]["cuda"])
+        self._newest = folder
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
         if self._after is None:
             return
-        steps = reversed(_step_dirs(self._out, self._run_id))
+        steps = reversed(step_checkpoints_in(self._out, self._run_id))
         if later := [p.name for p in steps if step_of(p) > self._after]:
-            _warn(
+            warn(
                 f"Resuming from {folder.name} starts a branch: the later step "
                 f"checkpoints ({', '.join(later)}) stay until this run's save of their "
                 "step, or of a later one, is whole."
             )
 
+    def _check_holds(self, folder: Path) -> None:
+        """Refuse a step checkpoint that lacks an entry of the run's states, or whose
+        model is not this one, naming what differs (before DCP would fail on the
+        first missing key)."""
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        names = {key.split(".")[0] for key in saved}
+        if missing := sorted(set(self._states) - names):
+            raise CheckpointError(
+                f"{folder} holds no state for {missing} (it holds {sorted(names)}): it "
+                "was saved by a run that did not pass them to load(). Resume with the "
+                "recipe that saved it, or resume_from_checkpoint=False."
+            )
+        prefix = f"{MODEL_KEY}."
+        held = {k.removeprefix(prefix) for k in saved if k.startswith(prefix)}
+        expected = set(self._states[MODEL_KEY].state_dict())
+        missing, unexpected = sorted(expected - held), sorted(held - expected)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{folder} does not match this model: missing trainable entries "
+                f"{missing[:5]}, unexpected entries {unexpected[:5]}. Resume with the "
+                "model that saved it."
+            )
+
     def _restore_legacy(self) -> dict[str, Any]:
         """Load a torchtune 0.6.1 epoch checkpoint: its recipe state, read by the
-        checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress."""
+        checkpointer, or the newest ``dist_epoch_{N}`` of DCP; return its progress.
+        It holds no LR scheduler state: a scheduler among the run's states is put
+        where 0.6.1 built it on resume, at the checkpoint's step."""
 
         # The run the folder names, or a new name for a 0.6.1 run it never had.
-        self._run_id = _on_rank_zero(
+        self._run_id = on_rank_zero(
             lambda: read_run_file(self._out) or f"0.6.1-{os.urandom(4).hex()}"
         )
         models, optimizer = list(self._models.values()), self._optimizer
-        if self._checkpoint_0_6_1 == "dcp":
+        if self._epoch_checkpoint == "dcp":
             (model,) = models
             dsd._init_optim_state(optimizer)  # DCP loads into existing tensors
             state = {MODEL_KEY: model.state_dict(), EPOCHS_KEY: 0}
@@ -1010,14 +1153,14 @@ class CheckpointManager:
                 model, optimizer, model_state_dict=weights, optim_state_dict=optim
             )
         else:
-            state, optim = self._state_0_6_1, self._state_0_6_1[OPT_KEY]
+            state, optim = self._epoch_recipe_state, self._epoch_recipe_state[OPT_KEY]
             if legacy_format.is_legacy_in_bwd_state_dict(optim):
                 # Several models (PPO): 0.6.1 saved the last one's parameters only.
                 pairs = [(m, n, p) for m in models for n, p in m.named_parameters()]
                 names = [(n if m is models[-1] else None, p) for m, n, p in pairs]
                 convert = legacy_format.convert_legacy_optim_in_bwd_state_dict
-                optim = convert(optim, None if _sharded() else names)
-            if _sharded():
+                optim = convert(optim, None if in_process_group() else names)
+            if in_process_group():
                 load_from_full_optimizer_state_dict(
                     models[0], optimizer, optim, self.options.device
                 )
@@ -1026,50 +1169,23 @@ class CheckpointManager:
             else:
                 optimizer.load_state_dict(optim)
         steps = state[EPOCHS_KEY] * self._steps_per_epoch
+        for scheduler in self._states.values():
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                # As if built with last_epoch=steps - 1, from the loaded initial_lr.
+                groups = zip(optimizer.param_groups, scheduler.base_lrs, strict=True)
+                scheduler.base_lrs = [g.setdefault("initial_lr", b) for g, b in groups]
+                scheduler.last_epoch = steps - 1
+                with warnings.catch_warnings():  # "step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
         return {**state, "global_step": steps}
 
-    # -- stopping before a non-finite step --------------------------------------------
-
-    def stop_if_not_finite(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, *, batch: int
-    ) -> None:
-        """Stop the run if the step about to be taken has a non-finite loss or
-        gradient norm (on any rank): call it after backward and before
-        ``optimizer.step()`` and :meth:`save`, so that the weights a plain step would
-        update and every checkpoint stay finite. ``batch``: the position in the epoch
-        of the step's last batch.
-
-        Raises:
-            FloatingPointError: naming the step, the epoch, the batches and the
-                newest step checkpoint, which was saved before this step.
-        """
-        finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32)
-        if _world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if finite:
-            return
-        progress = self._progress
-        saved = ", ".join(p.name for p in reversed(_step_dirs(self._out, self._run_id)))
-        resume = (
-            "No step checkpoint is known to be from before the divergence: the "
-            f"saved ones ({saved}) hold finite weights, but a loss often grows for "
-            "steps before it is not finite, and a resume brings back a checkpoint's "
-            "optimizer state, its learning rate included. Start a new run "
-            "(resume_from_checkpoint=False) once the cause is fixed"
-            if saved
-            else "No step checkpoint was saved yet: start a new run "
-            "(resume_from_checkpoint=False) once the cause is fixed"
-        )
-        raise FloatingPointError(
-            f"Step {progress.global_step + 1} (epoch {progress.epochs_run}, up to "
-            f"batch {batch} of the epoch) has a non-finite loss ({float(loss)}) or "
-            f"gradient norm ({float(grad_norm)}) on at least one process: stopping "
-            "before anything is saved, and before the optimizer steps (an "
-            "in-backward update without clipping is applied as gradients arrive; "
-            "with a non-finite loss, nothing is applied). "
-            f"{resume}. The usual causes: a learning rate too high, an overflow in low "
-            "precision, bad data in these batches."
-        )
+    @property
+    def newest_checkpoint(self) -> Path | None:
+        """The newest whole step checkpoint of this run (the one it resumed from, or
+        its newest save), or ``None`` before there is one: what a run that must stop
+        can resume from (:func:`~torchtune.training.stop_if_not_finite` names it)."""
+        return self._newest
 
     # -- saving --------------------------------------------------------------------------
 
@@ -1082,6 +1198,7 @@ class CheckpointManager:
             epoch_end (bool): the epoch just ended (``progress.epochs_run`` counts it).
                 Default: ``False``
         """
+        self._expect("save()", "loaded")
         step, n = self._progress.global_step, self.options.every_n_steps
         partial = self._out / f".step_{step}.partial"
         if not epoch_end:
@@ -1098,8 +1215,8 @@ class CheckpointManager:
         ):
             self._export(epoch, final=done)
         if done:
-            _on_rank_zero(lambda: self._finish_run(epoch))
-            self._release_output_dir()
+            on_rank_zero(lambda: self._finish_run(epoch))
+            self._end()
 
     def _finish_run(self, epoch: int) -> None:
         """Once the final export is whole, delete the run's step checkpoints, as
@@ -1107,23 +1224,23 @@ class CheckpointManager:
         ``keep_last_n_checkpoints`` asks to keep them (to train further later)."""
         final, n = self._export_dir / f"epoch_{epoch}", self.options.keep_last_n
         step, (key, value) = self._progress.global_step, self.options.length
-        own = _step_dirs(self._out, self._run_id)
+        own = step_checkpoints_in(self._out, self._run_id)
         # Superseded by the final export: a timeline this run branched from.
-        _delete([p for p in own if step_of(p) > step])
+        delete_paths([p for p in own if step_of(p) > step])
         steps = [p for p in own if step_of(p) <= step]
         if n is not None:
             kept = (
                 f"Its resumable state is kept (checkpointer.keep_last_n_checkpoints={n}:"
-                f" {', '.join(p.name for p in steps)}, {_size(steps)}); to train "
+                f" {', '.join(p.name for p in steps)}, {size_of(steps)}); to train "
                 f"further: resume_from_checkpoint=True, {key} > {value}."
             )
         else:
             kept = (
-                f"Its step checkpoints ({_size(steps)}) are deleted: to keep them, for "
+                f"Its step checkpoints ({size_of(steps)}) are deleted: to keep them, for "
                 "training further later, set checkpointer.keep_last_n_checkpoints."
             )
-            _delete(steps)
-        _write_run_file(self._out, self._run_id, head=step, final_export=str(final))
+            delete_paths(steps)
+        write_run_file(self._out, self._run_id, head=step, final_export=str(final))
         log.info(
             f"Training done (run {self._run_id}, {self._progress.epochs_run} epochs). "
             f"Final weights in {final} (every file checksummed). {kept}"
@@ -1135,32 +1252,19 @@ class CheckpointManager:
         self._finish_pending()
         step = self._progress.global_step
         partial = self._out / f".step_{step}.partial"
-        if _rank() == 0:
+        if process_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
-        _barrier()
-        future = None
-        if _sharded():
-            state = _sharded_state(*self._models.values(), self._optimizer)
-            where = partial / MODEL_OPTIMIZER_DCP
-            if self.options.async_save and not wait:
-                group = self._async_group
-                future = dcp.async_save(state, checkpoint_id=where, process_group=group)
-            else:
-                dcp.save(state, checkpoint_id=where)
+        barrier()
+        self._states[DATALOADER_KEY].epoch_end = not mid_epoch
+        states, future = dict(self._states), None
+        if self.options.async_save and in_process_group() and not wait:
+            group = self._async_group
+            future = dcp.async_save(states, checkpoint_id=partial, process_group=group)
         else:
-            models = {n: _trainable(m) for n, m in self._models.items()}
-            model = models if self._models_given_by_name else models[MODEL_KEY]
-            state = {"model": model, "optimizer": self._optimizer.state_dict()}
-            _save_file(state, partial / MODEL_OPTIMIZER_FILE)
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        loader = self._dataloader.state_dict() if mid_epoch else None
-        rank_state = {DATALOADER_KEY: loader, "rng": rng}
-        rank_state["states"] = {n: s.state_dict() for n, s in self._states.items()}
-        _save_file(rank_state, partial / f"rank_{_rank()}.pt")
-        if _rank() == 0:
+            with _one_process_dcp():
+                dcp.save(states, checkpoint_id=partial, no_dist=not in_process_group())
+        if process_rank() == 0:
             recipe_state = {**self._progress.state_dict(), "epoch_end": not mid_epoch}
             recipe_state |= {"run_id": self._run_id, "after": self._after}
             recipe_state["optimizer_component"] = self.options.optimizer_component
@@ -1168,7 +1272,7 @@ class CheckpointManager:
             # Each group's hyperparameters: DCP loads only what a new optimizer has.
             hyperparameters = _hyperparameters(self._optimizer)
             recipe_state["optimizer_param_group_hyperparameters"] = hyperparameters
-            _save_file(recipe_state, partial / RECIPE_STATE)
+            save_synced(recipe_state, partial / RECIPE_STATE)
         self._pending = (future, partial, step)
         if future is None:
             self._finish_pending()
@@ -1181,7 +1285,7 @@ class CheckpointManager:
         if future is not None:
             with _writing("step checkpoint", partial):
                 future.result()
-        _barrier()
+        barrier()
         write_manifest(partial, partial / MANIFEST, run_id=self._run_id, step=step)
         keep = self.options.keep_last_n or (None if self.options.every_n_steps else 1)
 
@@ -1194,8 +1298,9 @@ class CheckpointManager:
                     log.info(f"Deleted {old} (keep_last_n_checkpoints={keep})")
             log.info(f"Step checkpoint saved to {self._out / f'step_{step}'}")
 
-        _on_rank_zero(publish)
+        on_rank_zero(publish)
         self._after = step
+        self._newest = self._out / f"step_{step}"
 
     def _export(self, epoch: int, *, final: bool) -> None:
         """Write ``epoch_{epoch}`` through each model's checkpointer, then its
@@ -1216,7 +1321,7 @@ class CheckpointManager:
                     adapter_only=adapter_only,
                     final=final,
                 )
-        _barrier()
+        barrier()
         for root in self._export_roots:
             folder = root / f"epoch_{epoch}"
             write_manifest(
@@ -1225,13 +1330,21 @@ class CheckpointManager:
                 run_id=self._run_id,
                 step=self._progress.global_step,
             )
+            if not final:  # the checkpointer speaks of its final save only
+                message = f"Epoch {epoch}'s weights exported to {folder} ({size_of([folder])})"
+                utils.log_rank_zero(log, message)
+
+    def _end(self) -> None:
+        """The run ended: release ``output_dir``; only :meth:`close` may follow."""
+        self._release_output_dir()
+        self._stage = "ended"
 
     def close(self) -> None:
         """Complete a step checkpoint still being written in the background and
         release ``output_dir``; call it on every rank before the process group ends."""
         self._finish_pending()
-        self._release_output_dir()
-        _barrier()  # a next run in these processes finds the lock released
+        self._end()
+        barrier()  # a next run in these processes finds the lock released
 
 
 __all__ = [

@@ -22,9 +22,9 @@ from torchtune.modules import peft
 from torchtune.training._distributed import gather_cpu_state_dict
 from torchtune.training.checkpointing._step_format import (
     CheckpointError,
-    _rank,
-    _sharded,
     export_manifest,
+    in_process_group,
+    process_rank,
     verify,
 )
 from torchtune.training.checkpointing._utils import (
@@ -34,25 +34,6 @@ from torchtune.training.checkpointing._utils import (
 )
 
 log = utils.get_logger("DEBUG")
-
-
-class _FinalEpochNotes(logging.Filter):
-    """Drops the notes torchtune's checkpointers log when they save without recipe
-    state, which 0.6.1's recipes do at the final epoch only ("Saving final epoch
-    checkpoint." and what follows it), unless this export is the final one."""
-
-    NOTES = (
-        "Saving final epoch checkpoint",
-        "The full model checkpoint, including all weights",
-        "Please note that you have set adapter_only=True",
-    )
-
-    def __init__(self, final: bool) -> None:
-        super().__init__()
-        self.final = final
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.final or not str(record.msg).startswith(self.NOTES)
 
 
 def export_state(
@@ -67,11 +48,11 @@ def export_state(
     adapter, its config and, unless ``adapter_only``, the merged weights. Call it on
     every rank (a sharded model is gathered); rank 0 gets the state, the others
     ``None``. The live weights are never changed."""
-    if _sharded():
-        state = gather_cpu_state_dict(model, _rank() == 0, device, adapter_only)
+    if in_process_group():
+        state = gather_cpu_state_dict(model, process_rank() == 0, device, adapter_only)
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if _rank() != 0:
+    if process_rank() != 0:
         return None
     if adapter_config is None:
         return {MODEL_KEY: state}
@@ -97,14 +78,22 @@ def save_export(
     adapter_only: bool,
     final: bool,
 ) -> None:
-    """Write ``epoch_{epoch}`` through ``checkpointer``; its "final epoch" notes are
-    logged for the ``final`` epoch only, as in torchtune 0.6.1."""
-    only_final = _FinalEpochNotes(final)
-    log.addFilter(only_final)  # the logger every torchtune module shares
+    """Write ``epoch_{epoch}`` through ``checkpointer``.
+
+    torchtune's checkpointers write an epoch's weights alone only as a final save
+    (``intermediate_checkpoint=False``; an intermediate one also writes 0.6.1's
+    ``recipe_state/recipe_state.pt``), and say so: "Saving final epoch checkpoint.".
+    So before the ``final`` epoch they are heard at warning level only, and the
+    manager says where the export went."""
+    quiet = not final
+    level = log.level  # the logger every torchtune module shares
+    if quiet:
+        log.setLevel(logging.WARNING)
     try:
         checkpointer.save_checkpoint(state, epoch=epoch, adapter_only=adapter_only)
     finally:
-        log.removeFilter(only_final)
+        if quiet:
+            log.setLevel(level)
 
 
 def not_this_runs_export(folder: Path, *, run_id: str | None, step: int) -> str | None:

@@ -25,24 +25,24 @@ from typing import Any
 from torchtune.training.checkpointing._step_format import (
     MANIFEST,
     CheckpointError,
-    _delete,
-    _fsync_dir,
-    _intact,
-    _read_json,
-    _size,
-    _step_dirs,
-    _warn,
+    delete_paths,
+    fsync_dir,
+    intact,
+    read_json,
+    size_of,
+    step_checkpoints_in,
     step_of,
+    warn,
 )
 
 RUN_FILE, LOCK_FILE = "torchtune_run.json", "torchtune_run.lock"
 
 
 def read_run_file(folder: Path) -> str | None:
-    return _read_json(folder / RUN_FILE).get("run_id")
+    return read_json(folder / RUN_FILE).get("run_id")
 
 
-def _write_run_file(folder: Path, run_id: str, **more: Any) -> str:
+def write_run_file(folder: Path, run_id: str, **more: Any) -> str:
     """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
     (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
     os.replace(folder / f".{RUN_FILE}.tmp", folder / RUN_FILE)
@@ -91,7 +91,7 @@ def check_writable(key: str, path: str | Path) -> None:
         )
 
 
-def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
+def check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
     """Refuse an output folder equal to or inside the folder of a base checkpoint."""
     base_path, out_path = base.resolve(), out.resolve()
     if out_path == base_path or base_path in out_path.parents:
@@ -102,22 +102,18 @@ def _check_outside(base: Path, base_key: str, out: Path, out_key: str) -> None:
         )
 
 
-# The locks this process holds, by lock file: a process runs one recipe at a time, so
-# a new run here takes over the lock of an earlier one (a test's, or one that raised).
-_HELD: dict[Path, _Lock] = {}
-
-
 @dataclass(eq=False)
-class _Lock:
+class RunLock:
     """An exclusive ``flock`` on ``path``, held through ``fd``: the kernel releases it
     when the process ends, however it ends, so it is never stale."""
 
     path: Path
     fd: int
+    held: bool = True
 
 
 def _owner_of(path: Path) -> str:
-    owner = _read_json(path)
+    owner = read_json(path)
     if not owner:
         return "a run whose lock file does not say which"
     return (
@@ -134,11 +130,11 @@ def _in_use(folder: Path) -> CheckpointError:
     )
 
 
-def _check_lock(folder: Path) -> None:
-    """Refuse ``folder`` early if a live run holds its lock (:func:`_take_lock` decides,
+def check_lock(folder: Path) -> None:
+    """Refuse ``folder`` early if a live run holds its lock (:func:`take_lock` decides,
     atomically, later)."""
     path = (folder / LOCK_FILE).absolute()
-    if path in _HELD or not path.is_file():
+    if not path.is_file():
         return
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -149,51 +145,46 @@ def _check_lock(folder: Path) -> None:
         os.close(fd)  # which releases the shared lock
 
 
-def _take_lock(folder: Path) -> _Lock:
+def take_lock(folder: Path) -> RunLock:
     """Hold ``folder``'s lock: of runs starting together, exactly one gets it, and a
     live owner's lock is never taken over, whatever its file holds."""
     path = (folder / LOCK_FILE).absolute()
-    if (earlier := _HELD.pop(path, None)) is not None:
-        lock = _Lock(path, earlier.fd)
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise _in_use(folder) from None
-            # The owner before us deletes the file as it releases it: a lock on a
-            # deleted file locks nothing, so try again on the one now there.
-            if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
+    folder.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             os.close(fd)
-        lock = _Lock(path, fd)
-        if path.stat().st_size:  # a run that held it ended without deleting it
-            _warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
+            raise _in_use(folder) from None
+        # The owner before us deletes the file as it releases it: a lock on a
+        # deleted file locks nothing, so try again on the one now there.
+        if path.is_file() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    lock = RunLock(path, fd)
+    if path.stat().st_size:  # a run that held it ended without deleting it
+        warn(f"Taking over {path}, left by a run that stopped: {_owner_of(path)}")
     owner = {"pid": os.getpid(), "host": socket.gethostname()}
     owner["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     os.ftruncate(lock.fd, 0)
     os.pwrite(lock.fd, json.dumps(owner).encode(), 0)
-    _HELD[path] = lock
     return lock
 
 
-def _release_lock(lock: _Lock) -> None:
-    """Delete the lock file and release the lock, unless a later run of this process
-    took it over."""
-    if _HELD.get(lock.path) is not lock:
+def release_lock(lock: RunLock) -> None:
+    """Delete the lock file and release the lock (once: a second call does nothing)."""
+    if not lock.held:
         return
-    del _HELD[lock.path]
-    lock.path.unlink(missing_ok=True)  # while still held: see _take_lock
+    lock.held = False
+    lock.path.unlink(missing_ok=True)  # while still held: see take_lock
     os.close(lock.fd)
 
 
 def run_head(folder: Path) -> int | None:
     """The step of the newest step checkpoint of the run ``folder`` holds: its
     step checkpoints after it are of a timeline a resume branched from."""
-    return _read_json(folder / RUN_FILE).get("head")
+    return read_json(folder / RUN_FILE).get("head")
 
 
 def earlier_runs_state(out: Path, run_id: str | None) -> list[Path]:
@@ -202,8 +193,8 @@ def earlier_runs_state(out: Path, run_id: str | None) -> list[Path]:
     and asynchronous epoch checkpoints."""
     found = [
         p
-        for p in _step_dirs(out)
-        if _intact(manifest := _read_json(p / MANIFEST))
+        for p in step_checkpoints_in(out)
+        if intact(manifest := read_json(p / MANIFEST))
         and manifest.get("run_id") not in (run_id, None)
     ]
     found += [
@@ -231,10 +222,12 @@ def publish_step(
     """
     out = partial.parent
     final = out / f"step_{step}"
-    _fsync_dir(partial)
-    _write_run_file(out, run_id, head=step)
+    fsync_dir(partial)
+    write_run_file(out, run_id, head=step)
     first = -1 if after is None else after
-    branched = [p for p in _step_dirs(out, run_id) if first < step_of(p) <= step]
+    branched = [
+        p for p in step_checkpoints_in(out, run_id) if first < step_of(p) <= step
+    ]
     earlier = earlier_runs_state(out, run_id)
     for what, paths in (
         ("of the timeline this run branched from", [p for p in branched if p != final]),
@@ -242,22 +235,28 @@ def publish_step(
     ):
         if paths:
             names = ", ".join(p.name for p in paths)
-            _warn(f"Deleting {names} ({_size(paths)}), {what}: {final} supersedes it")
-    _delete([*branched, *earlier, *([final] if final.exists() else [])])
+            warn(f"Deleting {names} ({size_of(paths)}), {what}: {final} supersedes it")
+    delete_paths([*branched, *earlier, *([final] if final.exists() else [])])
     os.replace(partial, final)
-    _fsync_dir(out)
-    timeline = [p for p in _step_dirs(out, run_id) if step_of(p) <= step]
+    fsync_dir(out)
+    timeline = [p for p in step_checkpoints_in(out, run_id) if step_of(p) <= step]
     pruned = timeline[keep:] if keep else []
-    _delete(pruned)
+    delete_paths(pruned)
     return pruned
 
 
 __all__ = [
     "LOCK_FILE",
     "RUN_FILE",
+    "RunLock",
+    "check_lock",
+    "check_outside",
     "check_writable",
     "earlier_runs_state",
     "publish_step",
     "read_run_file",
+    "release_lock",
     "run_head",
+    "take_lock",
+    "write_run_file",
 ]

@@ -1,11 +1,16 @@
 """The files of a step checkpoint and of an epoch export, and their verification.
 
-A step checkpoint is the folder ``step_{N}/``: ``model_optimizer.pt`` (one process)
-or the sharded ``model_optimizer/`` of ``torch.distributed.checkpoint``,
-``recipe_state.pt``, one ``rank_{r}.pt`` per process, and ``manifest.json``, written
-last: the size and CRC-32 of every file, the run id and step, and a CRC-32 of these
+A step checkpoint is the folder ``step_{N}/``: a ``torch.distributed.checkpoint``
+(DCP) checkpoint of every stateful object of the run, one format for one process and
+for many (its ``.metadata``, written last, and its data files), ``recipe_state.pt``
+(what a resume checks before anything is built) and ``manifest.json``, written after
+them: the size and CRC-32 of every file, the run id and step, and a CRC-32 of these
 entries themselves. An epoch export's manifest is ``.epoch_{N}.manifest.json``,
 beside the folder. The processes of a distributed run share the reading.
+
+It also holds what the other checkpointing modules share: which process this is and
+how the processes wait for each other (:func:`process_rank`, :func:`on_rank_zero`,
+...), and how files are written, read and deleted.
 """
 
 from __future__ import annotations
@@ -32,60 +37,61 @@ log = utils.get_logger("DEBUG")
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2
 RECIPE_STATE = "recipe_state.pt"
-MODEL_OPTIMIZER_FILE, MODEL_OPTIMIZER_DCP = "model_optimizer.pt", "model_optimizer"
+# A DCP checkpoint is whole once its metadata is written.
+DCP_METADATA = ".metadata"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed, or an output folder that cannot be used."""
 
 
-def _sharded() -> bool:
+def in_process_group() -> bool:
     """A ``torch.distributed`` run, whose models are sharded (FSDP2), one process too."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _sharded() else 0
+def process_rank() -> int:
+    return dist.get_rank() if in_process_group() else 0
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if _sharded() else 1
+def process_count() -> int:
+    return dist.get_world_size() if in_process_group() else 1
 
 
-def _barrier() -> None:
-    if _world_size() > 1:
+def barrier() -> None:
+    if process_count() > 1:
         dist.barrier()
 
 
 def _all_ranks(items: list[Any]) -> list[Any]:
     """Every rank's ``items``, concatenated in rank order (call it on every rank)."""
-    if _world_size() == 1:
+    if process_count() == 1:
         return items
-    parts: list[Any] = [None] * _world_size()
+    parts: list[Any] = [None] * process_count()
     dist.all_gather_object(parts, items)
     return [item for part in parts for item in part]
 
 
-def _on_rank_zero(fn: Callable[[], Any]) -> Any:
+def on_rank_zero(fn: Callable[[], Any]) -> Any:
     """``fn()`` on rank 0, the others waiting; every rank gets its result, or raises
     what it raised."""
     outcome: list[Any] = [None, None]
     try:
-        outcome[0] = fn() if _rank() == 0 else None
+        outcome[0] = fn() if process_rank() == 0 else None
     except Exception as e:  # re-raised on every rank below
         outcome[1] = e
-    if _world_size() > 1:
+    if process_count() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     utils.log_rank_zero(log, message, level=logging.WARNING)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,7 +99,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _save_file(obj: Any, path: Path) -> None:
+def save_synced(obj: Any, path: Path) -> None:
     """Save ``obj`` to ``path``, which exists only once it is whole."""
     written = path.with_name(f"{path.name}.tmp")
     with open(written, "wb") as f:
@@ -103,7 +109,7 @@ def _save_file(obj: Any, path: Path) -> None:
     os.replace(written, path)
 
 
-def _load(path: Path) -> Any:
+def load_weights_only(path: Path) -> Any:
     """A step checkpoint file, which holds tensors and plain values only: anything
     else is refused rather than unpickled, which could run code."""
     try:
@@ -118,14 +124,14 @@ def _load(path: Path) -> Any:
         ) from e
 
 
-def _size(paths: Sequence[Path]) -> str:
+def size_of(paths: Sequence[Path]) -> str:
     """The bytes of the files in ``paths`` (files or folders), for a message."""
     files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))]
     total = sum(f.stat().st_size for f in files if f.is_file())
     return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.2f} MB"
 
 
-def _delete(paths: Sequence[Path]) -> None:
+def delete_paths(paths: Sequence[Path]) -> None:
     for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
@@ -133,7 +139,7 @@ def _delete(paths: Sequence[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; ``{}`` if it is missing or unreadable."""
     try:
         value = json.loads(path.read_text())
@@ -168,26 +174,24 @@ def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
     return f"{zlib.crc32(json.dumps(entries, sort_keys=True).encode()):08x}"
 
 
-def _intact(manifest: Mapping[str, Any]) -> bool:
-    """Whether a manifest's entries are as written (one of an earlier build, which
-    has no checksum of its own, is taken as it is)."""
-    saved = manifest.get("manifest_crc32")
-    return saved is None or saved == _manifest_checksum(manifest)
+def intact(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest's entries are as written."""
+    return manifest.get("manifest_crc32") == _manifest_checksum(manifest)
 
 
 def write_manifest(root: Path, path: Path, *, run_id: str | None, step: int) -> None:
     """Write the manifest ``path`` of the folder ``root``, saved by run ``run_id`` at
     ``step``: the size and CRC-32 of each of its files (the ranks of a distributed run
     share the reading), and a CRC-32 of these entries. Call it on every rank."""
-    files = _on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
-    files = [p for p in files if p != path][_rank() :: _world_size()]
+    files = on_rank_zero(lambda: sorted(p for p in root.rglob("*") if p.is_file()))
+    files = [p for p in files if p != path][process_rank() :: process_count()]
     mine = [(p, {"size": p.stat().st_size, "crc32": file_checksum(p)}) for p in files]
     files = {str(p.relative_to(root)): e for p, e in sorted(_all_ranks(mine))}
     manifest = {"version": MANIFEST_VERSION, "run_id": run_id, "step": step}
     manifest["files"] = files
     manifest["manifest_crc32"] = _manifest_checksum(manifest)
     text = json.dumps(manifest, indent=1)
-    _on_rank_zero(lambda: path.write_text(text))
+    on_rank_zero(lambda: path.write_text(text))
 
 
 def verify(
@@ -205,7 +209,8 @@ def verify(
 
     Raises:
         CheckpointError: if the manifest is missing (the save did not finish),
-            damaged or of another version, or a file is missing or damaged.
+            damaged (its own checksum, version or entries), or a file is missing or
+            damaged.
     """
     path = Path(manifest) if manifest else Path(folder) / MANIFEST
     if not path.is_file():
@@ -214,23 +219,20 @@ def verify(
         )
     try:
         manifest = json.loads(path.read_text())
-        version, files = manifest.get("version", 1), manifest["files"]
-        if not _intact(manifest):
+        files = manifest["files"]
+        if not intact(manifest):
             raise ValueError("its entries changed since it was written")
-        if version not in (1, MANIFEST_VERSION):
-            raise ValueError(f"version {version!r} is no manifest version")
-        entries = files.values() if version == MANIFEST_VERSION else []
+        if manifest["version"] != MANIFEST_VERSION:
+            raise ValueError(
+                f"version {manifest['version']!r} is not {MANIFEST_VERSION}"
+            )
+        entries = files.values()
         if any((type(e["size"]), type(e["crc32"])) != (int, str) for e in entries):
             raise TypeError("its file list is not a manifest's")
     except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path} is damaged ({e})") from e
-    if version != MANIFEST_VERSION:
-        raise CheckpointError(
-            f"{path} is of manifest version {version}, which this build cannot verify: "
-            "resume with the build that wrote it, or resume_from_checkpoint=False."
-        )
     problems = [f"{path} lists no {n}" for n in required if n not in files]
-    for n in sorted(files)[_rank() :: _world_size()]:
+    for n in sorted(files)[process_rank() :: process_count()]:
         path, size = Path(folder) / n, files[n]["size"]
         if not path.is_file():
             problems.append(f"{path} is missing")
@@ -246,21 +248,16 @@ def verify(
 def whole_partial(partial: Path) -> dict[str, Any] | None:
     """The recipe state of ``partial`` (a ``.step_{N}.partial`` folder, a step
     checkpoint not yet published) if every file of it is written, else ``None``.
-    Each file exists only once whole (it is renamed into place); the sharded model
-    and optimizer state of ``torch.distributed.checkpoint`` is whole once its
-    ``.metadata``, which it writes last, exists."""
+    The recipe state exists only once whole (it is renamed into place); the
+    ``torch.distributed.checkpoint`` state of every process is whole once its
+    ``.metadata``, which DCP writes last, exists."""
     try:
         state = torch.load(partial / RECIPE_STATE, weights_only=True, mmap=True)
-        world_size = state["trajectory"]["world_size"]
     except Exception:  # not written: not whole
         return None
     if not state.get("run_id"):  # not written by this build
         return None
-    files = [partial / f"rank_{r}.pt" for r in range(world_size)]
-    model = partial / MODEL_OPTIMIZER_FILE
-    sharded = partial / MODEL_OPTIMIZER_DCP / ".metadata"
-    whole = all(f.is_file() for f in files) and (model.is_file() or sharded.is_file())
-    return state if whole else None
+    return state if (partial / DCP_METADATA).is_file() else None
 
 
 def partial_step(path: Path) -> int | None:
@@ -275,32 +272,45 @@ def step_of(path: Path, kind: str = "step") -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _step_dirs(folder: Path, run_id: str | None = None) -> list[Path]:
+def step_checkpoints_in(folder: Path, run_id: str | None = None) -> list[Path]:
     """The ``step_{N}`` folders of ``folder``, newest first; with ``run_id``, only
     those of that run (or of no recorded run)."""
     steps = [p for p in folder.glob("step_*") if p.is_dir() and step_of(p) is not None]
-    manifests = {p: _read_json(p / MANIFEST) for p in steps}
+    manifests = {p: read_json(p / MANIFEST) for p in steps}
     # A damaged manifest's run id cannot be trusted: verify() reports it.
     own = [
         p
         for p, manifest in manifests.items()
-        if manifest.get("run_id") in (run_id, None) or not _intact(manifest)
+        if manifest.get("run_id") in (run_id, None) or not intact(manifest)
     ]
     return sorted(own if run_id else steps, key=step_of, reverse=True)
 
 
 __all__ = [
+    "DCP_METADATA",
     "MANIFEST",
     "MANIFEST_VERSION",
-    "MODEL_OPTIMIZER_DCP",
-    "MODEL_OPTIMIZER_FILE",
     "RECIPE_STATE",
     "CheckpointError",
+    "barrier",
+    "delete_paths",
     "export_manifest",
     "file_checksum",
+    "fsync_dir",
+    "in_process_group",
+    "intact",
+    "load_weights_only",
+    "on_rank_zero",
     "partial_step",
+    "process_count",
+    "process_rank",
+    "read_json",
+    "save_synced",
+    "size_of",
+    "step_checkpoints_in",
     "step_of",
     "verify",
+    "warn",
     "whole_partial",
     "write_manifest",
 ]

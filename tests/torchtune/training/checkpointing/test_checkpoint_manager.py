@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import gc
+import io
 import json
 import logging
 import multiprocessing
@@ -50,8 +52,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from tests.helpers import BITWISE, make_model, snapshot_files
-from tests.recipes.utils import held_by_another_process
+from tests.helpers import BITWISE, WeightAverage, make_model, snapshot_files
+from tests.recipes.utils import held_by_another_process, step_state
 from tests.torchtune.distributed_launcher import (
     DistributedRun,
     run_distributed,
@@ -76,25 +78,27 @@ from torchtune.training.checkpointing._checkpointer import DistributedCheckpoint
 from torchtune.training.checkpointing._run_folder import (
     LOCK_FILE,
     RUN_FILE,
-    _release_lock,
-    _take_lock,
     check_writable,
     read_run_file,
+    release_lock,
+    take_lock,
 )
 from torchtune.training.checkpointing._step_format import (
+    DCP_METADATA,
     MANIFEST,
-    MODEL_OPTIMIZER_FILE,
     RECIPE_STATE,
     CheckpointError,
     _manifest_checksum,
-    _on_rank_zero,
     export_manifest,
     file_checksum,
+    on_rank_zero,
     step_of,
     verify,
 )
 
 EXPORT_FILE = "model-00001-of-00001.bin"
+# The data file of a one-process DCP checkpoint (beside its .metadata).
+DCP_DATA = "__0_0.distcp"
 STEPS_PER_EPOCH = 4  # 8 samples, batch_size 2
 
 
@@ -223,25 +227,6 @@ class Run:
     average: WeightAverage | None = None
 
 
-class WeightAverage:
-    """An exponential moving average of a model's weights: state of a recipe's own
-    that the manager saves and restores through ``load(states=...)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.average = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    def update(self) -> None:
-        for name, value in self.model.state_dict().items():
-            self.average[name].mul_(0.9).add_(value, alpha=0.1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"average": self.average}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.average = {k: v.clone() for k, v in state_dict["average"].items()}
-
-
 def build_manager(
     cfg: DictConfig, adapter_config: dict[str, Any] | None = None
 ) -> CheckpointManager:
@@ -261,11 +246,14 @@ def train(
     lr_lambda: Callable[[int], float] | None = None,
     average: bool = False,
     adapter_config: dict[str, Any] | None = None,
+    kill: bool = True,
 ) -> Run:
-    """A recipe's setup and loop (one batch per optimizer step). ``stop_after``: the
+    """A recipe's setup and loop (one batch per optimizer step), handing the manager
+    its stateful objects as a recipe does. ``stop_after``: the
     process is killed right after that step's ``save()`` (before the epoch-end save
-    of an epoch's last step). ``lr_lambda``: a ``LambdaLR`` schedule, built after
-    ``load`` as the recipes build theirs."""
+    of an epoch's last step): its lock is released as the kernel releases a killed
+    process's, unless ``kill`` is ``False`` (the run only paused). ``lr_lambda``: a ``LambdaLR`` schedule, built before
+    ``load``, which saves and restores it, as the recipes build theirs."""
     manager = build_manager(cfg, adapter_config)
     model = build(manager.load_base_checkpoint())
     optimizer = make_optimizer(model, cfg, in_backward)
@@ -274,22 +262,16 @@ def train(
     steps_per_epoch = len(loader) // cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = min(steps_per_epoch, cfg.get("max_steps_per_epoch") or 10**9)
     progress = TrainingProgress(total_epochs=cfg.epochs)
-    states = {"average": WeightAverage(model)} if average else {}
-    manager.load(
-        model,
-        optimizer,
-        loader,
-        progress,
-        steps_per_epoch=steps_per_epoch,
-        states=states,
-    )
-    run = Run(manager, model, optimizer, progress, progress.global_step)
-    run.average = states.get("average")
     scheduler = None
     if lr_lambda is not None:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda, last_epoch=progress.global_step - 1
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    states = {"model": model, "optimizer": optimizer, "dataloader": loader}
+    states |= {"progress": progress, "lr_scheduler": scheduler}
+    if average:
+        states["average"] = WeightAverage(model)
+    manager.load(states, steps_per_epoch=steps_per_epoch)
+    run = Run(manager, model, optimizer, progress, progress.global_step)
+    run.average = states.get("average")
     for epoch in range(progress.epochs_run, progress.total_epochs):
         loader.sampler.set_epoch(epoch)
         for _, batch in training.epoch_batches(
@@ -307,10 +289,22 @@ def train(
             progress.global_step += 1
             manager.save()
             if progress.global_step == stop_after:
+                if kill:
+                    killed(manager)
                 return run
         progress.epochs_run += 1
         manager.save(epoch_end=True)
     return run
+
+
+def killed(manager: CheckpointManager) -> None:
+    """What the kernel does to the lock of a process killed while ``manager``
+    trains: releases it, leaving the file (the manager's own release, a no-op then,
+    would delete it)."""
+    lock = getattr(manager, "_lock", None)  # none before load()
+    if lock is not None and lock.held:
+        os.close(lock.fd)
+        lock.held = False
 
 
 def resume(cfg: DictConfig, **kwargs: Any) -> Run:
@@ -405,9 +399,7 @@ def test_a_partly_frozen_models_step_checkpoint_holds_its_trainable_part(
 ) -> None:
     cfg = make_config(tmp_path)
     train(cfg, stop_after=7, build=frozen_model)
-    saved = torch.load(
-        tmp_path / "out" / "step_6" / MODEL_OPTIMIZER_FILE, weights_only=False
-    )
+    saved = step_state(tmp_path / "out" / "step_6")
     assert sorted(saved["model"]) == ["3.bias", "3.weight"]
     run = resume(cfg, build=frozen_model)
     assert run.resumed_at == 6
@@ -512,29 +504,16 @@ def test_resuming_a_finished_run_with_nothing_left_to_do_deletes_nothing(
     assert run.resumed_at == 8 and run.progress.global_step == 12
 
 
-def test_a_non_finite_step_stops_the_run_naming_the_checkpoint_to_resume(
+def test_the_newest_checkpoint_is_the_newest_save_or_the_one_resumed(
     tmp_path: Path,
 ) -> None:
-    finite, nan = torch.tensor(0.5), torch.tensor(float("nan"))
-    early = train(make_config(tmp_path / "early"), stop_after=1)  # nothing saved yet
-    with pytest.raises(FloatingPointError, match="No step checkpoint was saved yet"):
-        early.manager.stop_if_not_finite(finite, torch.tensor(float("inf")), batch=1)
+    # What a run that must stop names (training.stop_if_not_finite).
+    out = tmp_path / "out"
+    assert train(make_config(tmp_path), stop_after=2).manager.newest_checkpoint is None
     run = train(make_config(tmp_path), stop_after=5)  # step_3 and step_4 saved
-    run.manager.stop_if_not_finite(finite, finite, batch=1)  # finite: goes on
-    with pytest.raises(FloatingPointError) as stopped:
-        run.manager.stop_if_not_finite(nan, finite, batch=1)
-    message = str(stopped.value)
-    assert message.startswith(
-        "Step 6 (epoch 1, up to batch 1 of the epoch) has a non-finite loss (nan) or "
-        "gradient norm (0.5) on at least one process: stopping before anything is "
-        "saved, and before the optimizer steps"
-    )
-    # The step checkpoints may hold weights already diverging, and a resume brings
-    # back their optimizer state (the learning rate too): none is offered as good.
-    assert "No step checkpoint is known to be from before the divergence" in message
-    assert "(step_3, step_4)" in message
-    assert "resume_from_checkpoint=False" in message
-    assert "resume_from_checkpoint=True" not in message
+    assert run.manager.newest_checkpoint == out / "step_4"
+    run = resume(make_config(tmp_path), stop_after=5)  # resumed at step_4: no save
+    assert run.manager.newest_checkpoint == out / "step_4"
 
 
 @pytest.fixture
@@ -591,7 +570,7 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
     real_async_save = dcp.async_save
 
     def async_save(*args: Any, **kwargs: Any) -> Any:
-        in_background.append(kwargs["checkpoint_id"].parent.name)
+        in_background.append(kwargs["checkpoint_id"].name)
         return real_async_save(*args, **kwargs)
 
     monkeypatch.setattr(dcp, "async_save", async_save)
@@ -601,8 +580,7 @@ def test_a_one_process_distributed_run_resumes_mid_epoch_bitwise(
     expected_background = [".step_3.partial", ".step_4.partial", ".step_6.partial"]
     assert in_background == (expected_background if asynchronous else [])
     out = tmp_path / "out"
-    assert (out / "step_6" / "model_optimizer" / ".metadata").is_file()
-    assert not (out / "step_6" / MODEL_OPTIMIZER_FILE).exists()
+    assert (out / "step_6" / DCP_METADATA).is_file()
     run = resume(cfg, build=sharded_model)
     run.manager.close()
     assert run.resumed_at == 6
@@ -626,7 +604,7 @@ def test_an_async_save_whose_run_died_is_published_at_the_next_start(
     stopped = train(cfg, in_backward=True, stop_after=7, build=sharded_model)
     stopped.manager._pending[0].result()  # written; then killed: never completed
     out = tmp_path / "out"
-    assert (out / ".step_6.partial" / "model_optimizer" / ".metadata").is_file()
+    assert (out / ".step_6.partial" / DCP_METADATA).is_file()
     assert not (out / ".step_6.partial" / MANIFEST).exists()
     with caplog.at_level(logging.WARNING):
         run = resume(cfg, build=sharded_model)
@@ -685,11 +663,9 @@ def test_save_writes_every_n_steps_and_an_epochs_last_step_only_at_its_end(
     # each once without a data position (the next epoch starts its loader afresh).
     for n in expected:
         recipe_state = torch.load(out / f"step_{n}" / RECIPE_STATE, weights_only=False)
-        rank_state = torch.load(out / f"step_{n}" / "rank_0.pt", weights_only=False)
+        loader = step_state(out / f"step_{n}")[training.DATALOADER_KEY]["rank_0"]
         assert recipe_state["epoch_end"] == (n % STEPS_PER_EPOCH == 0), n
-        assert (rank_state[training.DATALOADER_KEY] is None) == (
-            n % STEPS_PER_EPOCH == 0
-        ), n
+        assert (torch.load(io.BytesIO(loader)) is None) == (n % STEPS_PER_EPOCH == 0), n
         assert recipe_state["global_step"] == n
     assert sorted(p.name for p in out.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
@@ -728,22 +704,19 @@ def test_saving_a_step_again_replaces_it_once_the_new_save_is_whole(
     first = snapshot_files(out / "step_3")
     with torch.no_grad():
         run.model[0].weight.add_(1.0)
+
     # Killed while the second save is written: the first stays, untouched.
-    real_save = torch.save
+    def killed_writing_the_model(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
 
-    def killed_writing_the_model(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        if "optimizer" in obj:
-            raise KeyboardInterrupt
-        real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", killed_writing_the_model)
-    with pytest.raises(KeyboardInterrupt):
-        run.manager.save()  # global_step is still 3: due again
-    monkeypatch.setattr(torch, "save", real_save)
+    with monkeypatch.context() as patched:
+        patched.setattr(dcp, "save", killed_writing_the_model)
+        with pytest.raises(KeyboardInterrupt):
+            run.manager.save()  # global_step is still 3: due again
     assert snapshot_files(out / "step_3") == first
     run.manager.save()
     verify(out / "step_3")
-    saved = torch.load(out / "step_3" / MODEL_OPTIMIZER_FILE, weights_only=False)
+    saved = step_state(out / "step_3")
     torch.testing.assert_close(saved["model"], run.model.state_dict(), **BITWISE)
     assert not list(out.glob(".step_*"))
 
@@ -765,11 +738,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     # The run id: the UTC time the run started and 8 random hex digits.
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{8}", read_run_file(out))
     assert manifest["run_id"] == read_run_file(out)
-    assert sorted(manifest["files"]) == [
-        MODEL_OPTIMIZER_FILE,
-        "rank_0.pt",
-        RECIPE_STATE,
-    ]
+    assert sorted(manifest["files"]) == [DCP_METADATA, DCP_DATA, RECIPE_STATE]
     for name, entry in manifest["files"].items():
         data = (out / "step_3" / name).read_bytes()
         assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
@@ -784,7 +753,7 @@ def test_the_manifest_records_each_files_size_crc32_and_the_run_id(
     verify(out / "epoch_0", export_manifest(out / "epoch_0"))
     assert not (out / "recipe_state").exists()  # 0.6.1's epoch recipe state
     # epoch_0 holds the model after step 4; the run trained on to step 5 since.
-    after_4 = torch.load(out / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False)
+    after_4 = step_state(out / "step_4")
     weights = torch.load(out / "epoch_0" / EXPORT_FILE, weights_only=True)
     torch.testing.assert_close(weights, after_4["model"], **BITWISE)
     assert set(weights) == set(run.model.state_dict())
@@ -804,13 +773,13 @@ def test_file_checksum_is_the_crc32_of_a_large_and_of_an_empty_file(
 
 
 def test_on_rank_zero_returns_the_result_or_raises_what_the_function_raised() -> None:
-    assert _on_rank_zero(lambda: "rank 0's") == "rank 0's"
+    assert on_rank_zero(lambda: "rank 0's") == "rank 0's"
 
     def refuse() -> None:
         raise CheckpointError("refused on rank 0")
 
     with pytest.raises(CheckpointError, match="^refused on rank 0$"):
-        _on_rank_zero(refuse)
+        on_rank_zero(refuse)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
@@ -829,6 +798,7 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_the_newest(
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
     monkeypatch.undo()
+    gc.collect()  # the killed run's manager lets its lock go, as a dead process's
     out = tmp_path / "out"
     assert step_names(out) == ["step_3", "step_4"]
     assert (out / ".step_6.partial").is_dir()
@@ -847,12 +817,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_naming_it(
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     out = tmp_path / "out"
-    damaged = out / "step_4" / MODEL_OPTIMIZER_FILE
+    damaged = out / "step_4" / DCP_DATA
     size = damaged.stat().st_size
     if damage == "truncated":
         damaged.write_bytes(damaged.read_bytes()[:100])
     else:
-        # The last byte is in the zip's end record, which torch.load reads first.
         where = {"first byte": 0, "middle byte": size // 2, "last byte": size - 1}
         flip_byte(damaged, where[damage])
         assert damaged.stat().st_size == size  # a size check alone misses it
@@ -916,39 +885,6 @@ def test_a_manifest_that_cannot_be_read_is_damaged_and_the_resume_falls_back(
     with caplog.at_level(logging.WARNING):
         run = resume(cfg)
     assert f"{manifest} is damaged" in warnings_text(caplog)
-    assert run.resumed_at == 3
-
-
-@pytest.mark.parametrize(
-    "entries",
-    ["sizes_as_version_1_wrote_them", "checksums_but_version_1", "unversioned"],
-)
-def test_a_version_1_manifest_is_refused_naming_the_version(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, entries: str
-) -> None:
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=5)
-    out = tmp_path / "out"
-    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
-    files = manifest["files"]
-    # Version 1 (an earlier build of this patch set) recorded each file's size.
-    legacy = {
-        "version": 1,
-        "global_step": 4,
-        "world_size": 1,
-        "files": {n: e["size"] for n, e in files.items()}
-        if entries == "sizes_as_version_1_wrote_them"
-        else files,
-    }
-    if entries == "unversioned":  # a manifest that names no version is version 1
-        del legacy["version"]
-    (out / "step_4" / MANIFEST).write_text(json.dumps(legacy))
-    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_4"}})
-    with pytest.raises(CheckpointError, match="of manifest version 1"):
-        resume(named)
-    with caplog.at_level(logging.WARNING):
-        run = resume(cfg)
-    assert "of manifest version 1" in warnings_text(caplog)
     assert run.resumed_at == 3
 
 
@@ -1079,7 +1015,7 @@ def test_a_killed_saves_leftovers_go_at_the_next_start(
     # Killed writing step 7's save (every step, then): its model file torn, never
     # renamed into place; resumed saving every 3 steps, which never saves step 7.
     (out / ".step_7.partial").mkdir()
-    (out / ".step_7.partial" / f"{MODEL_OPTIMIZER_FILE}.tmp").write_bytes(b"torn")
+    (out / ".step_7.partial" / DCP_DATA).write_bytes(b"torn")
     with caplog.at_level(logging.WARNING):
         run = resume(cfg, stop_after=7)
     assert run.resumed_at == 6
@@ -1229,12 +1165,12 @@ class RunsCode:
         return (Path.touch, (self.path,))
 
 
-@pytest.mark.parametrize("name", [MODEL_OPTIMIZER_FILE, RECIPE_STATE, "rank_0.pt"])
-def test_a_step_checkpoint_file_holding_pickled_code_is_refused_not_run(
-    tmp_path: Path, name: str
+def test_a_recipe_state_holding_pickled_code_is_refused_not_run(
+    tmp_path: Path,
 ) -> None:
-    """Every file of a step checkpoint is read with ``weights_only=True``: tensors and
-    plain values only."""
+    """The recipe state, read before anything is built, is read with
+    ``weights_only=True``: tensors and plain values only."""
+    name = RECIPE_STATE
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     step_4, ran = tmp_path / "out" / "step_4", tmp_path / "code ran"
@@ -1326,7 +1262,7 @@ def test_another_optimizer_class_is_refused_in_the_checkpoint_a_resume_falls_bac
     cfg = make_config(tmp_path)
     train(cfg, stop_after=5)
     out = tmp_path / "out"
-    flip_byte(out / "step_4" / MODEL_OPTIMIZER_FILE, 0)
+    flip_byte(out / "step_4" / DCP_DATA, 0)
     recipe_state = torch.load(out / "step_3" / RECIPE_STATE, weights_only=False)
     recipe_state["optimizer_component"] = "torch.optim.SGD"
     rewrite(out / "step_3", RECIPE_STATE, recipe_state)
@@ -1524,45 +1460,6 @@ def test_more_epochs_at_an_epoch_end_extend_the_run_and_say_so(
     )
 
 
-@pytest.mark.parametrize(
-    "recorded", [{"world_size": 1}, {}], ids=["world_size_alone", "nothing"]
-)
-def test_a_step_checkpoint_without_a_trajectory_resumes_in_one_process(
-    tmp_path: Path, recorded: dict[str, int]
-) -> None:
-    """An earlier build recorded the world size alone, or nothing: a one-process
-    run's."""
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=7)
-    step_6 = tmp_path / "out" / "step_6"
-    recipe_state = torch.load(step_6 / RECIPE_STATE, weights_only=False)
-    del recipe_state["trajectory"]
-    rewrite(step_6, RECIPE_STATE, {**recipe_state, **recorded})
-    run = resume(cfg)
-    assert run.resumed_at == 6
-    assert_same_weights(run.model, uninterrupted(tmp_path))
-    rewrite(step_6, RECIPE_STATE, {**recipe_state, "world_size": 2})
-    named = OmegaConf.merge(cfg, {"checkpointer": {"recipe_checkpoint": "step_6"}})
-    with pytest.raises(CheckpointError, match=r"\(world_size: 2 then, 1 now\)"):
-        resume(named)
-
-
-def test_a_manifest_that_names_no_run_resumes_as_the_folders_run(
-    tmp_path: Path,
-) -> None:
-    cfg = make_config(tmp_path)
-    train(cfg, stop_after=5)
-    out = tmp_path / "out"
-    run_id = read_run_file(out)
-    manifest = json.loads((out / "step_4" / MANIFEST).read_text())
-    del manifest["run_id"], manifest["manifest_crc32"]  # as an earlier build wrote it
-    (out / "step_4" / MANIFEST).write_text(json.dumps(manifest))
-    run = resume(cfg)
-    assert run.resumed_at == 4
-    assert json.loads((out / "step_6" / MANIFEST).read_text())["run_id"] == run_id
-    assert_same_weights(run.model, uninterrupted(tmp_path))
-
-
 def test_a_trajectory_setting_added_on_resume_is_refused(tmp_path: Path) -> None:
     cfg = make_config(tmp_path)
     del cfg["max_steps_per_epoch"]
@@ -1619,12 +1516,10 @@ def test_an_epoch_without_an_optimizer_step_is_refused_before_anything_is_writte
     with pytest.raises(
         ValueError, match="^An epoch has no optimizer step: 1 samples make 0 batches"
     ):
+        optimizer = make_optimizer(model, cfg, False)
+        states = {"model": model, "optimizer": optimizer, "dataloader": loader}
         manager.load(
-            model,
-            make_optimizer(model, cfg, False),
-            loader,
-            TrainingProgress(total_epochs=2),
-            steps_per_epoch=0,
+            states | {"progress": TrainingProgress(total_epochs=2)}, steps_per_epoch=0
         )
     assert snapshot_files(tmp_path) == before
 
@@ -1755,7 +1650,7 @@ def test_a_live_runs_lock_refuses_the_run_whatever_its_file_says(
                 attempt(cfg)
         assert sorted(p.name for p in lock.parent.iterdir()) == [LOCK_FILE]
     # Its process is gone: the lock is free, whatever the file says.
-    run = train(cfg, stop_after=1)
+    run = train(cfg, stop_after=1, kill=False)
     assert_held_by_this_process(lock)
     assert run.progress.global_step == 1
 
@@ -1764,13 +1659,13 @@ def _contend_for_the_lock(folder: Path, barrier: Any, outcomes: Any) -> None:
     """One of two runs starting together (a forked process)."""
     barrier.wait()
     try:
-        lock = _take_lock(folder)
+        lock = take_lock(folder)
     except CheckpointError:
         lock = None
     outcomes.put(lock is not None)
     barrier.wait()  # both have tried before the winner lets go
     if lock is not None:
-        _release_lock(lock)
+        release_lock(lock)
 
 
 @pytest.mark.parametrize("before", ["no lock file", "a dead run's lock file"])
@@ -1823,7 +1718,7 @@ def test_a_stopped_runs_lock_is_taken_over_saying_so_and_a_new_one_silently(
     crashed.wait()
     stale = write_lock(tmp_path / "stale", crashed.pid, socket.gethostname())
     with caplog.at_level(logging.WARNING):
-        locks = [_take_lock(tmp_path / "new"), _take_lock(tmp_path / "stale")]
+        locks = [take_lock(tmp_path / "new"), take_lock(tmp_path / "stale")]
     try:
         assert warnings_text(caplog) == (
             f"Taking over {stale}, left by a run that stopped: process {crashed.pid} "
@@ -1833,7 +1728,7 @@ def test_a_stopped_runs_lock_is_taken_over_saying_so_and_a_new_one_silently(
         assert_held_by_this_process(tmp_path / "new" / LOCK_FILE)
     finally:
         for lock in locks:
-            _release_lock(lock)
+            release_lock(lock)
 
 
 def test_a_lock_file_deleted_by_its_releasing_owner_is_locked_anew(
@@ -1852,13 +1747,13 @@ def test_a_lock_file_deleted_by_its_releasing_owner_is_locked_anew(
         flock(fd, operation)
 
     monkeypatch.setattr(run_folder.fcntl, "flock", released_meanwhile)
-    lock = _take_lock(folder)
+    lock = take_lock(folder)
     try:
         assert len(locked) == 2  # the deleted file's, then the new file's
         assert os.fstat(lock.fd).st_ino == os.stat(folder / LOCK_FILE).st_ino
         assert_held_by_this_process(folder / LOCK_FILE)
     finally:
-        _release_lock(lock)
+        release_lock(lock)
 
 
 def test_every_rank_of_a_two_node_run_judges_a_stale_lock_alike(
@@ -1885,13 +1780,10 @@ def test_the_lock_is_held_while_training_and_released_after_the_last_save(
     manager = build_manager(cfg)
     manager.load_base_checkpoint()
     assert not lock.exists()  # building it and the base checkpoint take nothing
-    run = train(cfg, stop_after=8)  # before its epoch-end save
+    run = train(cfg, stop_after=8, kill=False)  # before its epoch-end save
     assert_held_by_this_process(lock)
     with pytest.raises(CheckpointError, match="in use by another run"):
-        # Another process's view: it does not hold this process's lock.
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(run_folder, "_HELD", {})
-            build_manager(cfg)
+        build_manager(cfg)  # a second run, even in this process
     run.progress.epochs_run += 1
     run.manager.save(epoch_end=True)
     assert not lock.exists()
@@ -1955,9 +1847,7 @@ def test_a_lora_export_merges_into_copies_and_leaves_the_live_weights(
     adapter = torch.load(epoch_0 / "adapter_model.pt", weights_only=True)
     torch.testing.assert_close(adapter, {k: live[k] for k in adapter_names}, **BITWISE)
     # The step checkpoint holds the trainable part, the adapter, alone.
-    saved = torch.load(
-        tmp_path / "out" / "step_4" / MODEL_OPTIMIZER_FILE, weights_only=False
-    )
+    saved = step_state(tmp_path / "out" / "step_4")
     assert sorted(saved["model"]) == adapter_names
     if adapter_only:
         assert not (epoch_0 / EXPORT_FILE).exists()
@@ -2117,9 +2007,8 @@ def test_a_0_6_1_in_backward_checkpoint_of_two_models_restores_the_last_ones_sta
     optimizer = make_optimizer(nn.ModuleList([policy, value]), cfg, in_backward=True)
     progress = TrainingProgress(total_epochs=2)
     models = {"policy": policy, "value": value}
-    manager.load(
-        models, optimizer, make_loader(Samples(), 2), progress, steps_per_epoch=4
-    )
+    states = {"model": models, "optimizer": optimizer, "progress": progress}
+    manager.load(states | {"dataloader": make_loader(Samples(), 2)}, steps_per_epoch=4)
     manager.close()
     assert progress.global_step == STEPS_PER_EPOCH
     saved = value_run.optimizer.state_dict()["state"]
@@ -2341,7 +2230,8 @@ def test_a_full_disk_names_the_checkpoint_being_written(
     real_save = torch.save
 
     def full_disk(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        name = str(f.name if hasattr(f, "write") else f)  # a file, or a path
+        # A file, bytes in memory (a process's own state), or a path.
+        name = str(getattr(f, "name", "") if hasattr(f, "write") else f)
         if (".step_3.partial" if writing == "step" else "epoch_0") in name:
             raise failure
         real_save(obj, f, *args, **kwargs)
@@ -2369,6 +2259,9 @@ def test_upstreams_final_epoch_notes_are_logged_at_the_final_epoch_only(
     with caplog.at_level(logging.INFO):
         train(cfg)
     assert caplog.text.count("Saving final epoch checkpoint.") == 1
+    # The others are named by the manager, with their size.
+    for epoch in (0, 1):
+        assert f"Epoch {epoch}'s weights exported to {tmp_path / 'out'}" in caplog.text
     # Pruning is named only when keep_last_n_checkpoints asks for it.
     assert "Deleted " not in caplog.text
     caplog.clear()
@@ -2439,7 +2332,7 @@ def test_a_folder_name_longer_than_the_file_system_allows_is_refused(
     [
         ("a character of the run id lost", "its entries changed since it was written"),
         ("the version damaged", "its entries changed since it was written"),
-        ("rank_0.pt dropped, checksum redone", "lists no rank_0.pt"),
+        ("the DCP metadata dropped, checksum redone", "lists no .metadata"),
     ],
 )
 def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
@@ -2456,8 +2349,8 @@ def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
     elif edit == "the version damaged":
         manifest["version"] = "2x"
     else:
-        del manifest["files"]["rank_0.pt"]
-        (step / "rank_0.pt").unlink()
+        del manifest["files"][DCP_METADATA]
+        (step / DCP_METADATA).unlink()
         manifest["manifest_crc32"] = _manifest_checksum(manifest)
     (step / MANIFEST).write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING):
@@ -2471,7 +2364,7 @@ def test_a_damaged_or_edited_manifest_is_skipped_as_damaged(
 def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
     tmp_path: Path,
 ) -> None:
-    # A weight average the library knows nothing of, handed to load(states=...):
+    # A weight average the library knows nothing of, handed to load() with the rest:
     # killed after step 7 (newest checkpoint: step_6), the resumed run ends with
     # the uninterrupted run's average, bitwise.
     cfg = make_config(tmp_path)
@@ -2486,3 +2379,66 @@ def test_a_recipes_own_state_is_saved_and_restored_through_a_kill(
     train(plain, stop_after=7)
     with pytest.raises(CheckpointError, match=r"holds no state for \['average'\]"):
         resume(plain, average=True)
+
+
+# -- the order of calls ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resume_it", [False, True], ids=["new_run", "resume"])
+def test_building_the_manager_changes_nothing_on_disk(
+    tmp_path: Path, resume_it: bool
+) -> None:
+    # A folder holding what every policy acts on: a run's step checkpoints and
+    # exports, and a killed save's leftovers.
+    out = tmp_path / "out"
+    train(make_config(tmp_path), stop_after=7)
+    leftover = out / ".step_7.partial"
+    leftover.mkdir()
+    (leftover / RECIPE_STATE).write_bytes(b"torn")
+    before = snapshot_files(out)
+    cfg = make_config(tmp_path, resume_from_checkpoint=resume_it)
+    manager = build_manager(cfg)
+    manager.load_base_checkpoint()
+    assert snapshot_files(out) == before
+    # What the folder needs done is done by load(), under the lock.
+    killed(manager)
+    train(cfg, stop_after=7 if resume_it else 1)
+    assert not leftover.exists()
+
+
+def manager_loaded(tmp_path: Path) -> tuple[CheckpointManager, Callable[[], None]]:
+    """A manager and the load(...) call a recipe makes, over a fresh model."""
+    cfg = make_config(tmp_path)
+    manager = build_manager(cfg)
+    model = two_layer_model()
+    optimizer = make_optimizer(model, cfg, in_backward=False)
+    loader = make_loader(Samples(), cfg.batch_size)
+    progress = TrainingProgress(total_epochs=cfg.epochs)
+
+    def load() -> None:
+        states = {"model": model, "optimizer": optimizer, "dataloader": loader}
+        manager.load(states | {"progress": progress}, steps_per_epoch=STEPS_PER_EPOCH)
+
+    return manager, load
+
+
+def test_each_call_out_of_order_raises_naming_the_call_to_make_first(
+    tmp_path: Path,
+) -> None:
+    manager, load = manager_loaded(tmp_path)
+    with pytest.raises(RuntimeError, match=r"save\(\) needs load_base_checkpoint\(\) "):
+        manager.save()
+    with pytest.raises(RuntimeError, match=r"load\(\) needs load_base_checkpoint\(\)"):
+        load()
+    manager.load_base_checkpoint()
+    with pytest.raises(RuntimeError, match=r"load_base_checkpoint\(\) was called"):
+        manager.load_base_checkpoint()
+    with pytest.raises(RuntimeError, match=r"save\(\) needs load\(\.\.\.\) first"):
+        manager.save(epoch_end=True)
+    load()
+    manager.save()
+    manager.close()
+    for call in (manager.save, load):
+        with pytest.raises(RuntimeError, match="after the run ended"):
+            call()
+    manager.close()  # closing again does nothing
