@@ -18,20 +18,20 @@ import contextlib
 import json
 import sys
 import time
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 GIB = 2**30
 
@@ -64,136 +64,168 @@ FIT_RESERVE_BYTES = 2 * GIB
 FIT_RESERVE_SHARE = 0.10
 
 
-# -- counting live storages --------------------------------------------------------
+# -- counting live storages: torch's memory tracker --------------------------------
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _storages(t: Any) -> Iterator[torch.UntypedStorage]:
-    """The storages behind a tensor: a DTensor's local shard, a wrapper subclass's
-    inner tensors (e.g. torchao's quantized optimizer state), or its own."""
-    if not isinstance(t, torch.Tensor):
-        return
-    if isinstance(t, DTensor):
-        yield from _storages(t._local_tensor)
-        return
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.nn.Parameter:
-        try:
-            names, _ = flatten()
-        except Exception:  # a plain tensor or Parameter without inner tensors
-            names = None
-        if names is not None:
-            for name in names:
-                yield from _storages(getattr(t, name))
-            return
-    try:
-        yield t.untyped_storage()
-    except (NotImplementedError, RuntimeError):  # a wrapper without storage
-        return
+#: The storages behind a tensor: a DTensor's local shard, a wrapper subclass's
+#: inner tensors (torchao's quantized optimizer state), or its own.
+_storages = get_untyped_storages
+
+#: The report's category of each of the trackers' reference types (by name); any
+#: other (temporaries of backward and of optimizer steps, the reduce-scatter's
+#: flat gradients, inputs) is a temporary.
+_CATEGORY_OF_REFTYPE = {
+    "PARAM": "parameters",
+    "SHARDED_PARAM": "parameters",
+    "BUFFER": "buffers",
+    "UNSHARDED_PARAM": "unsharded parameters",
+    "ALL_GATHER": "unsharded parameters",
+    "GRAD": "gradients",
+    "SHARDED_GRAD": "gradients",
+    "UNSHARDED_GRAD": "gradients",
+    "OPT": "optimizer state",
+    "ACT": "activations",
+}
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Counts the bytes of every storage an op creates until it is freed, each with
-    a tag saying what it is, and keeps what is alive at the largest peak.
+class _Alive(NamedTuple):
+    """A storage alive at a peak."""
 
-    A storage counts once however many views share it. Its tag is the phase it was
-    made in (``forward``; ``recompute``, an activation checkpoint's forward run again
-    in backward; ``backward``; ...) until :meth:`retag` names it (a gradient, the
-    optimizer state). What is alive at a peak is copied at the first free after it
-    (a local maximum); the copy reads no tensor, as a free can come in the middle of
-    a tensor's destruction.
+    nbytes: int
+    category: str
+    #: Where the step was when an op made it, or its reference type.
+    tag: str
+    #: The op that made it, or the parameter of a gradient.
+    detail: Any
+    reftype: str
+
+
+class _Counting:
+    """What the estimate adds to torch's ``MemTracker`` (and ``FSDPMemTracker``),
+    which count every storage until it is freed, by reference type.
+
+    - **Where the step is** (:attr:`phase`, set by the step), kept with each
+      storage an op makes (``recompute`` for an activation checkpoint's forward run
+      again in backward), and with the peak.
+    - **What is alive at the peak**, storage by storage, for the report's held
+      gradients and largest storages: copied at the first decrease after a new
+      peak (a local maximum), reading no tensor, as a free can come in the middle
+      of a tensor's destruction.
+    - **Optimizer state** is what ``optimizer.state`` holds after a step
+      (:meth:`label_state`). The trackers label whatever a step allocates as state
+      through the optimizers' step hooks, which counts a step's temporaries as
+      state, and ``FSDPMemTracker`` hooks only the optimizer it is given, so it
+      labels an in-backward optimizer's state, made by the optimizers inside it,
+      as temporaries.
+    - **Gradient sums autograd makes in place**: autograd adds a gradient to the
+      one already waiting for the same input in place when nothing else holds
+      that buffer, but out of place when a dispatch mode is active, so counted as
+      it runs every such sum would count one gradient too many. Measured on real
+      runs, the first sum of two gradients is out of place (they are views of
+      their producers' outputs) and every later one is in place, into the previous
+      sum: only a buffer an earlier sum made counts as summed into in place.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        # id(storage) -> [bytes, tag, detail]
-        self.live: dict[int, list[Any]] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        self.current = 0
-        self.peak = 0
-        self.at_peak: tuple[dict[int, tuple[int, str, Any]], str] = ({}, "")
-        self._pending = False
+    def _start_counting(self) -> None:
         self.phase = "setup"
-
-    def _tag(self) -> str:
-        if self.phase == "backward" and torch.is_grad_enabled():
-            # Activation checkpointing recomputes a layer's forward in backward,
-            # with grad enabled.
-            return "recompute"
-        return self.phase
-
-    def track(self, tensor: Any, tag: str | None = None, detail: Any = None) -> None:
-        for storage in _storages(tensor):
-            key = id(storage)
-            if key in self.live:
-                continue
-            nbytes = storage.nbytes()
-            self.live[key] = [nbytes, tag or self._tag(), detail]
-            self._refs[key] = weakref.ref(storage, partial(self._freed, key))
-            self._add(nbytes)
-
-    def retag(self, tensor: Any, tag: str, detail: Any = None) -> None:
-        """Name what a live tensor is (tracking it if it is not yet)."""
-        for storage in _storages(tensor):
-            entry = self.live.get(id(storage))
-            if entry is None:
-                self.track(tensor, tag, detail)
-            else:
-                entry[1], entry[2] = tag, detail
-
-    def resized(self, tensor: torch.Tensor, tag: str) -> None:
-        """After a storage's ``resize_`` (FSDP2 frees and re-allocates its gathered
-        parameters so): count its new size."""
-        for storage in _storages(tensor):
-            entry = self.live.get(id(storage))
-            if entry is None:
-                self.track(tensor, tag)
-                continue
-            delta = storage.nbytes() - entry[0]
-            if delta < 0 and self._pending:
-                self._copy_peak()
-            entry[0], entry[1] = storage.nbytes(), tag
-            self._add(delta)
-
-    def _add(self, nbytes: int) -> None:
-        self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-            self._pending = True
-
-    def _freed(self, key: int, _ref: Any) -> None:
-        if self._pending:
-            self._copy_peak()
-        nbytes = self.live.pop(key)[0]
-        self._refs.pop(key, None)
-        self.current -= nbytes
-
-    def _copy_peak(self) -> None:
+        self.peak = 0
+        self.at_peak: tuple[list[_Alive], str] = ([], "")
+        self._peak_phase = ""
         self._pending = False
-        live = {k: (v[0], v[1], v[2]) for k, v in self.live.items()}
-        self.at_peak = (live, self.phase)
+
+    @property
+    def current(self) -> int:
+        """Bytes alive now, on every device."""
+        return sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+
+    def _register_global_optimizer_hook(self) -> None:
+        """State is labelled by :meth:`label_state`, not by the optimizers' hooks."""
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        """Without the tracker's gradient hooks, which it registers on frozen
+        parameters too (refused: a LoRA model has them) and which run after an
+        in-backward update has freed the gradient: :meth:`label` names each
+        gradient instead, from a hook that runs before the update."""
+        return super()._track_module_params_and_buffers(module, False)
+
+    def label(self, tensor: torch.Tensor, reftype: str, detail: Any = None) -> None:
+        """Name what a tensor is (tracking it if it is not yet)."""
+        for winfo in self._update_and_maybe_create_winfos(
+            tensor, self._ref_class[reftype]
+        ):
+            winfo.detail = detail
+
+    def label_state(self, optimizer: torch.optim.Optimizer) -> None:
+        self._track_optimizer_states(self._ref_class["OPT"], optimizer)
+
+    def start_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = self.current
+        self._peak_phase = self.phase
+        self._copy_peak()
 
     def finish(self) -> None:
         if self._pending:
             self._copy_peak()
 
-    def reset_peak(self) -> None:
-        """Start a new peak from what is alive now."""
-        self.peak = self.current
-        self._copy_peak()
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        if self.current > self.peak:
+            self.peak = self.current
+            self._peak_phase = self._where()
+            self._pending = True
 
-    def _accumulates(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
-        """The buffer autograd would sum a gradient into in place, if this op is
-        that sum. Autograd adds a gradient to the one already waiting for the same
-        input with ``add_`` when nothing else holds that buffer, but out of place
-        when a dispatch mode is active: counted as it is, every such sum would
-        count one gradient too many. Measured on real runs, the first sum of two
-        gradients is out of place (they are views of their producers' outputs)
-        and every later one is in place, into the previous sum: only a buffer an
-        earlier sum made counts as summed into in place."""
+    def _where(self) -> str:
+        state = getattr(self, "_fsdp_state", None)
+        if state is not None and state.name in ("PRE_FW", "PRE_BW"):
+            return (
+                f"all-gather in {'forward' if state.name == 'PRE_FW' else 'backward'}"
+            )
+        return self.phase
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        if self._pending and u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+            # Before the first decrease after a peak: copy it, the storage that
+            # shrinks at its size before.
+            before = (
+                winfo.mem_consumed if old_mem_consumed is None else old_mem_consumed
+            )
+            self._copy_peak(winfo, before)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _copy_peak(self, changing: Any = None, nbytes: int = 0) -> None:
+        self._pending = False
+        live = {id(w): w for w, _ in list(self._WINFO.values())}
+        if changing is not None:
+            live[id(changing)] = changing
+        self.at_peak = (
+            [
+                _Alive(
+                    nbytes if w is changing else w.mem_consumed,
+                    _CATEGORY_OF_REFTYPE.get(w.reftype.name, "temporaries"),
+                    getattr(w, "tag", w.reftype.name),
+                    getattr(w, "detail", None),
+                    w.reftype.name,
+                )
+                for w in live.values()
+            ],
+            self._peak_phase,
+        )
+
+    def _tag(self) -> str:
+        if self.phase == "backward" and torch.is_grad_enabled():
+            return "recompute"
+        return self.phase
+
+    def _summed_in_place(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """The tracked buffer autograd would sum a gradient into in place, if this
+        op is that sum."""
         if (
             func is not torch.ops.aten.add.Tensor
             or kwargs
@@ -211,24 +243,55 @@ class _LiveStorages(TorchDispatchMode):
             and a.is_contiguous()
         ):
             return None
-        entry = self.live.get(id(a.untyped_storage()))
-        if entry is None or entry[2] is not torch.ops.aten.add.Tensor:
+        winfo, _ = self._WINFO.get(a.untyped_storage(), (None, None))
+        if winfo is None or getattr(winfo, "detail", None) is not func:
             return None
-        return entry
+        return winfo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = self._accumulates(func, args, kwargs)
-        if entry is not None and entry[0]:
+        summed = self._summed_in_place(func, args, kwargs)
+        if summed is not None and summed.mem_consumed:
             # Count the sum in the first buffer's bytes: it is freed right after.
-            if self._pending:
-                self._copy_peak()
-            self.current -= entry[0]
-            entry[0] = 0
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t, detail=func)
+            before, summed.mem_consumed = summed.mem_consumed, 0
+            self._update_snap(_UpdateType.SIZE, summed, old_mem_consumed=before)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:
+            return out
+        tag = self._tag()
+        made = (self._ref_class["ACT"], self._ref_class["TEMP"])
+        reftype = made[0] if tag in ("forward", "recompute") else made[1]
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for storage in _storages(t):
+                winfo, _ = self._WINFO.get(storage, (None, None))
+                # A storage this op made: what the tracker labels by where it is
+                # (a parameter or gradient an op returns keeps its label).
+                if winfo is None or hasattr(winfo, "tag") or winfo.reftype not in made:
+                    continue
+                winfo.tag, winfo.detail = tag, func
+                if winfo.reftype is not reftype:
+                    old, winfo.reftype = winfo.reftype, reftype
+                    self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
         return out
+
+
+class _Tracker(_Counting, MemTracker):
+    """torch's ``MemTracker``, counting as the estimate needs (:class:`_Counting`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._start_counting()
+
+
+class _FSDPTracker(_Counting, FSDPMemTracker):
+    """torch's ``FSDPMemTracker``, counting as the estimate needs
+    (:class:`_Counting`): FSDP2's gathered parameters, its all-gather and
+    reduce-scatter buffers, by the tracker's own instrumentation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._start_counting()
 
 
 # -- the report --------------------------------------------------------------------
@@ -478,6 +541,8 @@ class _Setup:
     #: Gradient bytes (whole and this rank's shard) of each trainable parameter
     #: used more than once in a step -> its name and why its sum is held.
     tied_bytes: dict[int, tuple[str, str]]
+    #: What counts the step's memory (``None`` for a real run).
+    tracker: _Counting | None = None
 
 
 def _tied_parameters(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -600,19 +665,22 @@ class _Estimator:
                     m.rope_init()
                 for name, buf in list(m.named_buffers(recurse=False)):
                     if fake_mode is not None:
-                        m._buffers[name] = fake_mode.from_tensor(buf)
+                        setattr(m, name, fake_mode.from_tensor(buf))
         return model
 
-    def _build(
-        self, fake_mode: Any, in_backward: bool, tracker: _LiveStorages | None
-    ) -> _Setup:
+    def _build(self, fake_mode: Any, in_backward: bool, count: bool) -> _Setup:
+        from torch.distributed.fsdp import FSDPModule
+
         from torchtune import config, training
 
         model = self._build_model(fake_mode)
         names = {p: n for n, p in model.named_parameters()}
         setup = _Setup(model, None, None, names, _tied_parameters(model))
-        if tracker is not None:
-            self._tag_gradients(setup, tracker)
+        if count:
+            setup.tracker = (
+                _FSDPTracker(model) if isinstance(model, FSDPModule) else _Tracker()
+            )
+            self._label_gradients(setup)
         # Built outside fake mode: bitsandbytes computes its quantization maps from
         # values when built; the state comes in the first step, on fake tensors.
         optimizer = training.build_optimizer(
@@ -644,60 +712,54 @@ class _Estimator:
 
     # -- what is alive ------------------------------------------------------------
 
-    def _tag_gradients(self, setup: _Setup, tracker: _LiveStorages) -> None:
-        """Tag each gradient as it is assigned, before any optimizer hook uses it:
-        these hooks are registered before the optimizer registers its own."""
+    def _label_gradients(self, setup: _Setup) -> None:
+        """Label each gradient, with its parameter, as it is assigned, before any
+        optimizer hook uses it: these hooks are registered before the optimizer
+        registers its own."""
+        tracker = setup.tracker
+        reftype = "SHARDED_GRAD" if isinstance(tracker, _FSDPTracker) else "GRAD"
 
         def tag(param: torch.Tensor) -> None:
             if param.grad is not None:
-                tracker.retag(param.grad, "gradients", param)
+                tracker.label(param.grad, reftype, param)
 
         for param in setup.model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(tag)
 
-    def _peak(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> Peak:
+    def _peak(self, setup: _Setup, tracker: _Counting, in_backward: bool) -> Peak:
         live, phase = tracker.at_peak
-        peak = Peak(total=sum(v[0] for v in live.values()), phase=phase)
+        peak = Peak(total=sum(v.nbytes for v in live), phase=phase)
         by_cat = dict.fromkeys(CATEGORIES, 0)
-        tags = {
-            "setup": "temporaries",
-            "forward": "activations",
-            "recompute": "activations",
-            "all-gather in forward": "unsharded parameters",
-            "all-gather in backward": "unsharded parameters",
-        }
         tied = dict(setup.tied_bytes)
         # Largest first: a parameter's whole gradient sum before its shard's size.
-        for nbytes, tag, detail in sorted(live.values(), key=lambda v: -v[0]):
-            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
-            by_cat[cat] += nbytes
+        live = sorted(live, key=lambda v: -v.nbytes)
+        for v in live:
+            by_cat[v.category] += v.nbytes
             if not in_backward:
                 continue
-            if cat == "gradients":
+            if v.category == "gradients":
                 held = _why_held(
-                    setup.optimizer, detail, setup.param_names, nbytes, phase
+                    setup.optimizer, v.detail, setup.param_names, v.nbytes, phase
                 )
                 if held is not None:
                     peak.held_gradients.append(held)
-            elif tag == "backward" and nbytes in tied:
-                name, why = _pop_name(tied, nbytes)
-                peak.held_gradients.append((f"gradient sum of {name}", nbytes, why))
-            elif tag.startswith("reduce-scatter"):
+            elif v.reftype == "REDUCE_SCATTER":
                 peak.held_gradients.append(
                     (
                         "reduce-scatter buffer",
-                        nbytes,
+                        v.nbytes,
                         "FSDP2 flattens a unit's gradients to reduce-scatter them "
                         "before any of them reaches the optimizer",
                     )
                 )
+            elif v.tag == "backward" and v.nbytes in tied:
+                name, why = _pop_name(tied, v.nbytes)
+                peak.held_gradients.append((f"gradient sum of {name}", v.nbytes, why))
         peak.by_category = by_cat
-        biggest = sorted(live.values(), key=lambda v: -v[0])[:8]
-        for nbytes, tag, detail in biggest:
-            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
-            what = setup.param_names.get(detail) or str(detail or tag)
-            peak.largest.append((nbytes, cat, f"{tag}: {what}"))
+        for v in live[:8]:
+            what = setup.param_names.get(v.detail) or str(v.detail or v.reftype)
+            peak.largest.append((v.nbytes, v.category, f"{v.tag}: {what}"))
         return peak
 
     # -- the step ------------------------------------------------------------------
@@ -710,7 +772,7 @@ class _Estimator:
             "labels": torch.randint(0, vocab, (bsz, seq)),
         }
 
-    def _step(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> None:
+    def _step(self, setup: _Setup, tracker: _Counting, in_backward: bool) -> None:
         """One training step as the recipes take it (one batch per step)."""
         import torch.distributed as dist
 
@@ -749,31 +811,27 @@ class _Estimator:
 
     def run(self, in_backward: bool) -> tuple[ModeEstimate, _Setup]:
         """Two training steps on fake tensors, counted; the second is reported."""
-        from torch._subclasses import FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
         start = time.perf_counter()
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        tracker = _LiveStorages()
-        setup = self._build(fake_mode, in_backward, tracker)
+        setup = self._build(fake_mode, in_backward, count=True)
+        tracker = setup.tracker
         device = "cpu" if self.target_device == "cpu" else "cuda"
         patches = _bnb_patch(device), _torchao_patch(), _phase_patch(tracker)
-        with patches[0], patches[1], patches[2], fake_mode, tracker:
-            for t in setup.model.parameters():
-                tracker.track(t, "parameters")
-            for t in setup.model.buffers():
-                tracker.track(t, "buffers")
-            peaks = []
-            for _ in range(2):
-                step_start = tracker.current
-                tracker.reset_peak()
-                self._step(setup, tracker, in_backward)
-                tracker.finish()
-                peaks.append(tracker.peak)
-                # State made in this step is the optimizer's from now on.
-                for s in setup.optimizer.state.values():
-                    for v in s.values():
-                        if isinstance(v, torch.Tensor):
-                            tracker.retag(v, "optimizer state")
+        with patches[0], patches[1], patches[2], fake_mode:
+            tracker.track_external(setup.model)
+            with tracker:
+                peaks = []
+                for _ in range(2):
+                    tracker.reset_mod_stats()
+                    step_start = tracker.current
+                    tracker.start_peak()
+                    self._step(setup, tracker, in_backward)
+                    tracker.finish()
+                    peaks.append(tracker.peak)
+                    # State made in this step is the optimizer's from now on.
+                    tracker.label_state(setup.optimizer)
             peak = self._peak(setup, tracker, in_backward)
         seconds = time.perf_counter() - start
         return ModeEstimate(peak, peaks[0], step_start, seconds), setup
@@ -781,7 +839,7 @@ class _Estimator:
     def build_real(self, in_backward: bool) -> _Setup:
         """What :meth:`run` builds, on real CPU tensors (randomly initialized), for
         a measured run of a small config to check the estimate against."""
-        return self._build(None, in_backward, None)
+        return self._build(None, in_backward, count=False)
 
     def step_real(self, setup: _Setup, in_backward: bool) -> None:
         """One training step of :meth:`build_real`'s setup, as :meth:`run` takes it."""
@@ -824,61 +882,23 @@ def _why_held(
 
 
 @contextlib.contextmanager
-def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
-    """Count FSDP2's gathered parameters, which it allocates and frees by resizing
-    their storages (no op does); tag what FSDP2's all-gathers and reduce-scatters
-    and the in-backward updates allocate."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_storage(tensor: torch.Tensor) -> None:
-        alloc(tensor)
-        tracker.resized(tensor, "unsharded parameters")
-
-    def free_storage(tensor: torch.Tensor) -> None:
-        free(tensor)
-        tracker.resized(tensor, "unsharded parameters")
-
-    def tagged(method: Callable, phase: str) -> Callable:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            outer = tracker.phase
-            if phase == "all-gather":
-                # In forward, or ahead of a unit's backward.
-                inner = (
-                    f"all-gather in {'forward' if 'forward' in outer else 'backward'}"
-                )
-            else:
-                inner = phase
-            tracker.phase = inner
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                tracker.phase = outer
-
-        return run
-
+def _phase_patch(tracker: _Counting) -> Iterator[None]:
+    """Say when an in-backward update runs, and take every step as finite (fake
+    tensors have no values to check)."""
     from torchtune.training.memory import OptimizerInBackward
 
-    group_cls = _fsdp_param_group.FSDPParamGroup
+    update = OptimizerInBackward._update
+
+    def tagged_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer, tracker.phase = tracker.phase, "update in backward"
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            tracker.phase = outer
+
     patches = [
-        (
-            OptimizerInBackward,
-            "_update",
-            tagged(OptimizerInBackward._update, "update in backward"),
-        ),
-        # Fake tensors have no values to check: every step is taken as finite.
+        (OptimizerInBackward, "_update", tagged_update),
         (OptimizerInBackward, "_finite", lambda self, value, on_every_rank: True),
-        (_fsdp_param, "alloc_storage", alloc_storage),
-        (_fsdp_param, "free_storage", free_storage),
-        (_fsdp_param_group, "alloc_storage", alloc_storage),
-        (group_cls, "post_backward", tagged(group_cls.post_backward, "reduce-scatter")),
-        (group_cls, "unshard", tagged(group_cls.unshard, "all-gather")),
-        (
-            group_cls,
-            "wait_for_unshard",
-            tagged(group_cls.wait_for_unshard, "all-gather"),
-        ),
     ]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
