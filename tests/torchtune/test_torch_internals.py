@@ -119,7 +119,7 @@ PRIVATE_TORCH_APIS = [
     (
         "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats",
         _ESTIMATE,
-        "overridden: notes a new peak and where the step is",
+        "overridden: notes a new peak and where the step is (not per module)",
     ),
     (
         "torch.distributed._tools.mem_tracker.MemTracker._register_global_optimizer_hook",
@@ -167,6 +167,12 @@ PRIVATE_TORCH_ATTRIBUTES = [
         ("_WINFO", "the tracker's record of each live storage, read at a peak"),
         ("_curr_mem_snap", "the bytes alive now, per device"),
         ("_ref_class", "the tracker's reference types (plain or FSDP2's)"),
+        (
+            "_mod_tracker",
+            "replaced: its module hooks keep gradients alive (is_bw, parents, "
+            "get_known_fqn, register_user_hooks, clear_user_hooks and entering it "
+            "are what the trackers use of it)",
+        ),
     )
 ] + [
     (

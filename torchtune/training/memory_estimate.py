@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -41,6 +41,10 @@ RECIPES = {
     "full_finetune_distributed": True,
     "lora_finetune_single_device": False,
     "lora_finetune_distributed": True,
+    "full_dpo_distributed": True,
+    "ppo_full_finetune_single_device": False,
+    "qat_distributed": True,
+    "dev/early_exit_finetune_distributed": True,
 }
 
 #: What the bytes alive at a peak are, in the order the report lists them.
@@ -104,6 +108,38 @@ class _Alive(NamedTuple):
     reftype: str
 
 
+class _NoModuleTracking:
+    """Stands in for the trackers' ``ModTracker``, whose hooks on every module's
+    outputs keep gradients alive that a step without them frees (measured: one
+    chunk of the logits' gradient more at the peak, 8 MB of a 237 MB step with a
+    32K vocabulary), and whose per-module peaks, kept after every op, took most
+    of an estimate's time. Where the step is comes from :attr:`_Counting.phase`
+    (what ``FSDPMemTracker`` reads of it: ``is_bw``, ``parents``,
+    ``get_known_fqn``).
+    """
+
+    is_bw = False
+    # No enclosing module: FSDPMemTracker then never takes a second call of a
+    # unit (the early-exit loss runs the output projection again) for a second
+    # iteration, which it refuses.
+    parents = frozenset()
+
+    def get_known_fqn(self, module: nn.Module) -> str:
+        return type(module).__name__
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 class _Counting:
     """What the estimate adds to torch's ``MemTracker`` (and ``FSDPMemTracker``),
     which count every storage until it is freed, by reference type.
@@ -131,6 +167,7 @@ class _Counting:
     """
 
     def _start_counting(self) -> None:
+        self._mod_tracker = _NoModuleTracking()
         self.phase = "setup"
         self.peak = 0
         self.at_peak: tuple[list[_Alive], str] = ([], "")
@@ -154,6 +191,16 @@ class _Counting:
         gradient instead, from a hook that runs before the update."""
         return super()._track_module_params_and_buffers(module, False)
 
+    def track_models(self, models: list[nn.Module]) -> None:
+        """Track the parameters and buffers of ``models`` (``FSDPMemTracker``
+        tracks only its root's, when it is entered)."""
+        param = "PARAM" if "PARAM" in self._ref_class.__members__ else "SHARDED_PARAM"
+        for model in models:
+            for p in model.parameters():
+                self.label(p, param)
+            for b in model.buffers():
+                self.label(b, "BUFFER")
+
     def label(self, tensor: torch.Tensor, reftype: str, detail: Any = None) -> None:
         """Name what a tensor is (tracking it if it is not yet)."""
         for winfo in self._update_and_maybe_create_winfos(
@@ -175,7 +222,8 @@ class _Counting:
             self._copy_peak()
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # In place of the tracker's own, which keeps each module's peak too (a
+        # scan of every module after every op: most of an estimate's time).
         if self.current > self.peak:
             self.peak = self.current
             self._peak_phase = self._where()
@@ -543,6 +591,11 @@ class _Setup:
     tied_bytes: dict[int, tuple[str, str]]
     #: What counts the step's memory (``None`` for a real run).
     tracker: _Counting | None = None
+    #: Every model the step runs (``model`` first: DPO's reference, PPO's
+    #: reference, value and reward models).
+    models: list[nn.Module] = field(default_factory=list)
+    #: The recipe object whose methods the step calls, built without ``__init__``.
+    recipe: Any = None
 
 
 def _tied_parameters(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -612,16 +665,28 @@ class _Estimator:
 
     # -- the model ---------------------------------------------------------------
 
-    def _build_model(self, fake_mode: Any) -> nn.Module:
+    def _build_model(
+        self,
+        fake_mode: Any,
+        cfg_model: DictConfig,
+        *,
+        trainable: bool = True,
+        prepare: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> nn.Module:
+        """Build a model as the recipe does: activation checkpointing for a
+        trainable one, ``prepare`` (QAT's quantizer), FSDP2; frozen and in eval
+        mode if not ``trainable``."""
         from torchtune import config, modules, training
         from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
         opts = self.opts
         with training.set_default_dtype(opts.dtype), torch.device("meta"):
-            model = config.instantiate(self.cfg.model)
+            model = config.instantiate(cfg_model)
         if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
-        if opts.enable_activation_checkpointing:
+        if not trainable:
+            pass
+        elif opts.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
@@ -633,6 +698,11 @@ class _Estimator:
             apply_selective_activation_checkpointing(
                 model, opts.ac_mode, opts.ac_option
             )
+        if prepare is not None:
+            model = prepare(model)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
         if self.distributed and self.nproc > 1:
             from torchtune.training._distributed import (
                 get_shard_conditions,
@@ -671,11 +741,48 @@ class _Estimator:
     def _build(self, fake_mode: Any, in_backward: bool, count: bool) -> _Setup:
         from torch.distributed.fsdp import FSDPModule
 
-        from torchtune import config, training
+        from torchtune import config
 
-        model = self._build_model(fake_mode)
+        recipe = _recipe_class(self.recipe).__new__(_recipe_class(self.recipe))
+        recipe._dtype, recipe._device = self.opts.dtype, torch.device("cpu")
+        recipe._opts, recipe._optimizer_in_bwd = self.opts, in_backward
+        # Activation offloading is not modeled (see the notes).
+        recipe._activations_handling_ctx = contextlib.nullcontext()
+        build = partial(self._build_model, fake_mode)
+        cfg = self.cfg
+        if self.recipe == "ppo_full_finetune_single_device":
+            policy = build(cfg.policy_model)
+            models = [
+                policy,
+                build(cfg.policy_model, trainable=False),
+                build(cfg.reward_and_value_model),
+                build(cfg.reward_and_value_model, trainable=False),
+            ]
+            (
+                recipe._policy_model,
+                recipe._ref_policy_model,
+                recipe._value_model,
+                recipe._reward_model,
+            ) = models
+        elif self.recipe == "full_dpo_distributed":
+            models = [build(cfg.model), build(cfg.model, trainable=False)]
+            recipe._model, recipe._ref_model = models
+        elif self.recipe == "qat_distributed":
+            # The recipe's own quantizer and its preparation of the model.
+            recipe._quantizer = recipe._setup_quantizer(cfg.quantizer)
+            models = [build(cfg.model, prepare=recipe._prepare_model)]
+        else:
+            models = [build(cfg.model)]
+        model = recipe._model = models[0]
         names = {p: n for n, p in model.named_parameters()}
+        if len(models) > 2:  # PPO's value model is trained too
+            names |= {p: f"value model {n}" for n, p in models[2].named_parameters()}
         setup = _Setup(model, None, None, names, _tied_parameters(model))
+        setup.models, setup.recipe = models, recipe
+        if self.recipe == "ppo_full_finetune_single_device":
+            self._set_up_ppo(recipe)
+        elif self.recipe.startswith("dev/early"):
+            self._set_up_early_exit(recipe, model)
         if count:
             setup.tracker = (
                 _FSDPTracker(model) if isinstance(model, FSDPModule) else _Tracker()
@@ -683,14 +790,9 @@ class _Estimator:
             self._label_gradients(setup)
         # Built outside fake mode: bitsandbytes computes its quantization maps from
         # values when built; the state comes in the first step, on fake tensors.
-        optimizer = training.build_optimizer(
-            model.parameters(),
-            partial(config.instantiate, self.cfg.optimizer),
-            in_backward=in_backward,
-            bucket_cap_mb=self.opts.bucket_cap_mb,
-            max_norm=self.opts.clip_grad_norm,
-        )
-        loss_fn = config.instantiate(self.cfg.loss)
+        # The recipe's own method (the parameters it optimizes, its options).
+        optimizer = recipe._setup_optimizer(cfg.optimizer)
+        loss_fn = recipe._loss_fn = config.instantiate(self.cfg.loss)
         if hasattr(loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(loss_fn.num_output_chunks)
             output = getattr(model, "output", None)
@@ -708,7 +810,54 @@ class _Estimator:
                 ):
                     setup.tied_bytes.setdefault(nbytes, (names[weight], why))
         setup.optimizer, setup.loss_fn = optimizer, loss_fn
+        if count and self.recipe == "ppo_full_finetune_single_device":
+            self._follow_ppo_phases(setup)
         return setup
+
+    def _set_up_early_exit(self, recipe: Any, model: nn.Module) -> None:
+        """The early-exit loss as the recipe sets it up (no curriculum step)."""
+        from types import SimpleNamespace
+
+        from torch.distributed.fsdp import FSDPModule
+
+        recipe.progress = SimpleNamespace(total_epochs=1, global_step=0)
+        recipe._steps_per_epoch = 1
+        cfg_loss = self.cfg.get("early_exit_loss", None)
+        recipe._early_exit_layers, _ = recipe._setup_early_exit_loss(cfg_loss)
+        recipe._set_output_hidden_states()
+        if recipe._early_exit_layers is not None:
+            recipe._final_hidden = None
+            model.norm.register_forward_pre_hook(recipe._keep_final_hidden)
+            if isinstance(model, FSDPModule):
+                model.set_reshard_after_forward(False, recurse=False)
+        if self.cfg.get("layer_dropout", None):
+            self.notes.append(
+                "layer_dropout is not modeled: every layer runs (an upper bound)"
+            )
+
+    def _set_up_ppo(self, recipe: Any) -> None:
+        """What the PPO recipe reads of its config to generate and optimize, with
+        a tokenizer that only names its special ids (generation runs for
+        ``max_generated_tokens``: no response stops early)."""
+        from types import SimpleNamespace
+
+        cfg = self.cfg
+        recipe._tokenizer = SimpleNamespace(pad_id=0, eos_id=1, stop_tokens=[1])
+        recipe._setup_generation_and_rewards(cfg)
+        recipe.batch_size = int(cfg.batch_size)
+        recipe._forward_batch_size = int(cfg.forward_batch_size)
+        recipe._ppo_epochs = int(cfg.ppo_epochs)
+        recipe._ppo_batch_size = recipe._ppo_backward_batch_size = int(
+            cfg.ppo_batch_size
+        )
+        recipe._gradient_accumulation_steps = 1
+        recipe._rng = torch.Generator().manual_seed(0)
+        recipe._optimizer_steps = 0
+        if cfg.ppo_epochs * cfg.batch_size > cfg.ppo_batch_size:
+            self.notes.append(
+                f"a PPO step takes {cfg.ppo_epochs * cfg.batch_size // cfg.ppo_batch_size}"
+                " optimizer steps: the peak is that of the whole PPO step"
+            )
 
     # -- what is alive ------------------------------------------------------------
 
@@ -723,9 +872,31 @@ class _Estimator:
             if param.grad is not None:
                 tracker.label(param.grad, reftype, param)
 
-        for param in setup.model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(tag)
+        for model in setup.models:
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(tag)
+
+    def _follow_ppo_phases(self, setup: _Setup) -> None:
+        """The PPO recipe runs forward, backward and optimizer steps inside one
+        method: its models' forward, its loss and the optimizer's step say where
+        it is."""
+        tracker = setup.tracker
+
+        def forward(*args: Any) -> None:
+            if torch.is_grad_enabled() and tracker.phase != "backward":
+                tracker.phase = "forward"
+
+        def backward(*args: Any) -> None:
+            tracker.phase = "backward"
+
+        def step(*args: Any) -> None:
+            tracker.phase = "optimizer step"
+
+        for model in (setup.models[0], setup.models[2]):
+            model.register_forward_pre_hook(forward)
+        setup.loss_fn.register_forward_hook(backward)
+        setup.optimizer.register_step_pre_hook(step)
 
     def _peak(self, setup: _Setup, tracker: _Counting, in_backward: bool) -> Peak:
         live, phase = tracker.at_peak
@@ -772,41 +943,133 @@ class _Estimator:
             "labels": torch.randint(0, vocab, (bsz, seq)),
         }
 
-    def _step(self, setup: _Setup, tracker: _Counting, in_backward: bool) -> None:
-        """One training step as the recipes take it (one batch per step)."""
-        import torch.distributed as dist
+    def _step(self, setup: _Setup, tracker: Any, in_backward: bool) -> None:
+        """One training step as the recipe takes it (one batch per step), through
+        the recipe's own methods where its loop has them."""
+        if self.recipe == "ppo_full_finetune_single_device":
+            self._ppo_step(setup, tracker)
+            return
+        if self.recipe == "full_dpo_distributed":
+            tracker.phase = "forward"
+            loss = self._dpo_loss(setup)
+        else:
+            tracker.phase = "forward"
+            loss, num_tokens = self._loss_step(setup)
+            # The recipes backpropagate the token sum and scale the gradients by
+            # the step's (global) token count.
+            loss = loss * num_tokens
+        tracker.phase = "backward"
+        world = self.nproc if self.distributed else 1
+        scale = None
+        if self.recipe != "full_dpo_distributed":
+            if world > 1:
+                torch.distributed.all_reduce(num_tokens)
+            scale = world / num_tokens
+        self._backward_and_update(setup, tracker, loss, scale, in_backward)
+
+    def _backward_and_update(
+        self,
+        setup: _Setup,
+        tracker: Any,
+        loss: torch.Tensor,
+        scale: torch.Tensor | None,
+        in_backward: bool,
+    ) -> None:
+        """What every recipe's loop does after its loss, in either mode."""
+        from torch.distributed.fsdp import FSDPModule
 
         from torchtune import training
 
-        model, optimizer, loss_fn = setup.model, setup.optimizer, setup.loss_fn
-        ignore_index = loss_fn.ignore_index
-        batch = self._batch()
-        tracker.phase = "forward"
-        labels = batch.pop("labels")
-        num_tokens = (labels != ignore_index).sum()
-        logits = model(**batch)
-        labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
-        if not isinstance(logits, list):
-            logits = logits.reshape(-1, logits.size(-1))
-            labels = labels.reshape(-1)
-        loss = loss_fn(logits, labels) * num_tokens
-        del logits
-        tracker.phase = "backward"
-        world = self.nproc if self.distributed else 1
-        if world > 1:
-            dist.all_reduce(num_tokens)
+        model, optimizer = setup.model, setup.optimizer
         if in_backward:
-            optimizer.backward(loss, grad_scale=world / num_tokens)
+            kwargs = {} if scale is None else {"grad_scale": scale}
+            if isinstance(model, FSDPModule) and self.recipe.startswith("dev/early"):
+                # The early-exit loss reads out hidden states with the root unit's
+                # norm and output outside its forward.
+                kwargs["before_update_pass"] = model.unshard
+            optimizer.backward(loss, **kwargs)
         else:
             loss.backward()
         del loss
         tracker.phase = "optimizer step"
         if not in_backward:
             training.scale_and_clip_grads_(
-                model.parameters(), world / num_tokens, self.opts.clip_grad_norm
+                model.parameters(), scale, self.opts.clip_grad_norm
             )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        tracker.phase = "between steps"
+
+    def _loss_step(self, setup: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recipe's ``_loss_step`` (early exit: its loop's forward and loss)."""
+        from torchtune import training
+        from torchtune.modules.early_exit_loss import early_exit_loss
+
+        recipe, batch = setup.recipe, self._batch()
+        if not self.recipe.startswith("dev/early"):
+            return recipe._loss_step(batch)
+        labels, num_tokens = training.next_token_labels(
+            batch.pop("labels"), recipe._loss_fn.ignore_index
+        )
+        logits, hidden_states = recipe._exit_hidden_states(setup.model(**batch))
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        if not hidden_states:
+            return recipe._loss_fn(logits, labels), num_tokens
+        loss = early_exit_loss(
+            setup.model,
+            hidden_states,
+            labels,
+            recipe._loss_fn,
+            recipe._early_exit_loss_scale,
+            recipe._early_exit_loss_scale_fn,
+        )
+        return loss, num_tokens
+
+    def _dpo_loss(self, setup: _Setup) -> torch.Tensor:
+        """DPO's loss over ``batch_size`` pairs, with the recipe's
+        ``concatenated_forward`` of the policy and (without autograd) the
+        reference."""
+        recipe, bsz, seq = setup.recipe, int(self.cfg.batch_size), self.seq_len
+        batch = (
+            torch.randint(0, 2, (2 * bsz, seq)),
+            torch.randint(0, 2, (2 * bsz, seq)),
+        )
+        chosen, rejected, _, _ = recipe.concatenated_forward(recipe._model, batch)
+        with torch.no_grad():
+            ref_chosen, ref_rejected, _, _ = recipe.concatenated_forward(
+                recipe._ref_model, batch
+            )
+        losses, _, _ = recipe._loss_fn(chosen, rejected, ref_chosen, ref_rejected)
+        return losses.mean()
+
+    def _ppo_step(self, setup: _Setup, tracker: Any) -> None:
+        """A PPO step as the recipe's loop takes it: the recipe's generation and
+        scoring of ``batch_size`` prompts, then its optimization over them (each
+        minibatch's forward, backward and optimizer step)."""
+        from torchtune import rlhf
+
+        recipe = setup.recipe
+        input_ids = torch.randint(0, 2, (recipe.batch_size, self.seq_len))
+        tracker.phase = "generation"
+        trajectory = recipe.generate_trajectory_batched(input_ids)
+        rewards, _, _ = rlhf.get_rewards_ppo(
+            trajectory.scores,
+            trajectory.logprobs,
+            trajectory.ref_logprobs,
+            recipe._kl_coeff,
+            trajectory.value_seq_idxs,
+        )
+        advantages, returns = rlhf.estimate_advantages(
+            trajectory.values,
+            rewards,
+            recipe._gamma,
+            recipe._lmbda,
+            masks=~trajectory.response_padding_masks,
+        )
+        tracker.phase = "forward"
+        recipe._optimize(trajectory, advantages, returns, input_ids.shape[1])
         tracker.phase = "between steps"
 
     def run(self, in_backward: bool) -> tuple[ModeEstimate, _Setup]:
@@ -820,11 +1083,10 @@ class _Estimator:
         device = "cpu" if self.target_device == "cpu" else "cuda"
         patches = _bnb_patch(device), _torchao_patch(), _phase_patch(tracker)
         with patches[0], patches[1], patches[2], fake_mode:
-            tracker.track_external(setup.model)
+            tracker.track_models(setup.models)
             with tracker:
                 peaks = []
                 for _ in range(2):
-                    tracker.reset_mod_stats()
                     step_start = tracker.current
                     tracker.start_peak()
                     self._step(setup, tracker, in_backward)
@@ -852,6 +1114,29 @@ class _Phase:
     """Where a step is, for a run that counts nothing."""
 
     phase = ""
+
+
+@functools.cache
+def _recipe_class(recipe: str) -> type:
+    """The recipe's class, from the installed recipe file (recipes are files, not
+    a package), so that the estimate runs the recipe's own methods."""
+    import importlib.util
+
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location(
+        "_estimated_" + recipe.replace("/", "_"), path
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return next(
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and value.__module__ == module.__name__
+        and hasattr(value, "train")
+    )
 
 
 def _pop_name(sizes: dict[int, Any], nbytes: int) -> Any:

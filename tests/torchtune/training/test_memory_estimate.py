@@ -70,11 +70,13 @@ def measured(name: str, cfg, in_backward: bool) -> tuple[int, int, dict[str, int
     return _MEASURED[key]
 
 
-def measure_real_step(cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]:
+def measure_real_step(
+    cfg, in_backward: bool, seq_len: int = SEQ_LEN
+) -> tuple[int, int, dict[str, int]]:
     """The second training step of ``cfg`` on real tensors: bytes alive at its start,
     its peak, and what the first step left (parameter, gradient and state bytes)."""
     estimator = me._Estimator(
-        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), RECIPE, 1, SEQ_LEN
+        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), RECIPE, 1, seq_len
     )
     torch.manual_seed(0)
     setup = estimator.build_real(in_backward)
@@ -145,6 +147,23 @@ def test_estimated_peak_is_the_real_steps_peak(estimates, name, in_backward):
     assert mode.step_start == start
     torch.testing.assert_close(
         mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
+    )
+
+
+def test_tracking_keeps_nothing_alive_that_the_step_frees():
+    # torch's trackers hook every module's outputs, which kept a chunk of the
+    # logits' gradient alive past its use (4 MB here): large enough a vocabulary
+    # and sequence to show it against the tolerance.
+    seq_len = 128
+    cfg = OmegaConf.merge(
+        tiny_config(vocab_size=32000),
+        {"batch_size": 2, "tokenizer": {"max_seq_len": seq_len}},
+    )
+    est = me.estimate(cfg, recipe=RECIPE, seq_len=seq_len)
+    start, peak, _ = measure_real_step(cfg, False, seq_len)
+    assert est.plain.step_start == start
+    torch.testing.assert_close(
+        est.plain.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
     )
 
 
@@ -268,7 +287,7 @@ def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
 
 def test_refuses_a_recipe_it_does_not_reproduce():
     with pytest.raises(ValueError, match="not one the estimate reproduces"):
-        me.estimate(tiny_config(), recipe="ppo_full_finetune_single_device")
+        me.estimate(tiny_config(), recipe="lora_dpo_single_device")
     with pytest.raises(ValueError, match="--nproc must be 1"):
         me.estimate(tiny_config(), recipe=RECIPE, nproc=2)
 
