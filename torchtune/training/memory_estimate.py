@@ -168,6 +168,8 @@ class _Counting:
 
     def _start_counting(self) -> None:
         self._mod_tracker = _NoModuleTracking()
+        #: Answer every question about a boolean tensor's value with ``True``.
+        self.true_when_asked = False
         self.phase = "setup"
         self.peak = 0
         self.at_peak: tuple[list[_Alive], str] = ([], "")
@@ -297,6 +299,13 @@ class _Counting:
         return winfo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (
+            self.true_when_asked
+            and func is torch.ops.aten._local_scalar_dense.default
+            and args[0].dtype == torch.bool
+        ):
+            # A question about values fake tensors do not have.
+            return True
         summed = self._summed_in_place(func, args, kwargs)
         if summed is not None and summed.mem_consumed:
             # Count the sum in the first buffer's bytes: it is freed right after.
@@ -791,7 +800,7 @@ class _Estimator:
         # Built outside fake mode: bitsandbytes computes its quantization maps from
         # values when built; the state comes in the first step, on fake tensors.
         # The recipe's own method (the parameters it optimizes, its options).
-        optimizer = recipe._setup_optimizer(cfg.optimizer)
+        optimizer = recipe._optimizer = recipe._setup_optimizer(cfg.optimizer)
         loss_fn = recipe._loss_fn = config.instantiate(self.cfg.loss)
         if hasattr(loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(loss_fn.num_output_chunks)
@@ -842,7 +851,8 @@ class _Estimator:
         from types import SimpleNamespace
 
         cfg = self.cfg
-        recipe._tokenizer = SimpleNamespace(pad_id=0, eos_id=1, stop_tokens=[1])
+        stop = list(cfg.get("stop_token_ids", None) or [1])
+        recipe._tokenizer = SimpleNamespace(pad_id=0, eos_id=stop[0], stop_tokens=stop)
         recipe._setup_generation_and_rewards(cfg)
         recipe.batch_size = int(cfg.batch_size)
         recipe._forward_batch_size = int(cfg.forward_batch_size)
@@ -851,7 +861,8 @@ class _Estimator:
             cfg.ppo_batch_size
         )
         recipe._gradient_accumulation_steps = 1
-        recipe._rng = torch.Generator().manual_seed(0)
+        # Fake tensors draw without a generator (the recipe's is seeded).
+        recipe._rng = None
         recipe._optimizer_steps = 0
         if cfg.ppo_epochs * cfg.batch_size > cfg.ppo_batch_size:
             self.notes.append(
@@ -1053,7 +1064,11 @@ class _Estimator:
         recipe = setup.recipe
         input_ids = torch.randint(0, 2, (recipe.batch_size, self.seq_len))
         tracker.phase = "generation"
+        # Generation asks whether prompts are padded and whether its KV cache has
+        # room: taken as unpadded, and with room (no response stops early).
+        tracker.true_when_asked = True
         trajectory = recipe.generate_trajectory_batched(input_ids)
+        tracker.true_when_asked = False
         rewards, _, _ = rlhf.get_rewards_ppo(
             trajectory.scores,
             trajectory.logprobs,
@@ -1301,7 +1316,7 @@ def estimate(
             results[in_bwd], setups[in_bwd] = estimator.run(in_bwd)
             est_notes = estimator.notes
     setup = setups[False]
-    params = list(setup.model.parameters())
+    params = [p for model in setup.models for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
     state = [
         v

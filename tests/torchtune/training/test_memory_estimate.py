@@ -259,6 +259,26 @@ def test_in_backward_state_is_optimizer_state_and_step_temporaries_are_not(
         assert mode.peak.by_category["optimizer state"] == est.optimizer_state_bytes
 
 
+def test_a_change_in_the_recipes_step_moves_the_estimate(estimates, monkeypatch):
+    # The estimate runs the recipe's own _loss_step: a recipe that averages the
+    # loss of two forward passes over the batch (both kept for backward) has
+    # twice the activations at a peak in backward, and the estimate says so.
+    cfg, before = estimates["activations"]
+    recipe = me._recipe_class(RECIPE)
+    loss_step = recipe._loss_step
+
+    def two_forward_passes(self, batch):
+        first, num_tokens = loss_step(self, dict(batch))
+        second, _ = loss_step(self, batch)
+        return (first + second) / 2, num_tokens
+
+    monkeypatch.setattr(recipe, "_loss_step", two_forward_passes)
+    after = me.estimate(cfg, recipe=RECIPE, seq_len=SEQ_LEN)
+    activations = before.plain.peak.by_category["activations"]
+    assert after.plain.peak.by_category["activations"] >= 2 * activations > 0
+    assert after.plain.peak.total > before.plain.peak.total
+
+
 def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     OmegaConf.save(tiny_config(), path)
@@ -334,3 +354,69 @@ def test_lora_trains_only_the_adapter():
     assert est.gradient_bytes == 4 * est.trainable_params
     # AdamW's state: two fp32 moments and a step count per adapter parameter.
     assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * 8
+
+
+def test_dpo_counts_the_frozen_reference_beside_the_policy():
+    cfg = OmegaConf.merge(
+        tiny_config(), {"loss": {"_component_": "torchtune.rlhf.loss.DPOLoss"}}
+    )
+    est = me.estimate(cfg, recipe="full_dpo_distributed", nproc=2, seq_len=SEQ_LEN)
+    # The reference is the policy's twin and trains nothing.
+    assert est.params == 2 * est.trainable_params
+    assert est.param_bytes == 2 * est.gradient_bytes
+    assert est.plain.peak.by_category["parameters"] == est.param_bytes
+    assert est.in_backward.peak.total <= est.plain.peak.total
+
+
+def test_ppo_counts_its_four_models_and_trains_two():
+    cfg = OmegaConf.load("tests/recipes/configs/tiny_ppo_single_device.yaml")
+    est = me.estimate(cfg, recipe="ppo_full_finetune_single_device")
+    # Policy and value model train; their frozen twins (reference, reward) do not.
+    assert est.params == 2 * est.trainable_params
+    assert est.plain.peak.by_category["parameters"] == est.param_bytes
+    # AdamW's two fp32 moments and a step count for each trained parameter.
+    trained = len([p for m in (0, 2) for p in cfg_models(cfg)[m]])
+    assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * trained
+    assert est.in_backward.peak.total <= est.plain.peak.total
+
+
+def cfg_models(cfg) -> list[list[str]]:
+    """The parameter names of PPO's four models, in the recipe's order."""
+    from torchtune import config
+
+    with torch.device("meta"):
+        policy = config.instantiate(cfg.policy_model)
+        value = config.instantiate(cfg.reward_and_value_model)
+    names = [[n for n, _ in m.named_parameters()] for m in (policy, value)]
+    return [names[0], names[0], names[1], names[1]]
+
+
+def test_qat_counts_the_fake_quantization(distributed):
+    cfg = OmegaConf.merge(
+        tiny_config(),
+        {
+            "quantizer": {
+                "_component_": "torchtune.training.quantization."
+                "Int8DynActInt4WeightQATQuantizer",
+                "groupsize": 32,
+            }
+        },
+    )
+    est = me.estimate(cfg, recipe="qat_distributed", nproc=2, seq_len=SEQ_LEN)
+    # The same model and step as full fine-tuning, plus the fake-quantized
+    # weights and activations the quantizer's layers make in forward.
+    assert est.param_bytes == distributed.param_bytes
+    assert est.plain.peak.total > distributed.plain.peak.total
+
+
+def test_early_exit_counts_the_hidden_states_it_reads_out():
+    cfg = OmegaConf.merge(
+        tiny_config(checkpointing=False),
+        {"loss": {"_component_": "torch.nn.CrossEntropyLoss"}},
+    )
+    recipe = "dev/early_exit_finetune_distributed"
+    plain = me.estimate(cfg, recipe=recipe, nproc=2, seq_len=SEQ_LEN)
+    cfg.early_exit_loss = {"layers": ":", "include_last_layer": True}
+    early = me.estimate(cfg, recipe=recipe, nproc=2, seq_len=SEQ_LEN)
+    # Every layer's output is read out through the norm and output projection.
+    assert early.plain.peak.total > plain.plain.peak.total
