@@ -41,9 +41,9 @@ GB = 10**9
 GIB = 2**30
 
 #: Shipped configs with ``optimizer_in_bwd: True`` (``tune ls``) as shipped (Llama
-#: 3.x also with 512-token samples), but PPO's, which the estimate does not cover;
-#: the distributed configs the table flips it on for, over 8 ranks:
-#: (config, ranks, overrides).
+#: 3.x also with 512-token samples), PPO's included; a distributed config of each
+#: other recipe that offers it, flipped on, over 8 ranks: (config, ranks,
+#: overrides).
 TABLE = [
     ("llama3_2/1B_full_single_device", 1, []),
     ("llama3_2/1B_full_single_device", 1, ["tokenizer.max_seq_len=512"]),
@@ -64,6 +64,10 @@ TABLE = [
     ("qwen2_5/7B_full_single_device", 1, []),
     ("llama3_1/8B_full", 8, ["optimizer_in_bwd=True"]),
     ("llama3_3/70B_full", 8, ["optimizer_in_bwd=True", "fsdp_cpu_offload=False"]),
+    ("mistral/7B_full_ppo_low_memory", 1, []),
+    ("llama3_1/8B_full_dpo", 8, ["optimizer_in_bwd=True"]),
+    ("llama3/8B_qat_full", 8, ["optimizer_in_bwd=True"]),
+    ("llama2/7B_full_early_exit", 8, ["optimizer_in_bwd=True"]),
 ]
 
 

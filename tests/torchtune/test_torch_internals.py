@@ -143,6 +143,12 @@ PRIVATE_TORCH_APIS = [
         "labels what an optimizer's state holds after a step",
     ),
     (
+        "torch.ops.aten._local_scalar_dense.default",
+        _ESTIMATE,
+        "the op a tensor's value is read through, answered during PPO's generation "
+        "(whether prompts are padded, whether the KV cache has room)",
+    ),
+    (
         "torch._subclasses.fake_tensor.FakeTensorMode",
         _ESTIMATE,
         "tensors with shapes and no storage, so a 70B step runs on a CPU",
