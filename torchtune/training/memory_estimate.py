@@ -1062,7 +1062,8 @@ class _Estimator:
         from torchtune import rlhf
 
         recipe = setup.recipe
-        input_ids = torch.randint(0, 2, (recipe.batch_size, self.seq_len))
+        # Token ids other than pad_id (0): prompts without padding.
+        input_ids = torch.randint(1, 3, (recipe.batch_size, self.seq_len))
         tracker.phase = "generation"
         # Generation asks whether prompts are padded and whether its KV cache has
         # room: taken as unpadded, and with room (no response stops early).

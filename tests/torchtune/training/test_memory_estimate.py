@@ -71,16 +71,16 @@ def measured(name: str, cfg, in_backward: bool) -> tuple[int, int, dict[str, int
 
 
 def measure_real_step(
-    cfg, in_backward: bool, seq_len: int = SEQ_LEN
+    cfg, in_backward: bool, seq_len: int = SEQ_LEN, recipe: str = RECIPE
 ) -> tuple[int, int, dict[str, int]]:
     """The second training step of ``cfg`` on real tensors: bytes alive at its start,
     its peak, and what the first step left (parameter, gradient and state bytes)."""
     estimator = me._Estimator(
-        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), RECIPE, 1, seq_len
+        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), recipe, 1, seq_len
     )
     torch.manual_seed(0)
     setup = estimator.build_real(in_backward)
-    params = list(setup.model.parameters())
+    params = [p for model in setup.models for p in model.parameters()]
     grad_bytes = {}
 
     def record(param: torch.Tensor) -> None:
@@ -89,7 +89,8 @@ def measure_real_step(
             grad_bytes[param] = param.grad.untyped_storage().nbytes()
 
     for p in params:
-        p.register_post_accumulate_grad_hook(record)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(record)
     estimator.step_real(setup, in_backward)  # creates the optimizer state
     state = [
         v
@@ -98,7 +99,8 @@ def measure_real_step(
         if isinstance(v, torch.Tensor)
     ]
     alive = {}
-    for t in [*params, *setup.model.buffers(), *state]:
+    buffers = [b for model in setup.models for b in model.buffers()]
+    for t in [*params, *buffers, *state]:
         for storage in me._storages(t):
             alive[id(storage)] = storage.nbytes()
     with profile(profile_memory=True) as prof:
@@ -145,6 +147,58 @@ def test_estimated_peak_is_the_real_steps_peak(estimates, name, in_backward):
     start, peak, _ = measured(name, cfg, in_backward)
     # What is alive before the step is counted by the same storages: exactly.
     assert mode.step_start == start
+    torch.testing.assert_close(
+        mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
+    )
+
+
+def recipe_configs() -> dict[str, OmegaConf]:
+    """A tiny config of each recipe with a step of its own, run on one process."""
+    return {
+        "full_dpo_distributed": OmegaConf.merge(
+            tiny_config(), {"loss": {"_component_": "torchtune.rlhf.loss.DPOLoss"}}
+        ),
+        "qat_distributed": OmegaConf.merge(
+            tiny_config(),
+            {
+                "quantizer": {
+                    "_component_": "torchtune.training.quantization."
+                    "Int8DynActInt4WeightQATQuantizer",
+                    "groupsize": 32,
+                }
+            },
+        ),
+        "dev/early_exit_finetune_distributed": OmegaConf.merge(
+            tiny_config(checkpointing=False),
+            {
+                "loss": {"_component_": "torch.nn.CrossEntropyLoss"},
+                "early_exit_loss": {"layers": ":"},
+            },
+        ),
+        "ppo_full_finetune_single_device": OmegaConf.load(
+            "tests/recipes/configs/tiny_ppo_single_device.yaml"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def recipe_estimates() -> dict:
+    return {
+        recipe: (cfg, me.estimate(cfg, recipe=recipe, seq_len=SEQ_LEN))
+        for recipe, cfg in recipe_configs().items()
+    }
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "in_bwd"])
+@pytest.mark.parametrize("recipe", list(recipe_configs()))
+def test_each_recipes_estimated_peak_is_its_real_steps_peak(
+    recipe_estimates, recipe, in_backward
+):
+    # DPO's two models, QAT's fake quantization, the early-exit read-outs and PPO's
+    # generation and minibatch steps, run on real tensors as on fake ones.
+    cfg, est = recipe_estimates[recipe]
+    mode = est.in_backward if in_backward else est.plain
+    start, peak, _ = measure_real_step(cfg, in_backward, SEQ_LEN, recipe)
     torch.testing.assert_close(
         mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
     )
