@@ -960,22 +960,20 @@ class _Estimator:
         if self.recipe == "ppo_full_finetune_single_device":
             self._ppo_step(setup, tracker)
             return
+        tracker.phase = "forward"
         if self.recipe == "full_dpo_distributed":
-            tracker.phase = "forward"
-            loss = self._dpo_loss(setup)
+            # A mean over the batch's pairs: nothing to scale by.
+            loss, scale = self._dpo_loss(setup), None
         else:
-            tracker.phase = "forward"
             loss, num_tokens = self._loss_step(setup)
             # The recipes backpropagate the token sum and scale the gradients by
             # the step's (global) token count.
             loss = loss * num_tokens
-        tracker.phase = "backward"
-        world = self.nproc if self.distributed else 1
-        scale = None
-        if self.recipe != "full_dpo_distributed":
+            world = self.nproc if self.distributed else 1
             if world > 1:
                 torch.distributed.all_reduce(num_tokens)
             scale = world / num_tokens
+        tracker.phase = "backward"
         self._backward_and_update(setup, tracker, loss, scale, in_backward)
 
     def _backward_and_update(
