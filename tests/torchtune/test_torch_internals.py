@@ -143,6 +143,40 @@ PRIVATE_TORCH_APIS = [
         "labels what an optimizer's state holds after a step",
     ),
     (
+        "torch.distributed._tools.fsdp2_mem_tracker._FSDPState",
+        _ESTIMATE,
+        "its PRE_FW and PRE_BW members tell an all-gather's peak from the step's own",
+    ),
+    *(
+        (
+            f"torch.distributed._tools.{module}.{member}",
+            _ESTIMATE,
+            "a reference type the estimate labels storages with or reports",
+        )
+        for module, members in (
+            ("mem_tracker._MemRefType", ("PARAM", "GRAD")),
+            (
+                "fsdp2_mem_tracker._FSDPRefType",
+                (
+                    "SHARDED_PARAM",
+                    "SHARDED_GRAD",
+                    "UNSHARDED_PARAM",
+                    "UNSHARDED_GRAD",
+                    "ALL_GATHER",
+                    "REDUCE_SCATTER",
+                ),
+            ),
+            *(
+                (enum, ("BUFFER", "OPT", "ACT", "TEMP"))
+                for enum in (
+                    "mem_tracker._MemRefType",
+                    "fsdp2_mem_tracker._FSDPRefType",
+                )
+            ),
+        )
+        for member in members
+    ),
+    (
         "torch.ops.aten._local_scalar_dense.default",
         _ESTIMATE,
         "the op a tensor's value is read through, answered during PPO's generation "
@@ -162,32 +196,44 @@ PRIVATE_TORCH_APIS = [
 
 # Attributes set in a class's __init__ (not resolvable from the class), each with
 # the class, where it is used and what for.
-PRIVATE_TORCH_ATTRIBUTES = [
-    (
-        "torch.distributed._tools.mem_tracker.MemTracker",
-        attribute,
-        _ESTIMATE,
-        used_for,
-    )
-    for attribute, used_for in (
-        ("_WINFO", "the tracker's record of each live storage, read at a peak"),
-        ("_curr_mem_snap", "the bytes alive now, per device"),
-        ("_ref_class", "the tracker's reference types (plain or FSDP2's)"),
+PRIVATE_TORCH_ATTRIBUTES = (
+    [
         (
-            "_mod_tracker",
-            "replaced: its module hooks keep gradients alive (is_bw, parents, "
-            "get_known_fqn, register_user_hooks, clear_user_hooks and entering it "
-            "are what the trackers use of it)",
-        ),
-    )
-] + [
-    (
-        "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
-        "_fsdp_state",
-        _ESTIMATE,
-        "tells an all-gather's peak in forward or backward from the step's own",
-    )
-]
+            "torch.distributed._tools.mem_tracker.MemTracker",
+            attribute,
+            _ESTIMATE,
+            used_for,
+        )
+        for attribute, used_for in (
+            ("_WINFO", "the tracker's record of each live storage, read at a peak"),
+            ("_curr_mem_snap", "the bytes alive now, per device"),
+            ("_ref_class", "the tracker's reference types (plain or FSDP2's)"),
+            (
+                "_mod_tracker",
+                "replaced: its module hooks keep gradients alive (is_bw, parents, "
+                "get_known_fqn, register_user_hooks, clear_user_hooks and entering it "
+                "are what the trackers use of it)",
+            ),
+        )
+    ]
+    + [
+        (
+            "torch.distributed._tools.mem_tracker._WeakRefInfo",
+            attribute,
+            _ESTIMATE,
+            "a live storage's bytes and reference type, read and set by the estimate",
+        )
+        for attribute in ("mem_consumed", "reftype")
+    ]
+    + [
+        (
+            "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
+            "_fsdp_state",
+            _ESTIMATE,
+            "tells an all-gather's peak in forward or backward from the step's own",
+        )
+    ]
+)
 
 
 def _resolve(dotted: str) -> object:
