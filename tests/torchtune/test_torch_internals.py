@@ -231,7 +231,14 @@ PRIVATE_TORCH_ATTRIBUTES = (
             "_fsdp_state",
             _ESTIMATE,
             "tells an all-gather's peak in forward or backward from the step's own",
-        )
+        ),
+        (
+            "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
+            "_root_mod",
+            _ESTIMATE,
+            "replaced by all of a step's models, so that it instruments DPO's "
+            "reference too",
+        ),
     ]
 )
 

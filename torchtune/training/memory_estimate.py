@@ -346,8 +346,11 @@ class _FSDPTracker(_Counting, FSDPMemTracker):
     (:class:`_Counting`): FSDP2's gathered parameters, its all-gather and
     reduce-scatter buffers, by the tracker's own instrumentation."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__(models[0])
+        # It instruments the FSDP2 units under one root: all of the step's models
+        # (DPO's policy and reference).
+        self._root_mod = nn.ModuleList(models)
         self._start_counting()
 
 
@@ -794,7 +797,7 @@ class _Estimator:
             self._set_up_early_exit(recipe, model)
         if count:
             setup.tracker = (
-                _FSDPTracker(model) if isinstance(model, FSDPModule) else _Tracker()
+                _FSDPTracker(models) if isinstance(model, FSDPModule) else _Tracker()
             )
             self._label_gradients(setup)
         # Built outside fake mode: bitsandbytes computes its quantization maps from
