@@ -569,11 +569,16 @@ def _optimizer_note(optimizer_cls: Any) -> str:
     module = getattr(optimizer_cls, "__module__", "")
     name = getattr(optimizer_cls, "__name__", str(optimizer_cls))
     if module.startswith("bitsandbytes"):
+        layout = (
+            "uint8 per element and an fp32 absmax per block of 256; fp32 for "
+            "parameters under 4096 elements"
+            if "8bit" in name
+            else "fp32 per element"
+        )
         note = (
-            f"{name}'s own init_state on fake tensors (uint8 per element and an fp32 "
-            "absmax per block of 256; fp32 for parameters under 4096 elements); its "
-            "update kernel cannot run on fake tensors: on CUDA it is in place and "
-            "allocates nothing, on CPU its torch fallback is run"
+            f"{name}'s own init_state on fake tensors ({layout}); its update kernel "
+            "cannot run on fake tensors: on CUDA it is in place and allocates "
+            "nothing, on CPU its torch fallback is run"
         )
         if "Paged" in name:
             note += (
@@ -867,6 +872,10 @@ class _Estimator:
         # Fake tensors draw without a generator (the recipe's is seeded).
         recipe._rng = None
         recipe._optimizer_steps = 0
+        self.notes.append(
+            f"PPO: prompts of {self.seq_len} tokens and responses of "
+            f"{cfg.max_generated_tokens} (max_generated_tokens)"
+        )
         if cfg.ppo_epochs * cfg.batch_size > cfg.ppo_batch_size:
             self.notes.append(
                 f"a PPO step takes {cfg.ppo_epochs * cfg.batch_size // cfg.ppo_batch_size}"

@@ -432,6 +432,7 @@ def test_ppo_counts_its_four_models_and_trains_two():
     trained = len([p for m in (0, 2) for p in cfg_models(cfg)[m]])
     assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * trained
     assert est.in_backward.peak.total <= est.plain.peak.total
+    assert any("responses of 8 (max_generated_tokens)" in n for n in est.notes)
 
 
 def cfg_models(cfg) -> list[list[str]]:
@@ -474,3 +475,10 @@ def test_early_exit_counts_the_hidden_states_it_reads_out():
     early = me.estimate(cfg, recipe=recipe, nproc=2, seq_len=SEQ_LEN)
     # Every layer's output is read out through the norm and output projection.
     assert early.plain.peak.total > plain.plain.peak.total
+
+
+def test_optimizer_note_gives_bitsandbytes_state_layout_by_class():
+    from bitsandbytes import optim
+
+    assert "fp32 per element" in me._optimizer_note(optim.PagedAdamW)
+    assert "uint8 per element" in me._optimizer_note(optim.PagedAdamW8bit)
