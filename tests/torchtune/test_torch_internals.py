@@ -127,12 +127,6 @@ PRIVATE_TORCH_APIS = [
         "overridden to do nothing: optimizer state is labelled after each step",
     ),
     (
-        "torch.distributed._tools.mem_tracker.MemTracker._track_module_params_and_buffers",
-        _ESTIMATE,
-        "overridden: tracks a module's parameters without the tracker's gradient "
-        "hooks (it registers them on frozen parameters too, which torch refuses)",
-    ),
-    (
         "torch.distributed._tools.mem_tracker.MemTracker._update_and_maybe_create_winfos",
         _ESTIMATE,
         "labels a gradient with its parameter as it is assigned",

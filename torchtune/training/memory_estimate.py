@@ -157,6 +157,16 @@ class _Counting:
       state, and ``FSDPMemTracker`` hooks only the optimizer it is given, so it
       labels an in-backward optimizer's state, made by the optimizers inside it,
       as temporaries.
+    - **Gradients** are labelled with their parameter by a hook that runs before
+      an in-backward update (:meth:`label`). The tracker's own gradient hooks,
+      installed by its module tracking, run after the update has freed the
+      gradient, and are registered on frozen parameters too, which torch refuses
+      (a LoRA model has them).
+    - **No module tracking** (:class:`_NoModuleTracking`).
+    - **Values fake tensors do not have**: while :attr:`true_when_asked` is set,
+      every question about a boolean tensor's value is answered ``True`` (PPO's
+      generation asks whether the prompts are unpadded and whether the KV cache
+      has room).
     - **Gradient sums autograd makes in place**: autograd adds a gradient to the
       one already waiting for the same input in place when nothing else holds
       that buffer, but out of place when a dispatch mode is active, so counted as
@@ -183,15 +193,6 @@ class _Counting:
 
     def _register_global_optimizer_hook(self) -> None:
         """State is labelled by :meth:`label_state`, not by the optimizers' hooks."""
-
-    def _track_module_params_and_buffers(
-        self, module: nn.Module, install_grad_hooks: bool = True
-    ) -> tuple[int, int]:
-        """Without the tracker's gradient hooks, which it registers on frozen
-        parameters too (refused: a LoRA model has them) and which run after an
-        in-backward update has freed the gradient: :meth:`label` names each
-        gradient instead, from a hook that runs before the update."""
-        return super()._track_module_params_and_buffers(module, False)
 
     def track_models(self, models: list[nn.Module]) -> None:
         """Track the parameters and buffers of ``models`` (``FSDPMemTracker``
