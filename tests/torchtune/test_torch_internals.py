@@ -11,11 +11,14 @@ whole suite.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
 
 CHECKED_WITH = ("2.13.0",)
+
+_ESTIMATE = "torchtune/training/memory_estimate.py"
 
 # (dotted name, where it is used, what for)
 PRIVATE_TORCH_APIS = [
@@ -81,7 +84,157 @@ PRIVATE_TORCH_APIS = [
         "torchtune/training/loop.py",
         "the profiler's memory snapshot (CUDA only), as 0.6.1's recipes take it",
     ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker",
+        _ESTIMATE,
+        "counts every storage of a step on fake tensors, by reference type",
+    ),
+    (
+        "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
+        _ESTIMATE,
+        "the same under FSDP2: sharded and gathered parameters, all-gather and "
+        "reduce-scatter buffers",
+    ),
+    (
+        "torch.distributed._tools.common_utils.get_untyped_storages",
+        _ESTIMATE,
+        "the storages behind a tensor, a DTensor's or a wrapper subclass's",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker._TOTAL_KEY",
+        _ESTIMATE,
+        "the key of the bytes alive on a device in the tracker's snapshot",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker._UpdateType",
+        _ESTIMATE,
+        "the kinds of change the tracker's snapshot takes (a free, a resize)",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker._update_snap",
+        _ESTIMATE,
+        "overridden: the storages alive at a peak are copied before the first "
+        "decrease after it",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats",
+        _ESTIMATE,
+        "overridden: notes a new peak and where the step is (not per module)",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker._register_global_optimizer_hook",
+        _ESTIMATE,
+        "overridden to do nothing: optimizer state is labelled after each step",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker._update_and_maybe_create_winfos",
+        _ESTIMATE,
+        "labels a gradient with its parameter as it is assigned",
+    ),
+    (
+        "torch.distributed._tools.mem_tracker.MemTracker._track_optimizer_states",
+        _ESTIMATE,
+        "labels what an optimizer's state holds after a step",
+    ),
+    (
+        "torch.distributed._tools.fsdp2_mem_tracker._FSDPState",
+        _ESTIMATE,
+        "its PRE_FW and PRE_BW members tell an all-gather's peak from the step's own",
+    ),
+    *(
+        (
+            f"torch.distributed._tools.{module}.{member}",
+            _ESTIMATE,
+            "a reference type the estimate labels storages with or reports",
+        )
+        for module, members in (
+            ("mem_tracker._MemRefType", ("PARAM", "GRAD")),
+            (
+                "fsdp2_mem_tracker._FSDPRefType",
+                (
+                    "SHARDED_PARAM",
+                    "SHARDED_GRAD",
+                    "UNSHARDED_PARAM",
+                    "UNSHARDED_GRAD",
+                    "ALL_GATHER",
+                    "REDUCE_SCATTER",
+                ),
+            ),
+            *(
+                (enum, ("BUFFER", "OPT", "ACT", "TEMP"))
+                for enum in (
+                    "mem_tracker._MemRefType",
+                    "fsdp2_mem_tracker._FSDPRefType",
+                )
+            ),
+        )
+        for member in members
+    ),
+    (
+        "torch.ops.aten._local_scalar_dense.default",
+        _ESTIMATE,
+        "the op a tensor's value is read through, answered during PPO's generation "
+        "(whether prompts are padded, whether the KV cache has room)",
+    ),
+    (
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        _ESTIMATE,
+        "tensors with shapes and no storage, so a 70B step runs on a CPU",
+    ),
+    (
+        "torch.testing._internal.distributed.fake_pg.FakeStore",
+        _ESTIMATE,
+        "a process group of N ranks in one process (the 'fake' backend) for FSDP2",
+    ),
 ]
+
+# Attributes set in a class's __init__ (not resolvable from the class), each with
+# the class, where it is used and what for.
+PRIVATE_TORCH_ATTRIBUTES = (
+    [
+        (
+            "torch.distributed._tools.mem_tracker.MemTracker",
+            attribute,
+            _ESTIMATE,
+            used_for,
+        )
+        for attribute, used_for in (
+            ("_WINFO", "the tracker's record of each live storage, read at a peak"),
+            ("_curr_mem_snap", "the bytes alive now, per device"),
+            ("_ref_class", "the tracker's reference types (plain or FSDP2's)"),
+            (
+                "_mod_tracker",
+                "replaced: its module hooks keep gradients alive (is_bw, parents, "
+                "get_known_fqn, register_user_hooks, clear_user_hooks and entering it "
+                "are what the trackers use of it)",
+            ),
+        )
+    ]
+    + [
+        (
+            "torch.distributed._tools.mem_tracker._WeakRefInfo",
+            attribute,
+            _ESTIMATE,
+            "a live storage's bytes and reference type, read and set by the estimate",
+        )
+        for attribute in ("mem_consumed", "reftype")
+    ]
+    + [
+        (
+            "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
+            "_fsdp_state",
+            _ESTIMATE,
+            "tells an all-gather's peak in forward or backward from the step's own",
+        ),
+        (
+            "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker",
+            "_root_mod",
+            _ESTIMATE,
+            "replaced by all of a step's models, so that it instruments DPO's "
+            "reference too",
+        ),
+    ]
+)
 
 
 def _resolve(dotted: str) -> object:
@@ -113,7 +266,31 @@ def test_each_private_torch_api_still_exists(name: str, where: str, used_for: st
         )
     if ".config." in name:  # a setting, which this project sets to a bool
         assert isinstance(found, bool), f"{name} is no longer a bool setting"
+    elif name.rpartition(".")[2].isupper():  # a constant
+        assert isinstance(found, str), f"{name} is no longer a str"
     else:
         assert callable(found), (
             f"{name} is no longer callable in torch {torch.__version__}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("cls", "attribute", "where", "used_for"),
+    PRIVATE_TORCH_ATTRIBUTES,
+    ids=[f"{cls}.{attribute}" for cls, attribute, _, _ in PRIVATE_TORCH_ATTRIBUTES],
+)
+def test_each_private_torch_attribute_is_still_set(
+    cls: str, attribute: str, where: str, used_for: str
+):
+    # Set in __init__ (or the __init__ of a base class), so read from the source.
+    found = _resolve(cls)
+    sources = "".join(
+        inspect.getsource(base.__init__)
+        for base in found.__mro__
+        if "__init__" in vars(base) and base.__module__.startswith("torch.")
+    )
+    if f"self.{attribute} " not in sources and f"self.{attribute}:" not in sources:
+        pytest.fail(
+            f"{cls} no longer sets {attribute} in torch {torch.__version__} (checked "
+            f"with {', '.join(CHECKED_WITH)}): {where} uses it ({used_for})."
         )

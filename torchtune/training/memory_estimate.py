@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 GIB = 2**30
 
@@ -41,6 +41,10 @@ RECIPES = {
     "full_finetune_distributed": True,
     "lora_finetune_single_device": False,
     "lora_finetune_distributed": True,
+    "full_dpo_distributed": True,
+    "ppo_full_finetune_single_device": False,
+    "qat_distributed": True,
+    "dev/early_exit_finetune_distributed": True,
 }
 
 #: What the bytes alive at a peak are, in the order the report lists them.
@@ -64,136 +68,215 @@ FIT_RESERVE_BYTES = 2 * GIB
 FIT_RESERVE_SHARE = 0.10
 
 
-# -- counting live storages --------------------------------------------------------
+# -- counting live storages: torch's memory tracker --------------------------------
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _storages(t: Any) -> Iterator[torch.UntypedStorage]:
-    """The storages behind a tensor: a DTensor's local shard, a wrapper subclass's
-    inner tensors (e.g. torchao's quantized optimizer state), or its own."""
-    if not isinstance(t, torch.Tensor):
-        return
-    if isinstance(t, DTensor):
-        yield from _storages(t._local_tensor)
-        return
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.nn.Parameter:
-        try:
-            names, _ = flatten()
-        except Exception:  # a plain tensor or Parameter without inner tensors
-            names = None
-        if names is not None:
-            for name in names:
-                yield from _storages(getattr(t, name))
-            return
-    try:
-        yield t.untyped_storage()
-    except (NotImplementedError, RuntimeError):  # a wrapper without storage
-        return
+#: The storages behind a tensor: a DTensor's local shard, a wrapper subclass's
+#: inner tensors (torchao's quantized optimizer state), or its own.
+_storages = get_untyped_storages
+
+#: The report's category of each of the trackers' reference types (by name); any
+#: other (temporaries of backward and of optimizer steps, the reduce-scatter's
+#: flat gradients, inputs) is a temporary.
+_CATEGORY_OF_REFTYPE = {
+    "PARAM": "parameters",
+    "SHARDED_PARAM": "parameters",
+    "BUFFER": "buffers",
+    "UNSHARDED_PARAM": "unsharded parameters",
+    "ALL_GATHER": "unsharded parameters",
+    "GRAD": "gradients",
+    "SHARDED_GRAD": "gradients",
+    "UNSHARDED_GRAD": "gradients",
+    "OPT": "optimizer state",
+    "ACT": "activations",
+}
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Counts the bytes of every storage an op creates until it is freed, each with
-    a tag saying what it is, and keeps what is alive at the largest peak.
+class _Alive(NamedTuple):
+    """A storage alive at a peak."""
 
-    A storage counts once however many views share it. Its tag is the phase it was
-    made in (``forward``; ``recompute``, an activation checkpoint's forward run again
-    in backward; ``backward``; ...) until :meth:`retag` names it (a gradient, the
-    optimizer state). What is alive at a peak is copied at the first free after it
-    (a local maximum); the copy reads no tensor, as a free can come in the middle of
-    a tensor's destruction.
+    nbytes: int
+    category: str
+    #: Where the step was when an op made it, or its reference type.
+    tag: str
+    #: The op that made it, or the parameter of a gradient.
+    detail: Any
+    reftype: str
+
+
+class _NoModuleTracking:
+    """Stands in for the trackers' ``ModTracker``, whose hooks on every module's
+    outputs keep gradients alive that a step without them frees (measured: one
+    chunk of the logits' gradient more at the peak, 8 MB of a 237 MB step with a
+    32K vocabulary), and whose per-module peaks, kept after every op, took most
+    of an estimate's time. Where the step is comes from :attr:`_Counting.phase`
+    (what ``FSDPMemTracker`` reads of it: ``is_bw``, ``parents``,
+    ``get_known_fqn``).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        # id(storage) -> [bytes, tag, detail]
-        self.live: dict[int, list[Any]] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        self.current = 0
-        self.peak = 0
-        self.at_peak: tuple[dict[int, tuple[int, str, Any]], str] = ({}, "")
-        self._pending = False
+    is_bw = False
+    # No enclosing module: FSDPMemTracker then never takes a second call of a
+    # unit (the early-exit loss runs the output projection again) for a second
+    # iteration, which it refuses.
+    parents = frozenset()
+
+    def get_known_fqn(self, module: nn.Module) -> str:
+        return type(module).__name__
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class _Counting:
+    """What the estimate adds to torch's ``MemTracker`` (and ``FSDPMemTracker``),
+    which count every storage until it is freed, by reference type.
+
+    - **Where the step is** (:attr:`phase`, set by the step), kept with each
+      storage an op makes (``recompute`` for an activation checkpoint's forward run
+      again in backward), and with the peak.
+    - **What is alive at the peak**, storage by storage, for the report's held
+      gradients and largest storages: copied at the first decrease after a new
+      peak (a local maximum), reading no tensor, as a free can come in the middle
+      of a tensor's destruction.
+    - **Optimizer state** is what ``optimizer.state`` holds after a step
+      (:meth:`label_state`). The trackers label whatever a step allocates as state
+      through the optimizers' step hooks, which counts a step's temporaries as
+      state, and ``FSDPMemTracker`` hooks only the optimizer it is given, so it
+      labels an in-backward optimizer's state, made by the optimizers inside it,
+      as temporaries.
+    - **Gradients** are labelled with their parameter by a hook that runs before
+      an in-backward update (:meth:`label`). The tracker's own gradient hooks,
+      installed by its module tracking, run after the update has freed the
+      gradient, and are registered on frozen parameters too, which torch refuses
+      (a LoRA model has them).
+    - **No module tracking** (:class:`_NoModuleTracking`).
+    - **Values fake tensors do not have**: while :attr:`true_when_asked` is set,
+      every question about a boolean tensor's value is answered ``True`` (PPO's
+      generation asks whether the prompts are unpadded and whether the KV cache
+      has room).
+    - **Gradient sums autograd makes in place**: autograd adds a gradient to the
+      one already waiting for the same input in place when nothing else holds
+      that buffer, but out of place when a dispatch mode is active, so counted as
+      it runs every such sum would count one gradient too many. Measured on real
+      runs, the first sum of two gradients is out of place (they are views of
+      their producers' outputs) and every later one is in place, into the previous
+      sum: only a buffer an earlier sum made counts as summed into in place.
+    """
+
+    def _start_counting(self) -> None:
+        self._mod_tracker = _NoModuleTracking()
+        #: Answer every question about a boolean tensor's value with ``True``.
+        self.true_when_asked = False
         self.phase = "setup"
-
-    def _tag(self) -> str:
-        if self.phase == "backward" and torch.is_grad_enabled():
-            # Activation checkpointing recomputes a layer's forward in backward,
-            # with grad enabled.
-            return "recompute"
-        return self.phase
-
-    def track(self, tensor: Any, tag: str | None = None, detail: Any = None) -> None:
-        for storage in _storages(tensor):
-            key = id(storage)
-            if key in self.live:
-                continue
-            nbytes = storage.nbytes()
-            self.live[key] = [nbytes, tag or self._tag(), detail]
-            self._refs[key] = weakref.ref(storage, partial(self._freed, key))
-            self._add(nbytes)
-
-    def retag(self, tensor: Any, tag: str, detail: Any = None) -> None:
-        """Name what a live tensor is (tracking it if it is not yet)."""
-        for storage in _storages(tensor):
-            entry = self.live.get(id(storage))
-            if entry is None:
-                self.track(tensor, tag, detail)
-            else:
-                entry[1], entry[2] = tag, detail
-
-    def resized(self, tensor: torch.Tensor, tag: str) -> None:
-        """After a storage's ``resize_`` (FSDP2 frees and re-allocates its gathered
-        parameters so): count its new size."""
-        for storage in _storages(tensor):
-            entry = self.live.get(id(storage))
-            if entry is None:
-                self.track(tensor, tag)
-                continue
-            delta = storage.nbytes() - entry[0]
-            if delta < 0 and self._pending:
-                self._copy_peak()
-            entry[0], entry[1] = storage.nbytes(), tag
-            self._add(delta)
-
-    def _add(self, nbytes: int) -> None:
-        self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-            self._pending = True
-
-    def _freed(self, key: int, _ref: Any) -> None:
-        if self._pending:
-            self._copy_peak()
-        nbytes = self.live.pop(key)[0]
-        self._refs.pop(key, None)
-        self.current -= nbytes
-
-    def _copy_peak(self) -> None:
+        self.peak = 0
+        self.at_peak: tuple[list[_Alive], str] = ([], "")
+        self._peak_phase = ""
         self._pending = False
-        live = {k: (v[0], v[1], v[2]) for k, v in self.live.items()}
-        self.at_peak = (live, self.phase)
+
+    @property
+    def current(self) -> int:
+        """Bytes alive now, on every device."""
+        return sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+
+    def _register_global_optimizer_hook(self) -> None:
+        """State is labelled by :meth:`label_state`, not by the optimizers' hooks."""
+
+    def track_models(self, models: list[nn.Module]) -> None:
+        """Track the parameters and buffers of ``models`` (``FSDPMemTracker``
+        tracks only its root's, when it is entered)."""
+        param = "PARAM" if "PARAM" in self._ref_class.__members__ else "SHARDED_PARAM"
+        for model in models:
+            for p in model.parameters():
+                self.label(p, param)
+            for b in model.buffers():
+                self.label(b, "BUFFER")
+
+    def label(self, tensor: torch.Tensor, reftype: str, detail: Any = None) -> None:
+        """Name what a tensor is (tracking it if it is not yet)."""
+        for winfo in self._update_and_maybe_create_winfos(
+            tensor, self._ref_class[reftype]
+        ):
+            winfo.detail = detail
+
+    def label_state(self, optimizer: torch.optim.Optimizer) -> None:
+        self._track_optimizer_states(self._ref_class["OPT"], optimizer)
+
+    def start_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = self.current
+        self._peak_phase = self.phase
+        self._copy_peak()
 
     def finish(self) -> None:
         if self._pending:
             self._copy_peak()
 
-    def reset_peak(self) -> None:
-        """Start a new peak from what is alive now."""
-        self.peak = self.current
-        self._copy_peak()
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # In place of the tracker's own, which keeps each module's peak too (a
+        # scan of every module after every op: most of an estimate's time).
+        if self.current > self.peak:
+            self.peak = self.current
+            self._peak_phase = self._where()
+            self._pending = True
 
-    def _accumulates(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
-        """The buffer autograd would sum a gradient into in place, if this op is
-        that sum. Autograd adds a gradient to the one already waiting for the same
-        input with ``add_`` when nothing else holds that buffer, but out of place
-        when a dispatch mode is active: counted as it is, every such sum would
-        count one gradient too many. Measured on real runs, the first sum of two
-        gradients is out of place (they are views of their producers' outputs)
-        and every later one is in place, into the previous sum: only a buffer an
-        earlier sum made counts as summed into in place."""
+    def _where(self) -> str:
+        state = getattr(self, "_fsdp_state", None)
+        if state is not None and state.name in ("PRE_FW", "PRE_BW"):
+            return (
+                f"all-gather in {'forward' if state.name == 'PRE_FW' else 'backward'}"
+            )
+        return self.phase
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+        if self._pending and u_type in (_UpdateType.DEL, _UpdateType.SIZE):
+            # Before the first decrease after a peak: copy it, the storage that
+            # shrinks at its size before.
+            before = (
+                winfo.mem_consumed if old_mem_consumed is None else old_mem_consumed
+            )
+            self._copy_peak(winfo, before)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _copy_peak(self, changing: Any = None, nbytes: int = 0) -> None:
+        self._pending = False
+        live = {id(w): w for w, _ in list(self._WINFO.values())}
+        if changing is not None:
+            live[id(changing)] = changing
+        self.at_peak = (
+            [
+                _Alive(
+                    nbytes if w is changing else w.mem_consumed,
+                    _CATEGORY_OF_REFTYPE.get(w.reftype.name, "temporaries"),
+                    getattr(w, "tag", w.reftype.name),
+                    getattr(w, "detail", None),
+                    w.reftype.name,
+                )
+                for w in live.values()
+            ],
+            self._peak_phase,
+        )
+
+    def _tag(self) -> str:
+        if self.phase == "backward" and torch.is_grad_enabled():
+            return "recompute"
+        return self.phase
+
+    def _summed_in_place(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """The tracked buffer autograd would sum a gradient into in place, if this
+        op is that sum."""
         if (
             func is not torch.ops.aten.add.Tensor
             or kwargs
@@ -211,24 +294,65 @@ class _LiveStorages(TorchDispatchMode):
             and a.is_contiguous()
         ):
             return None
-        entry = self.live.get(id(a.untyped_storage()))
-        if entry is None or entry[2] is not torch.ops.aten.add.Tensor:
+        winfo, _ = self._WINFO.get(a.untyped_storage(), (None, None))
+        if winfo is None or getattr(winfo, "detail", None) is not func:
             return None
-        return entry
+        return winfo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        entry = self._accumulates(func, args, kwargs)
-        if entry is not None and entry[0]:
+        if (
+            self.true_when_asked
+            and func is torch.ops.aten._local_scalar_dense.default
+            and args[0].dtype == torch.bool
+        ):
+            # A question about values fake tensors do not have.
+            return True
+        summed = self._summed_in_place(func, args, kwargs)
+        if summed is not None and summed.mem_consumed:
             # Count the sum in the first buffer's bytes: it is freed right after.
-            if self._pending:
-                self._copy_peak()
-            self.current -= entry[0]
-            entry[0] = 0
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t, detail=func)
+            before, summed.mem_consumed = summed.mem_consumed, 0
+            self._update_snap(_UpdateType.SIZE, summed, old_mem_consumed=before)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:
+            return out
+        tag = self._tag()
+        made = (self._ref_class["ACT"], self._ref_class["TEMP"])
+        reftype = made[0] if tag in ("forward", "recompute") else made[1]
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for storage in _storages(t):
+                winfo, _ = self._WINFO.get(storage, (None, None))
+                # A storage this op made: what the tracker labels by where it is
+                # (a parameter or gradient an op returns keeps its label).
+                if winfo is None or hasattr(winfo, "tag") or winfo.reftype not in made:
+                    continue
+                winfo.tag, winfo.detail = tag, func
+                if winfo.reftype is not reftype:
+                    old, winfo.reftype = winfo.reftype, reftype
+                    self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
         return out
+
+
+class _Tracker(_Counting, MemTracker):
+    """torch's ``MemTracker``, counting as the estimate needs (:class:`_Counting`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._start_counting()
+
+
+class _FSDPTracker(_Counting, FSDPMemTracker):
+    """torch's ``FSDPMemTracker``, counting as the estimate needs
+    (:class:`_Counting`): FSDP2's gathered parameters, its all-gather and
+    reduce-scatter buffers, by the tracker's own instrumentation."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__(models[0])
+        # It instruments the FSDP2 units under one root: all of the step's models
+        # (DPO's policy and reference).
+        self._root_mod = nn.ModuleList(models)
+        self._start_counting()
 
 
 # -- the report --------------------------------------------------------------------
@@ -446,11 +570,16 @@ def _optimizer_note(optimizer_cls: Any) -> str:
     module = getattr(optimizer_cls, "__module__", "")
     name = getattr(optimizer_cls, "__name__", str(optimizer_cls))
     if module.startswith("bitsandbytes"):
+        layout = (
+            "uint8 per element and an fp32 absmax per block of 256; fp32 for "
+            "parameters under 4096 elements"
+            if "8bit" in name
+            else "fp32 per element"
+        )
         note = (
-            f"{name}'s own init_state on fake tensors (uint8 per element and an fp32 "
-            "absmax per block of 256; fp32 for parameters under 4096 elements); its "
-            "update kernel cannot run on fake tensors: on CUDA it is in place and "
-            "allocates nothing, on CPU its torch fallback is run"
+            f"{name}'s own init_state on fake tensors ({layout}); its update kernel "
+            "cannot run on fake tensors: on CUDA it is in place and allocates "
+            "nothing, on CPU its torch fallback is run"
         )
         if "Paged" in name:
             note += (
@@ -478,6 +607,13 @@ class _Setup:
     #: Gradient bytes (whole and this rank's shard) of each trainable parameter
     #: used more than once in a step -> its name and why its sum is held.
     tied_bytes: dict[int, tuple[str, str]]
+    #: What counts the step's memory (``None`` for a real run).
+    tracker: _Counting | None = None
+    #: Every model the step runs (``model`` first: DPO's reference, PPO's
+    #: reference, value and reward models).
+    models: list[nn.Module] = field(default_factory=list)
+    #: The recipe object whose methods the step calls, built without ``__init__``.
+    recipe: Any = None
 
 
 def _tied_parameters(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -547,16 +683,28 @@ class _Estimator:
 
     # -- the model ---------------------------------------------------------------
 
-    def _build_model(self, fake_mode: Any) -> nn.Module:
+    def _build_model(
+        self,
+        fake_mode: Any,
+        cfg_model: DictConfig,
+        *,
+        trainable: bool = True,
+        prepare: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> nn.Module:
+        """Build a model as the recipe does: activation checkpointing for a
+        trainable one, ``prepare`` (QAT's quantizer), FSDP2; frozen and in eval
+        mode if not ``trainable``."""
         from torchtune import config, modules, training
         from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
         opts = self.opts
         with training.set_default_dtype(opts.dtype), torch.device("meta"):
-            model = config.instantiate(self.cfg.model)
+            model = config.instantiate(cfg_model)
         if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
-        if opts.enable_activation_checkpointing:
+        if not trainable:
+            pass
+        elif opts.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
@@ -568,6 +716,11 @@ class _Estimator:
             apply_selective_activation_checkpointing(
                 model, opts.ac_mode, opts.ac_option
             )
+        if prepare is not None:
+            model = prepare(model)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
         if self.distributed and self.nproc > 1:
             from torchtune.training._distributed import (
                 get_shard_conditions,
@@ -600,29 +753,64 @@ class _Estimator:
                     m.rope_init()
                 for name, buf in list(m.named_buffers(recurse=False)):
                     if fake_mode is not None:
-                        m._buffers[name] = fake_mode.from_tensor(buf)
+                        setattr(m, name, fake_mode.from_tensor(buf))
         return model
 
-    def _build(
-        self, fake_mode: Any, in_backward: bool, tracker: _LiveStorages | None
-    ) -> _Setup:
-        from torchtune import config, training
+    def _build(self, fake_mode: Any, in_backward: bool, count: bool) -> _Setup:
+        from torch.distributed.fsdp import FSDPModule
 
-        model = self._build_model(fake_mode)
+        from torchtune import config
+
+        recipe = _recipe_class(self.recipe).__new__(_recipe_class(self.recipe))
+        recipe._dtype, recipe._device = self.opts.dtype, torch.device("cpu")
+        recipe._opts, recipe._optimizer_in_bwd = self.opts, in_backward
+        # Activation offloading is not modeled (see the notes).
+        recipe._activations_handling_ctx = contextlib.nullcontext()
+        build = partial(self._build_model, fake_mode)
+        cfg = self.cfg
+        if self.recipe == "ppo_full_finetune_single_device":
+            policy = build(cfg.policy_model)
+            models = [
+                policy,
+                build(cfg.policy_model, trainable=False),
+                build(cfg.reward_and_value_model),
+                build(cfg.reward_and_value_model, trainable=False),
+            ]
+            (
+                recipe._policy_model,
+                recipe._ref_policy_model,
+                recipe._value_model,
+                recipe._reward_model,
+            ) = models
+        elif self.recipe == "full_dpo_distributed":
+            models = [build(cfg.model), build(cfg.model, trainable=False)]
+            recipe._model, recipe._ref_model = models
+        elif self.recipe == "qat_distributed":
+            # The recipe's own quantizer and its preparation of the model.
+            recipe._quantizer = recipe._setup_quantizer(cfg.quantizer)
+            models = [build(cfg.model, prepare=recipe._prepare_model)]
+        else:
+            models = [build(cfg.model)]
+        model = recipe._model = models[0]
         names = {p: n for n, p in model.named_parameters()}
+        if len(models) > 2:  # PPO's value model is trained too
+            names |= {p: f"value model {n}" for n, p in models[2].named_parameters()}
         setup = _Setup(model, None, None, names, _tied_parameters(model))
-        if tracker is not None:
-            self._tag_gradients(setup, tracker)
+        setup.models, setup.recipe = models, recipe
+        if self.recipe == "ppo_full_finetune_single_device":
+            self._set_up_ppo(recipe)
+        elif self.recipe.startswith("dev/early"):
+            self._set_up_early_exit(recipe, model)
+        if count:
+            setup.tracker = (
+                _FSDPTracker(models) if isinstance(model, FSDPModule) else _Tracker()
+            )
+            self._label_gradients(setup)
         # Built outside fake mode: bitsandbytes computes its quantization maps from
         # values when built; the state comes in the first step, on fake tensors.
-        optimizer = training.build_optimizer(
-            model.parameters(),
-            partial(config.instantiate, self.cfg.optimizer),
-            in_backward=in_backward,
-            bucket_cap_mb=self.opts.bucket_cap_mb,
-            max_norm=self.opts.clip_grad_norm,
-        )
-        loss_fn = config.instantiate(self.cfg.loss)
+        # The recipe's own method (the parameters it optimizes, its options).
+        optimizer = recipe._optimizer = recipe._setup_optimizer(cfg.optimizer)
+        loss_fn = recipe._loss_fn = config.instantiate(self.cfg.loss)
         if hasattr(loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(loss_fn.num_output_chunks)
             output = getattr(model, "output", None)
@@ -640,64 +828,133 @@ class _Estimator:
                 ):
                     setup.tied_bytes.setdefault(nbytes, (names[weight], why))
         setup.optimizer, setup.loss_fn = optimizer, loss_fn
+        if count and self.recipe == "ppo_full_finetune_single_device":
+            self._follow_ppo_phases(setup)
         return setup
+
+    def _set_up_early_exit(self, recipe: Any, model: nn.Module) -> None:
+        """The early-exit loss as the recipe sets it up (no curriculum step)."""
+        from types import SimpleNamespace
+
+        from torch.distributed.fsdp import FSDPModule
+
+        recipe.progress = SimpleNamespace(total_epochs=1, global_step=0)
+        recipe._steps_per_epoch = 1
+        cfg_loss = self.cfg.get("early_exit_loss", None)
+        recipe._early_exit_layers, _ = recipe._setup_early_exit_loss(cfg_loss)
+        recipe._set_output_hidden_states()
+        if recipe._early_exit_layers is not None:
+            recipe._final_hidden = None
+            model.norm.register_forward_pre_hook(recipe._keep_final_hidden)
+            if isinstance(model, FSDPModule):
+                model.set_reshard_after_forward(False, recurse=False)
+        if self.cfg.get("layer_dropout", None):
+            self.notes.append(
+                "layer_dropout is not modeled: every layer runs (an upper bound)"
+            )
+
+    def _set_up_ppo(self, recipe: Any) -> None:
+        """What the PPO recipe reads of its config to generate and optimize, with
+        a tokenizer that only names its special ids (generation runs for
+        ``max_generated_tokens``: no response stops early)."""
+        from types import SimpleNamespace
+
+        cfg = self.cfg
+        stop = list(cfg.get("stop_token_ids", None) or [1])
+        recipe._tokenizer = SimpleNamespace(pad_id=0, eos_id=stop[0], stop_tokens=stop)
+        recipe._setup_generation_and_rewards(cfg)
+        recipe.batch_size = int(cfg.batch_size)
+        recipe._forward_batch_size = int(cfg.forward_batch_size)
+        recipe._ppo_epochs = int(cfg.ppo_epochs)
+        recipe._ppo_batch_size = recipe._ppo_backward_batch_size = int(
+            cfg.ppo_batch_size
+        )
+        recipe._gradient_accumulation_steps = 1
+        # Fake tensors draw without a generator (the recipe's is seeded).
+        recipe._rng = None
+        recipe._optimizer_steps = 0
+        self.notes.append(
+            f"PPO: prompts of {self.seq_len} tokens and responses of "
+            f"{cfg.max_generated_tokens} (max_generated_tokens)"
+        )
+        if cfg.ppo_epochs * cfg.batch_size > cfg.ppo_batch_size:
+            self.notes.append(
+                f"a PPO step takes {cfg.ppo_epochs * cfg.batch_size // cfg.ppo_batch_size}"
+                " optimizer steps: the peak is that of the whole PPO step"
+            )
 
     # -- what is alive ------------------------------------------------------------
 
-    def _tag_gradients(self, setup: _Setup, tracker: _LiveStorages) -> None:
-        """Tag each gradient as it is assigned, before any optimizer hook uses it:
-        these hooks are registered before the optimizer registers its own."""
+    def _label_gradients(self, setup: _Setup) -> None:
+        """Label each gradient, with its parameter, as it is assigned, before any
+        optimizer hook uses it: these hooks are registered before the optimizer
+        registers its own."""
+        tracker = setup.tracker
+        reftype = "SHARDED_GRAD" if isinstance(tracker, _FSDPTracker) else "GRAD"
 
         def tag(param: torch.Tensor) -> None:
             if param.grad is not None:
-                tracker.retag(param.grad, "gradients", param)
+                tracker.label(param.grad, reftype, param)
 
-        for param in setup.model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(tag)
+        for model in setup.models:
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(tag)
 
-    def _peak(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> Peak:
+    def _follow_ppo_phases(self, setup: _Setup) -> None:
+        """The PPO recipe runs forward, backward and optimizer steps inside one
+        method: its models' forward, its loss and the optimizer's step say where
+        it is."""
+        tracker = setup.tracker
+
+        def forward(*args: Any) -> None:
+            if torch.is_grad_enabled() and tracker.phase != "backward":
+                tracker.phase = "forward"
+
+        def backward(*args: Any) -> None:
+            tracker.phase = "backward"
+
+        def step(*args: Any) -> None:
+            tracker.phase = "optimizer step"
+
+        for model in (setup.models[0], setup.models[2]):
+            model.register_forward_pre_hook(forward)
+        setup.loss_fn.register_forward_hook(backward)
+        setup.optimizer.register_step_pre_hook(step)
+
+    def _peak(self, setup: _Setup, tracker: _Counting, in_backward: bool) -> Peak:
         live, phase = tracker.at_peak
-        peak = Peak(total=sum(v[0] for v in live.values()), phase=phase)
+        peak = Peak(total=sum(v.nbytes for v in live), phase=phase)
         by_cat = dict.fromkeys(CATEGORIES, 0)
-        tags = {
-            "setup": "temporaries",
-            "forward": "activations",
-            "recompute": "activations",
-            "all-gather in forward": "unsharded parameters",
-            "all-gather in backward": "unsharded parameters",
-        }
         tied = dict(setup.tied_bytes)
         # Largest first: a parameter's whole gradient sum before its shard's size.
-        for nbytes, tag, detail in sorted(live.values(), key=lambda v: -v[0]):
-            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
-            by_cat[cat] += nbytes
+        live = sorted(live, key=lambda v: -v.nbytes)
+        for v in live:
+            by_cat[v.category] += v.nbytes
             if not in_backward:
                 continue
-            if cat == "gradients":
+            if v.category == "gradients":
                 held = _why_held(
-                    setup.optimizer, detail, setup.param_names, nbytes, phase
+                    setup.optimizer, v.detail, setup.param_names, v.nbytes, phase
                 )
                 if held is not None:
                     peak.held_gradients.append(held)
-            elif tag == "backward" and nbytes in tied:
-                name, why = _pop_name(tied, nbytes)
-                peak.held_gradients.append((f"gradient sum of {name}", nbytes, why))
-            elif tag.startswith("reduce-scatter"):
+            elif v.reftype == "REDUCE_SCATTER":
                 peak.held_gradients.append(
                     (
                         "reduce-scatter buffer",
-                        nbytes,
+                        v.nbytes,
                         "FSDP2 flattens a unit's gradients to reduce-scatter them "
                         "before any of them reaches the optimizer",
                     )
                 )
+            elif v.tag == "backward" and v.nbytes in tied:
+                name, why = _pop_name(tied, v.nbytes)
+                peak.held_gradients.append((f"gradient sum of {name}", v.nbytes, why))
         peak.by_category = by_cat
-        biggest = sorted(live.values(), key=lambda v: -v[0])[:8]
-        for nbytes, tag, detail in biggest:
-            cat = tag if tag in CATEGORIES else tags.get(tag, "temporaries")
-            what = setup.param_names.get(detail) or str(detail or tag)
-            peak.largest.append((nbytes, cat, f"{tag}: {what}"))
+        for v in live[:8]:
+            what = setup.param_names.get(v.detail) or str(v.detail or v.reftype)
+            peak.largest.append((v.nbytes, v.category, f"{v.tag}: {what}"))
         return peak
 
     # -- the step ------------------------------------------------------------------
@@ -710,70 +967,160 @@ class _Estimator:
             "labels": torch.randint(0, vocab, (bsz, seq)),
         }
 
-    def _step(self, setup: _Setup, tracker: _LiveStorages, in_backward: bool) -> None:
-        """One training step as the recipes take it (one batch per step)."""
-        import torch.distributed as dist
+    def _step(self, setup: _Setup, tracker: Any, in_backward: bool) -> None:
+        """One training step as the recipe takes it (one batch per step), through
+        the recipe's own methods where its loop has them."""
+        if self.recipe == "ppo_full_finetune_single_device":
+            self._ppo_step(setup, tracker)
+            return
+        tracker.phase = "forward"
+        if self.recipe == "full_dpo_distributed":
+            # A mean over the batch's pairs: nothing to scale by.
+            loss, scale = self._dpo_loss(setup), None
+        else:
+            loss, num_tokens = self._loss_step(setup)
+            # The recipes backpropagate the token sum and scale the gradients by
+            # the step's (global) token count.
+            loss = loss * num_tokens
+            world = self.nproc if self.distributed else 1
+            if world > 1:
+                torch.distributed.all_reduce(num_tokens)
+            scale = world / num_tokens
+        tracker.phase = "backward"
+        self._backward_and_update(setup, tracker, loss, scale, in_backward)
+
+    def _backward_and_update(
+        self,
+        setup: _Setup,
+        tracker: Any,
+        loss: torch.Tensor,
+        scale: torch.Tensor | None,
+        in_backward: bool,
+    ) -> None:
+        """What every recipe's loop does after its loss, in either mode."""
+        from torch.distributed.fsdp import FSDPModule
 
         from torchtune import training
 
-        model, optimizer, loss_fn = setup.model, setup.optimizer, setup.loss_fn
-        ignore_index = loss_fn.ignore_index
-        batch = self._batch()
-        tracker.phase = "forward"
-        labels = batch.pop("labels")
-        num_tokens = (labels != ignore_index).sum()
-        logits = model(**batch)
-        labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
-        if not isinstance(logits, list):
-            logits = logits.reshape(-1, logits.size(-1))
-            labels = labels.reshape(-1)
-        loss = loss_fn(logits, labels) * num_tokens
-        del logits
-        tracker.phase = "backward"
-        world = self.nproc if self.distributed else 1
-        if world > 1:
-            dist.all_reduce(num_tokens)
+        model, optimizer = setup.model, setup.optimizer
         if in_backward:
-            optimizer.backward(loss, grad_scale=world / num_tokens)
+            kwargs = {} if scale is None else {"grad_scale": scale}
+            if isinstance(model, FSDPModule) and self.recipe.startswith("dev/early"):
+                # The early-exit loss reads out hidden states with the root unit's
+                # norm and output outside its forward.
+                kwargs["before_update_pass"] = model.unshard
+            optimizer.backward(loss, **kwargs)
         else:
             loss.backward()
         del loss
         tracker.phase = "optimizer step"
         if not in_backward:
             training.scale_and_clip_grads_(
-                model.parameters(), world / num_tokens, self.opts.clip_grad_norm
+                model.parameters(), scale, self.opts.clip_grad_norm
             )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tracker.phase = "between steps"
 
+    def _loss_step(self, setup: _Setup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recipe's ``_loss_step`` (early exit: its loop's forward and loss)."""
+        from torchtune import training
+        from torchtune.modules.early_exit_loss import early_exit_loss
+
+        recipe, batch = setup.recipe, self._batch()
+        if not self.recipe.startswith("dev/early"):
+            return recipe._loss_step(batch)
+        labels, num_tokens = training.next_token_labels(
+            batch.pop("labels"), recipe._loss_fn.ignore_index
+        )
+        logits, hidden_states = recipe._exit_hidden_states(setup.model(**batch))
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+        if not hidden_states:
+            return recipe._loss_fn(logits, labels), num_tokens
+        loss = early_exit_loss(
+            setup.model,
+            hidden_states,
+            labels,
+            recipe._loss_fn,
+            recipe._early_exit_loss_scale,
+            recipe._early_exit_loss_scale_fn,
+        )
+        return loss, num_tokens
+
+    def _dpo_loss(self, setup: _Setup) -> torch.Tensor:
+        """DPO's loss over ``batch_size`` pairs, with the recipe's
+        ``concatenated_forward`` of the policy and (without autograd) the
+        reference."""
+        recipe, bsz, seq = setup.recipe, int(self.cfg.batch_size), self.seq_len
+        batch = (
+            torch.randint(0, 2, (2 * bsz, seq)),
+            torch.randint(0, 2, (2 * bsz, seq)),
+        )
+        chosen, rejected, _, _ = recipe.concatenated_forward(recipe._model, batch)
+        with torch.no_grad():
+            ref_chosen, ref_rejected, _, _ = recipe.concatenated_forward(
+                recipe._ref_model, batch
+            )
+        losses, _, _ = recipe._loss_fn(chosen, rejected, ref_chosen, ref_rejected)
+        return losses.mean()
+
+    def _ppo_step(self, setup: _Setup, tracker: Any) -> None:
+        """A PPO step as the recipe's loop takes it: the recipe's generation and
+        scoring of ``batch_size`` prompts, then its optimization over them (each
+        minibatch's forward, backward and optimizer step)."""
+        from torchtune import rlhf
+
+        recipe = setup.recipe
+        # Token ids other than pad_id (0): prompts without padding.
+        input_ids = torch.randint(1, 3, (recipe.batch_size, self.seq_len))
+        tracker.phase = "generation"
+        # Generation asks whether prompts are padded and whether its KV cache has
+        # room: taken as unpadded, and with room (no response stops early).
+        tracker.true_when_asked = True
+        trajectory = recipe.generate_trajectory_batched(input_ids)
+        tracker.true_when_asked = False
+        rewards, _, _ = rlhf.get_rewards_ppo(
+            trajectory.scores,
+            trajectory.logprobs,
+            trajectory.ref_logprobs,
+            recipe._kl_coeff,
+            trajectory.value_seq_idxs,
+        )
+        advantages, returns = rlhf.estimate_advantages(
+            trajectory.values,
+            rewards,
+            recipe._gamma,
+            recipe._lmbda,
+            masks=~trajectory.response_padding_masks,
+        )
+        tracker.phase = "forward"
+        recipe._optimize(trajectory, advantages, returns, input_ids.shape[1])
+        tracker.phase = "between steps"
+
     def run(self, in_backward: bool) -> tuple[ModeEstimate, _Setup]:
         """Two training steps on fake tensors, counted; the second is reported."""
-        from torch._subclasses import FakeTensorMode
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
         start = time.perf_counter()
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        tracker = _LiveStorages()
-        setup = self._build(fake_mode, in_backward, tracker)
+        setup = self._build(fake_mode, in_backward, count=True)
+        tracker = setup.tracker
         device = "cpu" if self.target_device == "cpu" else "cuda"
         patches = _bnb_patch(device), _torchao_patch(), _phase_patch(tracker)
-        with patches[0], patches[1], patches[2], fake_mode, tracker:
-            for t in setup.model.parameters():
-                tracker.track(t, "parameters")
-            for t in setup.model.buffers():
-                tracker.track(t, "buffers")
-            peaks = []
-            for _ in range(2):
-                step_start = tracker.current
-                tracker.reset_peak()
-                self._step(setup, tracker, in_backward)
-                tracker.finish()
-                peaks.append(tracker.peak)
-                # State made in this step is the optimizer's from now on.
-                for s in setup.optimizer.state.values():
-                    for v in s.values():
-                        if isinstance(v, torch.Tensor):
-                            tracker.retag(v, "optimizer state")
+        with patches[0], patches[1], patches[2], fake_mode:
+            tracker.track_models(setup.models)
+            with tracker:
+                peaks = []
+                for _ in range(2):
+                    step_start = tracker.current
+                    tracker.start_peak()
+                    self._step(setup, tracker, in_backward)
+                    tracker.finish()
+                    peaks.append(tracker.peak)
+                    # State made in this step is the optimizer's from now on.
+                    tracker.label_state(setup.optimizer)
             peak = self._peak(setup, tracker, in_backward)
         seconds = time.perf_counter() - start
         return ModeEstimate(peak, peaks[0], step_start, seconds), setup
@@ -781,7 +1128,7 @@ class _Estimator:
     def build_real(self, in_backward: bool) -> _Setup:
         """What :meth:`run` builds, on real CPU tensors (randomly initialized), for
         a measured run of a small config to check the estimate against."""
-        return self._build(None, in_backward, None)
+        return self._build(None, in_backward, count=False)
 
     def step_real(self, setup: _Setup, in_backward: bool) -> None:
         """One training step of :meth:`build_real`'s setup, as :meth:`run` takes it."""
@@ -794,6 +1141,29 @@ class _Phase:
     """Where a step is, for a run that counts nothing."""
 
     phase = ""
+
+
+@functools.cache
+def _recipe_class(recipe: str) -> type:
+    """The recipe's class, from the installed recipe file (recipes are files, not
+    a package), so that the estimate runs the recipe's own methods."""
+    import importlib.util
+
+    import torchtune
+
+    path = Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py"
+    spec = importlib.util.spec_from_file_location(
+        "_estimated_" + recipe.replace("/", "_"), path
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return next(
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and value.__module__ == module.__name__
+        and hasattr(value, "train")
+    )
 
 
 def _pop_name(sizes: dict[int, Any], nbytes: int) -> Any:
@@ -824,61 +1194,23 @@ def _why_held(
 
 
 @contextlib.contextmanager
-def _phase_patch(tracker: _LiveStorages) -> Iterator[None]:
-    """Count FSDP2's gathered parameters, which it allocates and frees by resizing
-    their storages (no op does); tag what FSDP2's all-gathers and reduce-scatters
-    and the in-backward updates allocate."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
-
-    def alloc_storage(tensor: torch.Tensor) -> None:
-        alloc(tensor)
-        tracker.resized(tensor, "unsharded parameters")
-
-    def free_storage(tensor: torch.Tensor) -> None:
-        free(tensor)
-        tracker.resized(tensor, "unsharded parameters")
-
-    def tagged(method: Callable, phase: str) -> Callable:
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-            outer = tracker.phase
-            if phase == "all-gather":
-                # In forward, or ahead of a unit's backward.
-                inner = (
-                    f"all-gather in {'forward' if 'forward' in outer else 'backward'}"
-                )
-            else:
-                inner = phase
-            tracker.phase = inner
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                tracker.phase = outer
-
-        return run
-
+def _phase_patch(tracker: _Counting) -> Iterator[None]:
+    """Say when an in-backward update runs, and take every step as finite (fake
+    tensors have no values to check)."""
     from torchtune.training.memory import OptimizerInBackward
 
-    group_cls = _fsdp_param_group.FSDPParamGroup
+    update = OptimizerInBackward._update
+
+    def tagged_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer, tracker.phase = tracker.phase, "update in backward"
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            tracker.phase = outer
+
     patches = [
-        (
-            OptimizerInBackward,
-            "_update",
-            tagged(OptimizerInBackward._update, "update in backward"),
-        ),
-        # Fake tensors have no values to check: every step is taken as finite.
+        (OptimizerInBackward, "_update", tagged_update),
         (OptimizerInBackward, "_finite", lambda self, value, on_every_rank: True),
-        (_fsdp_param, "alloc_storage", alloc_storage),
-        (_fsdp_param, "free_storage", free_storage),
-        (_fsdp_param_group, "alloc_storage", alloc_storage),
-        (group_cls, "post_backward", tagged(group_cls.post_backward, "reduce-scatter")),
-        (group_cls, "unshard", tagged(group_cls.unshard, "all-gather")),
-        (
-            group_cls,
-            "wait_for_unshard",
-            tagged(group_cls.wait_for_unshard, "all-gather"),
-        ),
     ]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
@@ -996,7 +1328,7 @@ def estimate(
             results[in_bwd], setups[in_bwd] = estimator.run(in_bwd)
             est_notes = estimator.notes
     setup = setups[False]
-    params = list(setup.model.parameters())
+    params = [p for model in setup.models for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
     state = [
         v

@@ -70,15 +70,17 @@ def measured(name: str, cfg, in_backward: bool) -> tuple[int, int, dict[str, int
     return _MEASURED[key]
 
 
-def measure_real_step(cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]:
+def measure_real_step(
+    cfg, in_backward: bool, seq_len: int = SEQ_LEN, recipe: str = RECIPE
+) -> tuple[int, int, dict[str, int]]:
     """The second training step of ``cfg`` on real tensors: bytes alive at its start,
     its peak, and what the first step left (parameter, gradient and state bytes)."""
     estimator = me._Estimator(
-        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), RECIPE, 1, SEQ_LEN
+        OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), recipe, 1, seq_len
     )
     torch.manual_seed(0)
     setup = estimator.build_real(in_backward)
-    params = list(setup.model.parameters())
+    params = [p for model in setup.models for p in model.parameters()]
     grad_bytes = {}
 
     def record(param: torch.Tensor) -> None:
@@ -87,7 +89,8 @@ def measure_real_step(cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]
             grad_bytes[param] = param.grad.untyped_storage().nbytes()
 
     for p in params:
-        p.register_post_accumulate_grad_hook(record)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(record)
     estimator.step_real(setup, in_backward)  # creates the optimizer state
     state = [
         v
@@ -96,7 +99,8 @@ def measure_real_step(cfg, in_backward: bool) -> tuple[int, int, dict[str, int]]
         if isinstance(v, torch.Tensor)
     ]
     alive = {}
-    for t in [*params, *setup.model.buffers(), *state]:
+    buffers = [b for model in setup.models for b in model.buffers()]
+    for t in [*params, *buffers, *state]:
         for storage in me._storages(t):
             alive[id(storage)] = storage.nbytes()
     with profile(profile_memory=True) as prof:
@@ -145,6 +149,75 @@ def test_estimated_peak_is_the_real_steps_peak(estimates, name, in_backward):
     assert mode.step_start == start
     torch.testing.assert_close(
         mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
+    )
+
+
+def recipe_configs() -> dict[str, OmegaConf]:
+    """A tiny config of each recipe with a step of its own, run on one process."""
+    return {
+        "full_dpo_distributed": OmegaConf.merge(
+            tiny_config(), {"loss": {"_component_": "torchtune.rlhf.loss.DPOLoss"}}
+        ),
+        "qat_distributed": OmegaConf.merge(
+            tiny_config(),
+            {
+                "quantizer": {
+                    "_component_": "torchtune.training.quantization."
+                    "Int8DynActInt4WeightQATQuantizer",
+                    "groupsize": 32,
+                }
+            },
+        ),
+        "dev/early_exit_finetune_distributed": OmegaConf.merge(
+            tiny_config(checkpointing=False),
+            {
+                "loss": {"_component_": "torch.nn.CrossEntropyLoss"},
+                "early_exit_loss": {"layers": ":"},
+            },
+        ),
+        "ppo_full_finetune_single_device": OmegaConf.load(
+            "tests/recipes/configs/tiny_ppo_single_device.yaml"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def recipe_estimates() -> dict:
+    return {
+        recipe: (cfg, me.estimate(cfg, recipe=recipe, seq_len=SEQ_LEN))
+        for recipe, cfg in recipe_configs().items()
+    }
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "in_bwd"])
+@pytest.mark.parametrize("recipe", list(recipe_configs()))
+def test_each_recipes_estimated_peak_is_its_real_steps_peak(
+    recipe_estimates, recipe, in_backward
+):
+    # DPO's two models, QAT's fake quantization, the early-exit read-outs and PPO's
+    # generation and minibatch steps, run on real tensors as on fake ones.
+    cfg, est = recipe_estimates[recipe]
+    mode = est.in_backward if in_backward else est.plain
+    start, peak, _ = measure_real_step(cfg, in_backward, SEQ_LEN, recipe)
+    torch.testing.assert_close(
+        mode.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
+    )
+
+
+def test_tracking_keeps_nothing_alive_that_the_step_frees():
+    # torch's trackers hook every module's outputs, which kept a chunk of the
+    # logits' gradient alive past its use (4 MB here): large enough a vocabulary
+    # and sequence to show it against the tolerance.
+    seq_len = 128
+    cfg = OmegaConf.merge(
+        tiny_config(vocab_size=32000),
+        {"batch_size": 2, "tokenizer": {"max_seq_len": seq_len}},
+    )
+    est = me.estimate(cfg, recipe=RECIPE, seq_len=seq_len)
+    start, peak, _ = measure_real_step(cfg, False, seq_len)
+    assert est.plain.step_start == start
+    torch.testing.assert_close(
+        est.plain.peak.total - start, peak - start, rtol=RTOL, atol=ATOL
     )
 
 
@@ -206,15 +279,58 @@ def test_bitsandbytes_state_is_its_documented_layout(estimates):
     assert est.optimizer_state_bytes == expected + 2 * 256 * 4
 
 
-def test_distributed_estimate_is_per_rank(estimates):
-    cfg, single = estimates["adamw"]
-    est = me.estimate(cfg, recipe="full_finetune_distributed", nproc=2, seq_len=SEQ_LEN)
+@pytest.fixture(scope="module")
+def distributed(estimates) -> me.Estimate:
+    """The ``adamw`` config's estimate for FSDP2 over 2 ranks."""
+    cfg, _ = estimates["adamw"]
+    return me.estimate(
+        cfg, recipe="full_finetune_distributed", nproc=2, seq_len=SEQ_LEN
+    )
+
+
+def test_distributed_estimate_is_per_rank(estimates, distributed):
+    _, single = estimates["adamw"]
+    est = distributed
     # Every dimension is even: each of 2 ranks holds half of every parameter.
     assert est.param_bytes * 2 == single.param_bytes
     assert est.gradient_bytes * 2 == single.gradient_bytes
     # In-backward keeps a few scalars more (the gradient scale), nothing else.
     assert est.in_backward.peak.total <= est.plain.peak.total + 64
     assert est.plain.peak.by_category["parameters"] == est.param_bytes
+
+
+@pytest.mark.parametrize("where", ["one device", "FSDP2"])
+def test_in_backward_state_is_optimizer_state_and_step_temporaries_are_not(
+    estimates, distributed, where
+):
+    # torch's trackers label state through the optimizers' step hooks: whatever a
+    # step allocates (its temporaries too) as state, and under FSDP2 only the
+    # state of the optimizer they are given, so an in-backward optimizer's state,
+    # made by the optimizers inside it in backward, as temporaries. The estimate
+    # labels what the optimizer's state holds after a step instead.
+    est = estimates["adamw"][1] if where == "one device" else distributed
+    for mode in (est.plain, est.in_backward):
+        assert mode.peak.by_category["optimizer state"] == est.optimizer_state_bytes
+
+
+def test_a_change_in_the_recipes_step_moves_the_estimate(estimates, monkeypatch):
+    # The estimate runs the recipe's own _loss_step: a recipe that averages the
+    # loss of two forward passes over the batch (both kept for backward) has
+    # twice the activations at a peak in backward, and the estimate says so.
+    cfg, before = estimates["activations"]
+    recipe = me._recipe_class(RECIPE)
+    loss_step = recipe._loss_step
+
+    def two_forward_passes(self, batch):
+        first, num_tokens = loss_step(self, dict(batch))
+        second, _ = loss_step(self, batch)
+        return (first + second) / 2, num_tokens
+
+    monkeypatch.setattr(recipe, "_loss_step", two_forward_passes)
+    after = me.estimate(cfg, recipe=RECIPE, seq_len=SEQ_LEN)
+    activations = before.plain.peak.by_category["activations"]
+    assert after.plain.peak.by_category["activations"] >= 2 * activations > 0
+    assert after.plain.peak.total > before.plain.peak.total
 
 
 def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
@@ -245,7 +361,7 @@ def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
 
 def test_refuses_a_recipe_it_does_not_reproduce():
     with pytest.raises(ValueError, match="not one the estimate reproduces"):
-        me.estimate(tiny_config(), recipe="ppo_full_finetune_single_device")
+        me.estimate(tiny_config(), recipe="lora_dpo_single_device")
     with pytest.raises(ValueError, match="--nproc must be 1"):
         me.estimate(tiny_config(), recipe=RECIPE, nproc=2)
 
@@ -292,3 +408,77 @@ def test_lora_trains_only_the_adapter():
     assert est.gradient_bytes == 4 * est.trainable_params
     # AdamW's state: two fp32 moments and a step count per adapter parameter.
     assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * 8
+
+
+def test_dpo_counts_the_frozen_reference_beside_the_policy():
+    cfg = OmegaConf.merge(
+        tiny_config(), {"loss": {"_component_": "torchtune.rlhf.loss.DPOLoss"}}
+    )
+    est = me.estimate(cfg, recipe="full_dpo_distributed", nproc=2, seq_len=SEQ_LEN)
+    # The reference is the policy's twin and trains nothing.
+    assert est.params == 2 * est.trainable_params
+    assert est.param_bytes == 2 * est.gradient_bytes
+    assert est.plain.peak.by_category["parameters"] == est.param_bytes
+    assert est.in_backward.peak.total <= est.plain.peak.total
+
+
+def test_ppo_counts_its_four_models_and_trains_two():
+    cfg = OmegaConf.load("tests/recipes/configs/tiny_ppo_single_device.yaml")
+    est = me.estimate(cfg, recipe="ppo_full_finetune_single_device")
+    # Policy and value model train; their frozen twins (reference, reward) do not.
+    assert est.params == 2 * est.trainable_params
+    assert est.plain.peak.by_category["parameters"] == est.param_bytes
+    # AdamW's two fp32 moments and a step count for each trained parameter.
+    trained = len([p for m in (0, 2) for p in cfg_models(cfg)[m]])
+    assert est.optimizer_state_bytes == 2 * est.gradient_bytes + 4 * trained
+    assert est.in_backward.peak.total <= est.plain.peak.total
+    assert any("responses of 8 (max_generated_tokens)" in n for n in est.notes)
+
+
+def cfg_models(cfg) -> list[list[str]]:
+    """The parameter names of PPO's four models, in the recipe's order."""
+    from torchtune import config
+
+    with torch.device("meta"):
+        policy = config.instantiate(cfg.policy_model)
+        value = config.instantiate(cfg.reward_and_value_model)
+    names = [[n for n, _ in m.named_parameters()] for m in (policy, value)]
+    return [names[0], names[0], names[1], names[1]]
+
+
+def test_qat_counts_the_fake_quantization(distributed):
+    cfg = OmegaConf.merge(
+        tiny_config(),
+        {
+            "quantizer": {
+                "_component_": "torchtune.training.quantization."
+                "Int8DynActInt4WeightQATQuantizer",
+                "groupsize": 32,
+            }
+        },
+    )
+    est = me.estimate(cfg, recipe="qat_distributed", nproc=2, seq_len=SEQ_LEN)
+    # The same model and step as full fine-tuning, plus the fake-quantized
+    # weights and activations the quantizer's layers make in forward.
+    assert est.param_bytes == distributed.param_bytes
+    assert est.plain.peak.total > distributed.plain.peak.total
+
+
+def test_early_exit_counts_the_hidden_states_it_reads_out():
+    cfg = OmegaConf.merge(
+        tiny_config(checkpointing=False),
+        {"loss": {"_component_": "torch.nn.CrossEntropyLoss"}},
+    )
+    recipe = "dev/early_exit_finetune_distributed"
+    plain = me.estimate(cfg, recipe=recipe, nproc=2, seq_len=SEQ_LEN)
+    cfg.early_exit_loss = {"layers": ":", "include_last_layer": True}
+    early = me.estimate(cfg, recipe=recipe, nproc=2, seq_len=SEQ_LEN)
+    # Every layer's output is read out through the norm and output projection.
+    assert early.plain.peak.total > plain.plain.peak.total
+
+
+def test_optimizer_note_gives_bitsandbytes_state_layout_by_class():
+    from bitsandbytes import optim
+
+    assert "fp32 per element" in me._optimizer_note(optim.PagedAdamW)
+    assert "uint8 per element" in me._optimizer_note(optim.PagedAdamW8bit)
