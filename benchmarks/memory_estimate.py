@@ -7,6 +7,8 @@ Subcommands (from the repository root; each adds its part to
     python benchmarks/memory_estimate.py table     # estimates, per rank
     python benchmarks/memory_estimate.py check-1b  # shipped 1B on CPU, peak RSS
     python benchmarks/memory_estimate.py check-fsdp  # 2 CPU processes, FSDP2, gloo
+    python benchmarks/memory_estimate.py check-recipe --family dpo --model tiny \
+        --nproc 2                                  # DPO, QAT, early exit, PPO
     python benchmarks/memory_estimate.py re-estimate  # the checks' estimates again
     python benchmarks/memory_estimate.py report    # the .md from the .json
 
@@ -85,6 +87,59 @@ FSDP_MODEL = {
 }
 
 
+#: The other recipe families' measured checks: their tiny test config
+#: (``tests/recipes/configs``), and what makes a run comparable with the estimate:
+#: fake quantization from the first step (the estimate counts it), no layer dropout
+#: (the estimate runs every layer).
+FAMILIES = {
+    "dpo": ("full_dpo_distributed", "tiny_full_dpo_distributed.yaml", []),
+    "qat": (
+        "qat_distributed",
+        "tiny_qat_distributed.yaml",
+        ["fake_quant_after_n_steps=null"],
+    ),
+    "early-exit": (
+        "dev/early_exit_finetune_distributed",
+        "tiny_early_exit_distributed.yaml",
+        ["layer_dropout=null"],
+    ),
+    # Its four models are the tiny checkpoints of tests/assets/make_ppo_assets.py
+    # (tiny only); 16 prompts: 2 steps of the config's 8.
+    "ppo": (
+        "ppo_full_finetune_single_device",
+        "tiny_ppo_single_device.yaml",
+        ["num_steps=16", "dataset.split=train"],
+    ),
+}
+
+#: Their models: the tiny configs' own 2-layer Llama2 (140K parameters), and
+#: one of 58M.
+RECIPE_MODELS = {
+    "tiny": {
+        "_component_": "torchtune.models.llama2.llama2",
+        "vocab_size": 512,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "embed_dim": 64,
+        "intermediate_dim": 128,
+        "max_seq_len": 256,
+        "norm_eps": 1e-5,
+    },
+    "mid": {
+        "_component_": "torchtune.models.llama2.llama2",
+        "vocab_size": 32000,
+        "num_layers": 8,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "embed_dim": 512,
+        "intermediate_dim": 1536,
+        "max_seq_len": 2048,
+        "norm_eps": 1e-5,
+    },
+}
+
+
 def _shipped_helpers() -> Any:
     """``scripts/measure_shipped_in_bwd.py``: its data, checkpoint and overrides."""
     path = REPO_ROOT / "scripts" / "measure_shipped_in_bwd.py"
@@ -148,7 +203,9 @@ def measure(
     path = _config_path(config)[0]
     args = ["run-recipe", recipe, str(out), "--", "--config", str(path), *overrides]
     script = str(Path(__file__).resolve())
-    if nproc > 1:
+    # A distributed recipe initializes its process group from torchrun's variables,
+    # on one process too.
+    if nproc > 1 or recipe.endswith("_distributed"):
         command = [
             sys.executable,
             "-m",
@@ -351,9 +408,105 @@ def check_fsdp(args: argparse.Namespace) -> None:
     )
 
 
+def _write_preference_data(instruct: Path, out: Path) -> None:
+    """DPO's pairs from the instruct records of ``instruct``: the same prompt, each
+    record's answer chosen and the next one's rejected (both full length)."""
+    records = json.loads(instruct.read_text())
+    pairs = []
+    for i, rec in enumerate(records):
+        other = records[(i + 1) % len(records)]
+        user = {"role": "user", "content": rec["input"]}
+        pairs.append(
+            {
+                "chosen": [user, {"role": "assistant", "content": rec["output"]}],
+                "rejected": [user, {"role": "assistant", "content": other["output"]}],
+            }
+        )
+    out.write_text(json.dumps(pairs))
+
+
+def check_recipe(args: argparse.Namespace) -> None:
+    """A measured check of DPO, QAT, early exit or PPO: the recipe's tiny test
+    config with full-length samples (PPO: prompts) and a random init of
+    ``--model``."""
+    recipe, config_file, family_overrides = FAMILIES[args.family]
+    helpers = _shipped_helpers()
+    from tests.assets.make_assets import DEFAULT_OUT, ensure_assets
+    from tests.recipes.utils import format_override
+
+    name = f"{args.family} {args.model}, {args.nproc} process(es)"
+    work = Path(args.work_dir) / name.replace(" ", "_").replace(",", "")
+    work.mkdir(parents=True, exist_ok=True)
+    assets = ensure_assets(DEFAULT_OUT)
+    data = work / "data.json"
+    records = args.nproc * args.batch_size * (args.steps + 2)
+    helpers.write_data(data, records=records, seq_len=args.seq_len)
+    if args.family == "ppo":
+        return _check_ppo(args, name, work, data)
+    if args.family == "dpo":
+        _write_preference_data(data, work / "pairs.json")
+        data = work / "pairs.json"
+    section = RECIPE_MODELS[args.model]
+    ckpt = work / "checkpoint"
+    if not (ckpt / helpers.CHECKPOINT_FILE).exists():
+        helpers.write_checkpoint(section, "cpu", ckpt)
+    forced: dict[str, Any] = {
+        "assets_dir": Path(assets.tokenizer_path).parent,
+        "output_dir": work / "out",
+        "dataset.data_files": data,
+        "checkpointer.checkpoint_dir": ckpt,
+        "tokenizer.max_seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "epochs": 1,
+        "max_steps_per_epoch": args.steps,
+        "enable_activation_checkpointing": args.ac,
+        **{f"model.{k}": v for k, v in section.items()},
+    }
+    if args.family == "dpo":
+        forced["ref_checkpointer.checkpoint_dir"] = ckpt
+    overrides = [format_override(k, v) for k, v in forced.items()]
+    _check(
+        f"{name}, {args.batch_size}x{args.seq_len}{', AC' if args.ac else ''}",
+        recipe,
+        str(Path("tests/recipes/configs") / config_file),
+        [*overrides, *family_overrides],
+        args.nproc,
+        work,
+    )
+
+
+def _check_ppo(args: argparse.Namespace, name: str, work: Path, data: Path) -> None:
+    """PPO's check: its tiny config as it is, with prompts of full length."""
+    from tests.assets.make_ppo_assets import ensure_ppo_assets
+    from tests.recipes.utils import format_override
+
+    if args.model != "tiny":
+        raise SystemExit("PPO's check has its tiny models only")
+    recipe, config_file, family_overrides = FAMILIES["ppo"]
+    ppo_assets = ensure_ppo_assets()
+    prompts = work / "prompts.json"
+    records = json.loads(data.read_text())
+    prompts.write_text(json.dumps([{"prompt": r["output"]} for r in records]))
+    forced = {
+        "assets_dir": Path(ppo_assets.root).parent,
+        "output_dir": work / "out",
+        "dataset.data_files": prompts,
+        "tokenizer.max_seq_len": args.seq_len,
+    }
+    _check(
+        f"{name}, prompts of {args.seq_len}",
+        recipe,
+        str(Path("tests/recipes/configs") / config_file),
+        [*(format_override(k, v) for k, v in forced.items()), *family_overrides],
+        1,
+        work,
+    )
+
+
 def _error(estimated: float, measured: float, grads: float) -> str:
-    """The estimate's error, relative where something was saved."""
-    if abs(measured) < 0.05 * grads:
+    """The estimate's error, relative where something was saved (more than 5% of
+    the gradients and more than the few MB two runs' RSS differ by anyway)."""
+    if abs(measured) < max(0.05 * grads, 5 * 10**6):
         return f"{(estimated - measured) / GB * 1000:+.0f} MB (nothing saved)"
     return f"{(estimated - measured) / measured:+.1%}"
 
@@ -521,8 +674,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "what", choices=("table", "check-1b", "check-fsdp", "re-estimate", "report")
+        "what",
+        choices=(
+            "table",
+            "check-1b",
+            "check-fsdp",
+            "check-recipe",
+            "re-estimate",
+            "report",
+        ),
     )
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="dpo")
+    parser.add_argument("--model", choices=sorted(RECIPE_MODELS), default="tiny")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
     parser.add_argument("--work-dir", default="/tmp/memory_estimate_checks")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -536,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         check_1b(args)
     elif args.what == "check-fsdp":
         check_fsdp(args)
+    elif args.what == "check-recipe":
+        check_recipe(args)
     elif args.what == "re-estimate":
         re_estimate(args)
     else:

@@ -512,8 +512,13 @@ class EarlyExitFinetuneRecipeDistributed(FTRecipeInterface):
                         grad_scale=self.world_size / num_tokens.clamp(min=1),
                         # Clipping backpropagates twice; the early-exit loss reads
                         # out hidden states with the root unit's norm and output
-                        # outside its forward: gather them again for the second.
-                        before_update_pass=self._model.unshard,
+                        # outside its forward: gather them again for the second
+                        # (one process leaves the model unsharded: nothing to do).
+                        before_update_pass=(
+                            self._model.unshard
+                            if isinstance(self._model, FSDPModule)
+                            else None
+                        ),
                     )
                 else:
                     loss.backward()

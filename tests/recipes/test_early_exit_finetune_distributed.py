@@ -104,6 +104,21 @@ def test_in_backward_matches_plain_with_early_exit_and_layer_dropout(
     assert_same_training(in_bwd, plain, BITWISE_TRAINING, ALL_STEPS)
 
 
+def test_in_backward_on_one_process(runs_dir: Path, tiny_assets: TinyAssets) -> None:
+    # One process leaves the model unsharded (not an FSDPModule): nothing to
+    # gather between clipping's two passes.
+    run = run_tune_forked(
+        RECIPE,
+        CONFIG,
+        {"assets_dir": tiny_assets.root, "max_steps_per_epoch": STEPS, "epochs": 1}
+        | {"clip_grad_norm": CLIP, "optimizer_in_bwd": True},
+        nproc=1,
+        output_dir=runs_dir / "one_process",
+        timeout=TIMEOUT_S,
+    )
+    assert len(run.losses) == STEPS
+
+
 def test_in_backward_resume_from_epoch_0_equals_uninterrupted_run(
     in_bwd: TuneRun, runs_dir: Path, tiny_assets: TinyAssets
 ) -> None:
