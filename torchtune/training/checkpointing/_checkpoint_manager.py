@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,6 +55,7 @@ from torchtune.training.checkpointing._run_folder import (
     check_outside,
     check_writable,
     earlier_runs_state,
+    new_run_id,
     publish_step,
     read_run_file,
     release_lock,
@@ -910,11 +910,7 @@ class CheckpointManager:
             # Its collectives run from a thread.
             self._async_group = dist.new_group(backend="gloo")
         if folder is None and self._epoch_checkpoint is None:
-            self._run_id = on_rank_zero(
-                lambda: (
-                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
-                )
-            )
+            self._run_id = on_rank_zero(new_run_id)
             utils.log_rank_zero(log, f"New run {self._run_id} in {self._out}.")
             if earlier := earlier_runs_state(self._out, self._run_id):
                 warn(
@@ -1089,11 +1085,7 @@ class CheckpointManager:
             self._run_id = self._run_id or read_run_file(self._out)
             self._after = step_of(folder)
         else:  # another folder's: read only, this run's saves go to output_dir
-            self._run_id = on_rank_zero(
-                lambda: (
-                    time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
-                )
-            )
+            self._run_id = on_rank_zero(new_run_id)
         self._newest = folder
         utils.log_rank_zero(log, f"Resumed from step checkpoint {folder}.")
         if self._after is None:

@@ -42,6 +42,11 @@ def read_run_file(folder: Path) -> str | None:
     return read_json(folder / RUN_FILE).get("run_id")
 
 
+def new_run_id() -> str:
+    """A new run's name: its start time (UTC) and 8 random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + os.urandom(4).hex()
+
+
 def write_run_file(folder: Path, run_id: str, **more: Any) -> str:
     """Record the run ``folder`` holds (``more``: e.g. where its final export is)."""
     (folder / f".{RUN_FILE}.tmp").write_text(json.dumps({"run_id": run_id, **more}))
@@ -253,6 +258,7 @@ __all__ = [
     "check_outside",
     "check_writable",
     "earlier_runs_state",
+    "new_run_id",
     "publish_step",
     "read_run_file",
     "release_lock",
