@@ -343,7 +343,7 @@ def _refuse_other_steps(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     the one updating its parameters in backward, for it would see no gradient (the
     update freed them) and silently do nothing. An OptimizerInBackward's own
     step() leaves alone the parameters another one took over."""
-    if isinstance(optimizer, OptimizerInBackward):
+    if isinstance(optimizer, OptimizerInBackward) or not _UPDATED_BY:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
