@@ -10,6 +10,7 @@ import os
 import sys
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -150,25 +151,15 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         ref_state_dict = config.instantiate(
             cfg.ref_checkpointer, should_load_recipe_state=False
         ).load_checkpoint()[training.MODEL_KEY]
-        # Both compiled and sharded as self._opts ask.
-        build = partial(
-            training.build_sharded_model,
-            partial(config.instantiate, cfg.model),
-            options=self._opts,
+        self._model = self._setup_model(
+            cfg.model, checkpoint_dict[training.MODEL_KEY], trainable=True
         )
-        self._model = build(checkpoint_dict[training.MODEL_KEY])
         # A no-op context when offloading is off.
         self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
             self._model, self._opts.enable_activation_offloading
         )
-        # The reference runs without autograd: nothing to checkpoint or offload.
-        self._ref_model = build(ref_state_dict, checkpoint_activations=False)
+        self._ref_model = self._setup_model(cfg.model, ref_state_dict, trainable=False)
         del ref_state_dict
-        self._ref_model.requires_grad_(False)
-        self._ref_model.eval()
-        # Dropout off in both, so that their log-probabilities are comparable.
-        for model in (self._model, self._ref_model):
-            training.disable_dropout(model)
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
@@ -222,6 +213,25 @@ class FullDPORecipeDistributed(FTRecipeInterface):
         self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
+
+    def _setup_model(
+        self, cfg_model: DictConfig, state_dict: dict[str, Any], *, trainable: bool
+    ) -> nn.Module:
+        """Build the policy (``trainable``) or the reference, compiled and sharded as
+        ``self._opts`` ask, with its weights. The reference runs without autograd:
+        no activation checkpointing, frozen, in eval mode. Dropout is off in both, so
+        that their log-probabilities are comparable."""
+        model = training.build_sharded_model(
+            partial(config.instantiate, cfg_model),
+            state_dict,
+            self._opts,
+            checkpoint_activations=trainable,
+        )
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        training.disable_dropout(model)
+        return model
 
     def _setup_optimizer(self, cfg_optimizer: DictConfig) -> torch.optim.Optimizer:
         """

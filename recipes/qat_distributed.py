@@ -175,21 +175,9 @@ class QATRecipeDistributed(FTRecipeInterface):
             training.set_torch_num_threads()
 
         checkpoint_dict = self._checkpoint.load_base_checkpoint()
-        # The quantizer swaps in fake-quantized linear layers (on the meta device,
-        # before sharding); they keep the names and shapes of the layers they
-        # replace, so the base checkpoint, and a step checkpoint of the prepared
-        # model, load as they are.
-        self._model = training.build_sharded_model(
-            functools.partial(config.instantiate, cfg.model),
-            checkpoint_dict[training.MODEL_KEY],
-            self._opts,
-            prepare=self._prepare_model,
-        )
+        self._model = self._setup_model(cfg.model, checkpoint_dict[training.MODEL_KEY])
         # prepare() leaves fake quantization on; _update_fake_quant may turn it off.
         self._fake_quant_enabled = True
-        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
-            self._model, self._opts.enable_activation_offloading
-        )
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer)
 
@@ -242,6 +230,29 @@ class QATRecipeDistributed(FTRecipeInterface):
         self._profiler = training.setup_profiler(
             cfg.get(training.PROFILER_KEY, None), device=self._device
         )
+
+    def _setup_model(
+        self, cfg_model: DictConfig, state_dict: dict[str, Any]
+    ) -> nn.Module:
+        """Build the model, prepared by the quantizer and sharded as ``self._opts``
+        ask, with its weights.
+
+        The quantizer swaps in fake-quantized linear layers (on the meta device,
+        before sharding); they keep the names and shapes of the layers they replace,
+        so the base checkpoint, and a step checkpoint of the prepared model, load as
+        they are.
+        """
+        model = training.build_sharded_model(
+            functools.partial(config.instantiate, cfg_model),
+            state_dict,
+            self._opts,
+            prepare=self._prepare_model,
+        )
+        # A no-op context when offloading is off.
+        self._activations_handling_ctx = training.get_act_offloading_ctx_manager(
+            model, self._opts.enable_activation_offloading
+        )
+        return model
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         """The quantizer's ``prepare``, keeping frozen what the model builder froze."""

@@ -182,6 +182,27 @@ PRIVATE_TORCH_APIS = [
         "tensors with shapes and no storage, so a 70B step runs on a CPU",
     ),
     (
+        "torch._subclasses.fake_tensor.FakeTensor",
+        _ESTIMATE,
+        "tells a fake tensor from a real one while a recipe builds its models",
+    ),
+    (
+        "torch._subclasses.fake_tensor.unset_fake_temporarily",
+        _ESTIMATE,
+        "computes for real, while a recipe builds its models, what is read by value "
+        "(a device mesh's ranks, RoPE's frequencies)",
+    ),
+    (
+        "torch.utils._python_dispatch.TorchDispatchMode",
+        _ESTIMATE,
+        "answers the questions about values PPO's generation asks of fake tensors",
+    ),
+    (
+        "torch.utils._pytree.tree_leaves",
+        _ESTIMATE,
+        "finds the tensors among a torch function's arguments",
+    ),
+    (
         "torch.testing._internal.distributed.fake_pg.FakeStore",
         _ESTIMATE,
         "a process group of N ranks in one process (the 'fake' backend) for FSDP2",

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -28,10 +29,14 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 GIB = 2**30
 
@@ -163,10 +168,6 @@ class _Counting:
       gradient, and are registered on frozen parameters too, which torch refuses
       (a LoRA model has them).
     - **No module tracking** (:class:`_NoModuleTracking`).
-    - **Values fake tensors do not have**: while :attr:`true_when_asked` is set,
-      every question about a boolean tensor's value is answered ``True`` (PPO's
-      generation asks whether the prompts are unpadded and whether the KV cache
-      has room).
     - **Gradient sums autograd makes in place**: autograd adds a gradient to the
       one already waiting for the same input in place when nothing else holds
       that buffer, but out of place when a dispatch mode is active, so counted as
@@ -178,8 +179,6 @@ class _Counting:
 
     def _start_counting(self) -> None:
         self._mod_tracker = _NoModuleTracking()
-        #: Answer every question about a boolean tensor's value with ``True``.
-        self.true_when_asked = False
         self.phase = "setup"
         self.peak = 0
         self.at_peak: tuple[list[_Alive], str] = ([], "")
@@ -300,13 +299,6 @@ class _Counting:
         return winfo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (
-            self.true_when_asked
-            and func is torch.ops.aten._local_scalar_dense.default
-            and args[0].dtype == torch.bool
-        ):
-            # A question about values fake tensors do not have.
-            return True
         summed = self._summed_in_place(func, args, kwargs)
         if summed is not None and summed.mem_consumed:
             # Count the sum in the first buffer's bytes: it is freed right after.
@@ -332,6 +324,42 @@ class _Counting:
                     old, winfo.reftype = winfo.reftype, reftype
                     self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
         return out
+
+
+class _TrueWhenAsked(TorchDispatchMode):
+    """Answers ``True`` to every question about a boolean fake tensor's value,
+    which fake tensors do not have: PPO's generation asks whether the prompts are
+    unpadded and whether its KV cache has room. Either answer leads to the same
+    shapes, and shapes are all the estimate reads."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (
+            func is torch.ops.aten._local_scalar_dense.default
+            and args[0].dtype == torch.bool
+        ):
+            return True
+        return func(*args, **(kwargs or {}))
+
+
+class _RealValues(TorchFunctionMode):
+    """While a recipe builds its models on fake tensors, keeps real what is
+    computed from real values only, starting from ``torch.arange``: a device
+    mesh's ranks and RoPE's frequencies (Llama 3.1 scales them one by one) are read
+    by value, which fake tensors do not have. They are small; parameters, their
+    initialization and the state dict stay fake (or meta)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [
+            t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        ]
+        real = all(
+            not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in tensors
+        )
+        if real and (tensors or func is torch.arange):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 class _Tracker(_Counting, MemTracker):
@@ -657,7 +685,6 @@ class _Estimator:
         self.nproc = nproc
         self.seq_len = seq_len
         self.distributed = RECIPES[recipe]
-        self.is_lora = recipe.startswith("lora")
         self.target_device = str(cfg.get("device", "cuda"))
         # The options as the recipe reads them, on this machine's CPU: the fake
         # tensors live on CPU whatever device the config names.
@@ -666,6 +693,12 @@ class _Estimator:
         )
         self.opts = RecipeOptions.from_config(cpu_cfg, distributed=self.distributed)
         self.notes: list[str] = []
+        if cfg.get("layer_dropout", None):
+            self.notes.append(
+                "layer_dropout is not modeled: every layer runs (an upper bound)"
+            )
+            # The early-exit recipe's _setup_model wraps its layers only when set.
+            self.cfg = OmegaConf.merge(cfg, {"layer_dropout": None})
         if cfg.get("enable_activation_offloading", False):
             self.notes.append(
                 "enable_activation_offloading is not modeled: activations are counted "
@@ -680,81 +713,69 @@ class _Estimator:
                 "compile is not modeled: the eager step is counted (compiled "
                 "kernels usually need less activation memory)"
             )
+        # What the recipes' _setup_model reads, without what is not modeled.
+        self.opts = dataclasses.replace(
+            self.opts,
+            compile=dict.fromkeys(self.opts.compile, False),
+            fsdp_cpu_offload=False,
+        )
 
-    # -- the model ---------------------------------------------------------------
+    # -- the models -------------------------------------------------------------
 
-    def _build_model(
-        self,
-        fake_mode: Any,
-        cfg_model: DictConfig,
-        *,
-        trainable: bool = True,
-        prepare: Callable[[nn.Module], nn.Module] | None = None,
-    ) -> nn.Module:
-        """Build a model as the recipe does: activation checkpointing for a
-        trainable one, ``prepare`` (QAT's quantizer), FSDP2; frozen and in eval
-        mode if not ``trainable``."""
-        from torchtune import config, modules, training
-        from torchtune.modules.peft import get_adapter_params, set_trainable_params
+    def _state_dict(self, fake_mode: Any, cfg_model: DictConfig) -> dict[str, Any]:
+        """A full state dict for ``cfg_model``, as a checkpointer would load it: fake
+        tensors, or a random init for a real run to check the estimate against."""
+        from torchtune import config, training
 
-        opts = self.opts
-        with training.set_default_dtype(opts.dtype), torch.device("meta"):
-            model = config.instantiate(cfg_model)
-        if self.is_lora:
-            set_trainable_params(model, get_adapter_params(model))
-        if not trainable:
-            pass
-        elif opts.enable_activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
-        elif self.distributed and opts.ac_mode is not None:
-            from torchtune.training.activations import (
-                apply_selective_activation_checkpointing,
-            )
-
-            apply_selective_activation_checkpointing(
-                model, opts.ac_mode, opts.ac_option
-            )
-        if prepare is not None:
-            model = prepare(model)
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        if self.distributed and self.nproc > 1:
-            from torchtune.training._distributed import (
-                get_shard_conditions,
-                shard_model,
-            )
-
-            shard_model(
-                model=model,
-                shard_conditions=[
-                    partial(
-                        get_shard_conditions,
-                        names_to_match=opts.custom_sharded_layers,
-                    )
-                ],
-                cpu_offload=False,
-                reshard_after_forward=opts.fsdp_reshard_after_forward,
-            )
+        with training.set_default_dtype(self.opts.dtype), torch.device("meta"):
+            shapes = config.instantiate(cfg_model).state_dict()
         with fake_mode or contextlib.nullcontext():
-            model.to_empty(device="cpu")
-        if fake_mode is None:
-            # A real model (to check the estimate against): a random init.
-            with torch.no_grad():
-                for param in model.parameters():
-                    _local(param).normal_(0.0, 0.02)
-        # RoPE buffers are computed from values (Llama 3.1's scaling branches on
-        # them), so outside fake mode, then turned into fake tensors.
-        for m in model.modules():
-            if hasattr(m, "rope_init"):
-                with training.set_default_dtype(opts.dtype), torch.device("cpu"):
-                    m.rope_init()
-                for name, buf in list(m.named_buffers(recurse=False)):
-                    if fake_mode is not None:
-                        setattr(m, name, fake_mode.from_tensor(buf))
-        return model
+            out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in shapes.items()}
+            for v in out.values():
+                if v.is_floating_point():
+                    v.normal_(0.0, 0.02)
+            return out
+
+    def _setup_models(self, recipe: Any, fake_mode: Any) -> list[nn.Module]:
+        """The recipe's models, built by its own ``_setup_model`` (the trained one
+        first), under ``fake_mode``."""
+        cfg, name = self.cfg, self.recipe
+        weights = partial(self._state_dict, fake_mode)
+        real_ranges = contextlib.nullcontext() if fake_mode is None else _RealValues()
+        with fake_mode or contextlib.nullcontext(), real_ranges:
+            if name == "ppo_full_finetune_single_device":
+                policy, value = cfg.policy_model, cfg.reward_and_value_model
+                build = recipe._setup_model
+                models = [
+                    build(policy, weights(policy), trainable=True),
+                    build(policy, weights(policy), trainable=False),
+                    build(value, weights(value), trainable=True, classifier=True),
+                    build(value, weights(value), trainable=False, classifier=True),
+                ]
+                (
+                    recipe._policy_model,
+                    recipe._ref_policy_model,
+                    recipe._value_model,
+                    recipe._reward_model,
+                ) = models
+                return models
+            if name == "full_dpo_distributed":
+                models = [
+                    recipe._setup_model(cfg.model, weights(cfg.model), trainable=t)
+                    for t in (True, False)
+                ]
+                recipe._ref_model = models[1]
+                return models
+            if name == "qat_distributed":
+                recipe._quantizer = recipe._setup_quantizer(cfg.quantizer)
+                return [recipe._setup_model(cfg.model, weights(cfg.model))]
+            if name.startswith("lora"):
+                # A fresh adapter: the base state dict is the whole model's.
+                first = cfg if self.distributed else cfg.model
+                return [recipe._setup_model(first, weights(cfg.model), None)]
+            if name == "full_finetune_single_device":
+                return [recipe._setup_model(cfg.model, weights(cfg.model))]
+            return [recipe._setup_model(cfg, weights(cfg.model))]
 
     def _build(self, fake_mode: Any, in_backward: bool, count: bool) -> _Setup:
         from torch.distributed.fsdp import FSDPModule
@@ -764,33 +785,13 @@ class _Estimator:
         recipe = _recipe_class(self.recipe).__new__(_recipe_class(self.recipe))
         recipe._dtype, recipe._device = self.opts.dtype, torch.device("cpu")
         recipe._opts, recipe._optimizer_in_bwd = self.opts, in_backward
+        # What the distributed recipes' __init__ sets that _setup_model reads;
+        # tensor parallelism is not modeled.
+        recipe.world_size, recipe._tp_dim, recipe._tp_plan = self.nproc, 1, None
+        recipe._cfg_early_exit_loss = self.cfg.get("early_exit_loss", None)
+        models = self._setup_models(recipe, fake_mode)
         # Activation offloading is not modeled (see the notes).
         recipe._activations_handling_ctx = contextlib.nullcontext()
-        build = partial(self._build_model, fake_mode)
-        cfg = self.cfg
-        if self.recipe == "ppo_full_finetune_single_device":
-            policy = build(cfg.policy_model)
-            models = [
-                policy,
-                build(cfg.policy_model, trainable=False),
-                build(cfg.reward_and_value_model),
-                build(cfg.reward_and_value_model, trainable=False),
-            ]
-            (
-                recipe._policy_model,
-                recipe._ref_policy_model,
-                recipe._value_model,
-                recipe._reward_model,
-            ) = models
-        elif self.recipe == "full_dpo_distributed":
-            models = [build(cfg.model), build(cfg.model, trainable=False)]
-            recipe._model, recipe._ref_model = models
-        elif self.recipe == "qat_distributed":
-            # The recipe's own quantizer and its preparation of the model.
-            recipe._quantizer = recipe._setup_quantizer(cfg.quantizer)
-            models = [build(cfg.model, prepare=recipe._prepare_model)]
-        else:
-            models = [build(cfg.model)]
         model = recipe._model = models[0]
         names = {p: n for n, p in model.named_parameters()}
         if len(models) > 2:  # PPO's value model is trained too
@@ -809,7 +810,7 @@ class _Estimator:
         # Built outside fake mode: bitsandbytes computes its quantization maps from
         # values when built; the state comes in the first step, on fake tensors.
         # The recipe's own method (the parameters it optimizes, its options).
-        optimizer = recipe._optimizer = recipe._setup_optimizer(cfg.optimizer)
+        optimizer = recipe._optimizer = recipe._setup_optimizer(self.cfg.optimizer)
         loss_fn = recipe._loss_fn = config.instantiate(self.cfg.loss)
         if hasattr(loss_fn, "num_output_chunks"):
             model.set_num_output_chunks(loss_fn.num_output_chunks)
@@ -836,8 +837,6 @@ class _Estimator:
         """The early-exit loss as the recipe sets it up (no curriculum step)."""
         from types import SimpleNamespace
 
-        from torch.distributed.fsdp import FSDPModule
-
         recipe.progress = SimpleNamespace(total_epochs=1, global_step=0)
         recipe._steps_per_epoch = 1
         cfg_loss = self.cfg.get("early_exit_loss", None)
@@ -846,12 +845,6 @@ class _Estimator:
         if recipe._early_exit_layers is not None:
             recipe._final_hidden = None
             model.norm.register_forward_pre_hook(recipe._keep_final_hidden)
-            if isinstance(model, FSDPModule):
-                model.set_reshard_after_forward(False, recurse=False)
-        if self.cfg.get("layer_dropout", None):
-            self.notes.append(
-                "layer_dropout is not modeled: every layer runs (an upper bound)"
-            )
 
     def _set_up_ppo(self, recipe: Any) -> None:
         """What the PPO recipe reads of its config to generate and optimize, with
@@ -1078,9 +1071,9 @@ class _Estimator:
         tracker.phase = "generation"
         # Generation asks whether prompts are padded and whether its KV cache has
         # room: taken as unpadded, and with room (no response stops early).
-        tracker.true_when_asked = True
-        trajectory = recipe.generate_trajectory_batched(input_ids)
-        tracker.true_when_asked = False
+        fake = isinstance(tracker, _Counting)
+        with _TrueWhenAsked() if fake else contextlib.nullcontext():
+            trajectory = recipe.generate_trajectory_batched(input_ids)
         rewards, _, _ = rlhf.get_rewards_ppo(
             trajectory.scores,
             trajectory.logprobs,

@@ -12,10 +12,12 @@ fake kernels do not: a few KiB per step at these sizes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import profile
 
@@ -75,6 +77,24 @@ def measure_real_step(
 ) -> tuple[int, int, dict[str, int]]:
     """The second training step of ``cfg`` on real tensors: bytes alive at its start,
     its peak, and what the first step left (parameter, gradient and state bytes)."""
+    with one_process_group() if me.RECIPES[recipe] else contextlib.nullcontext():
+        return _measure_real_step(cfg, in_backward, seq_len, recipe)
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A gloo group of this process alone: the distributed recipes shard their
+    models with FSDP2 even on one process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_real_step(
+    cfg, in_backward: bool, seq_len: int, recipe: str
+) -> tuple[int, int, dict[str, int]]:
     estimator = me._Estimator(
         OmegaConf.merge(cfg, {"optimizer_in_bwd": in_backward}), recipe, 1, seq_len
     )
@@ -398,6 +418,7 @@ def test_lora_trains_only_the_adapter():
         {
             "_component_": "torchtune.models.llama3_2.lora_llama3_2",
             "lora_attn_modules": ["q_proj", "v_proj"],
+            "apply_lora_to_mlp": False,
             "lora_rank": 8,
             "lora_alpha": 16,
         },
