@@ -353,6 +353,30 @@ def test_a_change_in_the_recipes_step_moves_the_estimate(estimates, monkeypatch)
     assert after.plain.peak.total > before.plain.peak.total
 
 
+def test_a_change_in_the_recipes_model_build_moves_the_estimate(estimates, monkeypatch):
+    # The estimate builds with the recipe's own _setup_model: a recipe edited to
+    # freeze the (tied) embedding trains, and keeps optimizer state for, the rest.
+    cfg, before = estimates["adamw"]
+    recipe = me._recipe_class(RECIPE)
+    setup_model = recipe._setup_model
+
+    def frozen_embedding(self, *args, **kwargs):
+        model = setup_model(self, *args, **kwargs)
+        model.tok_embeddings.requires_grad_(False)
+        return model
+
+    monkeypatch.setattr(recipe, "_setup_model", frozen_embedding)
+    after = me.estimate(cfg, recipe=RECIPE, seq_len=SEQ_LEN)
+    embedding = 4096 * 256
+    assert after.trainable_params == before.trainable_params - embedding
+    # AdamW's two fp32 moments per trained element, and one step count fewer.
+    assert (
+        after.optimizer_state_bytes
+        == before.optimizer_state_bytes - 2 * 4 * (embedding) - 4
+    )
+    assert after.plain.peak.total < before.plain.peak.total
+
+
 def test_command_line_reads_a_config_file_and_overrides(tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     OmegaConf.save(tiny_config(), path)
