@@ -790,6 +790,12 @@ class _Estimator:
         recipe.world_size, recipe._tp_dim, recipe._tp_plan = self.nproc, 1, None
         recipe._cfg_early_exit_loss = self.cfg.get("early_exit_loss", None)
         models = self._setup_models(recipe, fake_mode)
+        if fake_mode is not None:
+            # Buffers computed for real (RoPE's), made fake as the step would: once.
+            for m in (m for model in models for m in model.modules()):
+                for name, buf in list(m.named_buffers(recurse=False)):
+                    if not isinstance(buf, FakeTensor):
+                        setattr(m, name, fake_mode.from_tensor(buf))
         # Activation offloading is not modeled (see the notes).
         recipe._activations_handling_ctx = contextlib.nullcontext()
         model = recipe._model = models[0]
