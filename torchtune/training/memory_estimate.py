@@ -1300,8 +1300,8 @@ def estimate(
         Estimate: both modes' peaks and what they are made of.
 
     Raises:
-        ValueError: for a recipe the estimate does not reproduce, or ``nproc > 1``
-            with a single-device recipe.
+        ValueError: for a recipe the estimate does not reproduce, ``nproc > 1``
+            with a single-device recipe, or a QLoRA model.
     """
     if recipe not in RECIPES:
         raise ValueError(
@@ -1309,6 +1309,14 @@ def estimate(
         )
     if nproc > 1 and not RECIPES[recipe]:
         raise ValueError(f"{recipe} runs on one device: --nproc must be 1")
+    component = str((cfg.get("model", None) or {}).get("_component_", ""))
+    if "qlora_" in component or (cfg.get("model", None) or {}).get("quantize_base"):
+        raise ValueError(
+            f"model._component_={component} quantizes its base weights to NF4 "
+            "(QLoRA), which the estimate cannot build on fake tensors; estimate the "
+            "same model's LoRA builder (without qlora_), which counts the base "
+            "weights at the training dtype (about 4x their NF4 bytes)"
+        )
     length, length_note = _seq_len(cfg, seq_len)
     from torchtune.training.memory import DEFAULT_BUCKET_CAP_MB
 

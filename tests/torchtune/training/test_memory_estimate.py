@@ -408,6 +408,12 @@ def test_refuses_a_recipe_it_does_not_reproduce():
         me.estimate(tiny_config(), recipe="lora_dpo_single_device")
     with pytest.raises(ValueError, match="--nproc must be 1"):
         me.estimate(tiny_config(), recipe=RECIPE, nproc=2)
+    # NF4 weights cannot be made on fake tensors: refused before anything is built.
+    qlora = {"_component_": "torchtune.models.llama3_2.qlora_llama3_2_1b"}
+    with pytest.raises(ValueError, match="qlora_llama3_2_1b quantizes its base"):
+        me.estimate(
+            OmegaConf.create({"model": qlora}), recipe="lora_finetune_single_device"
+        )
 
 
 def test_fits_keeps_a_reserve_free():
