@@ -1,8 +1,9 @@
 """Published GPU peak-memory figures of torchtune's recipes, against the memory
 estimate (``python -m torchtune.training.memory_estimate``) at the same settings.
 
-    python benchmarks/published_memory.py           # estimate each figure, write results
-    python benchmarks/published_memory.py report    # the .md from the .json
+    python benchmarks/published_memory.py          # estimate the figures not in the .json
+    python benchmarks/published_memory.py --fresh  # estimate every figure again
+    python benchmarks/published_memory.py report   # the .md from the .json
 
 Every figure below is quoted from the source named with it, with the settings that
 source states. Where it leaves a setting open, the figure says what was assumed
@@ -17,7 +18,8 @@ What the published numbers are: torchtune's recipes log ``peak_memory_active``
 (``max_memory_reserved``). None of the three counts the CUDA context, nor
 bitsandbytes' paged optimizer state (CUDA managed memory, outside the caching
 allocator), so each figure is compared with the estimated peak minus the paged
-state. Until mid 2024 the recipes divided by 10^9 (GB), later by 2^30 (GiB).
+state. Until August 2024 (upstream commit d0b89e206) the recipes divided by 10^9
+(GB), since then by 2^30 (GiB).
 """
 
 from __future__ import annotations
@@ -227,8 +229,22 @@ FIGURES = [
         _3B,
         1,
         tuple(o for o in _3B_AC if not o.startswith("optimizer=")),
-        _COMPILED + "; offloading as above; the 8-bit AdamW assumed to be the "
-        "config's own bitsandbytes PagedAdamW8bit",
+        _COMPILED + "; offloading as above; the 8-bit AdamW not named: read as "
+        "the config's own bitsandbytes PagedAdamW8bit (paged: not counted)",
+    ),
+    Figure(
+        "flags",
+        "+ 8-bit AdamW",
+        "1x A100",
+        17.6,
+        "GiB",
+        "active",
+        "in-backward",
+        _3B,
+        1,
+        _3B_AC[:2] + ("optimizer=torchao.optim.AdamW8bit",) + _3B_AC[3:],
+        _COMPILED + "; offloading as above; the 8-bit AdamW read as torchao's "
+        "AdamW8bit, the tutorial's other suggestion (its state is counted)",
     ),
     Figure(
         "flags",
@@ -581,10 +597,22 @@ def compare(fig: Figure, est: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run() -> dict[str, Any]:
+def _summary(est: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`compare` needs of an estimate (kept in the .json)."""
+    keys = ("paged_state_bytes", "batch_size", "seq_len", "optimizer", "wall_s")
+    out = {k: est[k] for k in keys}
+    out["activation_checkpointing"] = est["activation_checkpointing"]
+    for mode in ("plain", "in_backward"):
+        peak = est[mode]["peak"]
+        out[mode] = {"peak": {"total": peak["total"], "phase": peak["phase"]}}
+    return out
+
+
+def run(estimates: dict[str, Any]) -> dict[str, Any]:
+    """Estimate every figure not in ``estimates`` (by config, ranks and
+    overrides), and compare."""
     import torch
 
-    estimates: dict[str, Any] = {}
     rows = []
     for fig in FIGURES:
         row = {**fig._asdict(), "published_bytes": fig.published_bytes}
@@ -592,17 +620,23 @@ def run() -> dict[str, Any]:
             if fig.run_key not in estimates:
                 try:
                     est = run_estimate(fig.config, list(fig.overrides), fig.nproc)
+                    print(est["report"], f"\n({est['wall_s']:.0f} s)\n", flush=True)
+                    estimates[fig.run_key] = _summary(est)
                 except RuntimeError as e:  # reported with the figure, not fatal
-                    est = {"failed": str(e)[-2000:]}
-                estimates[fig.run_key] = est
-                print(est.get("report", est.get("failed")), flush=True)
+                    print(e, flush=True)
+                    estimates[fig.run_key] = {"failed": str(e)[-300:]}
             est = estimates[fig.run_key]
             if "failed" in est:
-                row["not_reproduced"] = "the estimate failed: " + est["failed"][-300:]
+                row["not_reproduced"] = "the estimate failed: " + est["failed"]
             else:
                 row.update(compare(fig, est))
         rows.append(row)
-    return {"torch": torch.__version__, "sources": SOURCES, "figures": rows}
+    return {
+        "torch": torch.__version__,
+        "sources": SOURCES,
+        "figures": rows,
+        "estimates": estimates,
+    }
 
 
 def _size(n: float, unit: str) -> str:
@@ -656,10 +690,13 @@ def markdown(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path = RESULTS / "published_memory.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
     if argv == ["report"]:
-        results = json.loads(path.read_text())
+        results = old
     else:
-        results = run()
+        # --fresh estimates every figure again; without it, only those not in
+        # the .json yet.
+        results = run({} if "--fresh" in argv else old.get("estimates", {}))
         path.write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (RESULTS / "published_memory.md").write_text(md)
