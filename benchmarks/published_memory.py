@@ -624,7 +624,7 @@ def run(estimates: dict[str, Any]) -> dict[str, Any]:
                     estimates[fig.run_key] = _summary(est)
                 except RuntimeError as e:  # reported with the figure, not fatal
                     print(e, flush=True)
-                    estimates[fig.run_key] = {"failed": str(e)[-300:]}
+                    estimates[fig.run_key] = {"failed": str(e).strip().split("\n")[-1]}
             est = estimates[fig.run_key]
             if "failed" in est:
                 row["not_reproduced"] = "the estimate failed: " + est["failed"]
