@@ -61,7 +61,7 @@ SOURCES = {
         "bitsandbytes' PagedAdamW, QLoRA torch compile; config and statistic not "
         "named."
     ),
-    "961": (
+    "re-measurement": (
         f"{TORCHTUNE}/pull/961 (closed, 2024-05-10): 'tune run full_finetune_single_"
         "device --config recipes/configs/llama2/7B_full_low_memory.yaml batch_size=4' "
         "with every sample padded to 2048 tokens: '20.2 peak memory allocated (and "
@@ -402,7 +402,7 @@ FIGURES = [
         "samples assumed full length",
     ),
     Figure(
-        "961",
+        "re-measurement",
         "7B_full_low_memory batch_size=4, samples of 2048",
         "not stated",
         20.2,
@@ -420,7 +420,7 @@ FIGURES = [
         "config of the time, as above",
     ),
     Figure(
-        "961",
+        "re-measurement",
         "the same, a reviewer's run",
         "1x A100",
         22.3,
