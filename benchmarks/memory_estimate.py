@@ -515,6 +515,17 @@ def _fmt(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GIB:.2f}"
 
 
+def _fits_cell(est: dict[str, Any], mode: str) -> str:
+    """The GPU sizes a mode fits, and those it fits with the paged state on host."""
+    from torchtune.training.memory_estimate import fits
+
+    total, paged = est[mode]["peak"]["total"], est.get("paged_state_bytes", 0)
+    cell = ", ".join(map(str, fits(total))) or "none"
+    if paged and fits(total, paged) != fits(total):
+        cell += f" ({', '.join(map(str, fits(total, paged)))} with it on host)"
+    return cell
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         "# Memory estimate: plain vs in-backward, per rank (estimated)",
@@ -548,8 +559,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(est['in_backward']['peak']['total'])} "
             f"| {_fmt(est['saving'])} | {share:.0%} "
             f"| {_fmt(est['in_backward_bound'])} | {why} "
-            f"| {', '.join(map(str, est['fits']['plain'])) or 'none'} "
-            f"| {', '.join(map(str, est['fits']['in_backward'])) or 'none'} "
+            f"| {_fits_cell(est, 'plain')} | {_fits_cell(est, 'in_backward')} "
             f"| {est['wall_s']:.0f} s |"
         )
     paged = [
@@ -563,7 +573,8 @@ def markdown(results: dict[str, Any]) -> str:
             "Paged optimizer state, counted in both peaks above: it lives in CUDA "
             "managed memory, which `torch.cuda.max_memory_allocated` (the recipes' "
             "`peak_memory_alloc`) does not count and the driver can move to host "
-            "memory: " + ", ".join(paged) + ".",
+            "memory: " + ", ".join(paged) + ". The fits columns say in brackets "
+            "which GPUs a run fits with it all on host (slower steps).",
         ]
     lines += [
         "",

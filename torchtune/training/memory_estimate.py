@@ -462,12 +462,18 @@ class Estimate:
             mode: fits(getattr(self, key).peak.total)
             for mode, key in (("plain", "plain"), ("in_backward", "in_backward"))
         }
+        out["fits_with_paged_state_on_host"] = {
+            mode: fits(getattr(self, key).peak.total, self.paged_state_bytes)
+            for mode, key in (("plain", "plain"), ("in_backward", "in_backward"))
+        }
         return out
 
 
-def fits(peak: int) -> list[int]:
-    """The sizes in :data:`GPU_SIZES_GB` a peak fits in, with the reserve kept free."""
-    need = peak * (1 + FIT_RESERVE_SHARE) + FIT_RESERVE_BYTES
+def fits(peak: int, on_host: int = 0) -> list[int]:
+    """The sizes in :data:`GPU_SIZES_GB` a peak fits in, with the reserve kept free,
+    when ``on_host`` bytes of it live in host memory instead (bitsandbytes' paged
+    optimizer state, which the driver moves there when the GPU is full)."""
+    need = (peak - on_host) * (1 + FIT_RESERVE_SHARE) + FIT_RESERVE_BYTES
     return [gb for gb in GPU_SIZES_GB if need <= gb * 10**9]
 
 
@@ -528,6 +534,14 @@ def format_report(est: Estimate) -> str:
         f"  fits ({sizes}; keeping 2 GiB + 10% free): plain "
         f"{fits(plain.total) or 'none'}, in-backward {fits(bwd.total) or 'none'}",
     ]
+    if est.paged_state_bytes:
+        paged = est.paged_state_bytes
+        lines.append(
+            "  with the paged state in host memory (the driver moves it there when "
+            "the GPU is full; steps slow down): plain "
+            f"{fits(plain.total, paged) or 'none'}, in-backward "
+            f"{fits(bwd.total, paged) or 'none'}"
+        )
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)
 

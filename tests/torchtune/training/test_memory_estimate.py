@@ -420,6 +420,8 @@ def test_fits_keeps_a_reserve_free():
     # 20 GiB: 20 * 1.1 + 2 = 24 GiB = 25.8 GB: not in 24 GB, in 40 GB.
     assert me.fits(20 * me.GIB) == [40, 48, 80]
     assert me.fits(100 * me.GIB) == []
+    # Paged optimizer state can live in host memory: 100 GiB of which 90 paged.
+    assert me.fits(100 * me.GIB, on_host=90 * me.GIB) == [24, 40, 48, 80]
 
 
 def test_torchao_8bit_state_is_its_own_layout():
