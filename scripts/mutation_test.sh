@@ -88,7 +88,7 @@ DEPRECATED_TESTS=(
   "$TT/test_optim_in_bwd_deprecated.py"
 )
 DEPRECATED_TARGETS=(
-  _DEPRECATION _STEPPED_BY warn _in_backward _optim_map
+  _DEPRECATION _STEPPED_BY _warn _in_backward _optim_map
   OptimizerInBackwardWrapper create_optim_in_bwd_wrapper register_optim_in_bwd_hooks
 )
 LEGACY_TESTS=(
