@@ -10,6 +10,11 @@ Subcommands (from the repository root; each adds its part to
     python benchmarks/memory_estimate.py check-recipe --family dpo --model tiny \
         --nproc 2                                  # DPO, QAT, early exit, PPO
     python benchmarks/memory_estimate.py re-estimate  # the checks' estimates again
+    python benchmarks/memory_estimate.py trace --check NAME  # a check's step on
+                                                   # real tensors, counted 3 ways
+    python benchmarks/memory_estimate.py one-rank --check NAME  # a 1-process
+                                                   # check's step with and without
+                                                   # FSDP2 over its one rank
     python benchmarks/memory_estimate.py report    # the .md from the .json
 
 A measured run is the recipe itself (``tune run``'s recipe file, run with
@@ -503,6 +508,316 @@ def _check_ppo(args: argparse.Namespace, name: str, work: Path, data: Path) -> N
     )
 
 
+# -- tracing a check's step on real tensors ------------------------------------------
+
+
+class _PhaseProbe:
+    """Where a real step is, for :func:`trace_rank`: at each change of phase, the
+    peak RSS of the phase that ends (``VmHWM``, then reset to the current RSS), and
+    a profiler range named after the phase that starts."""
+
+    def __init__(self) -> None:
+        from torch.profiler import record_function
+
+        self._record_function = record_function
+        self._phase = ""
+        self._range: Any = None
+        self.rss: list[tuple[str, int]] = []
+
+    def reset(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start_rss = _vm("VmRSS")
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if self._phase:
+            self.rss.append((self._phase, _vm("VmHWM")))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+        self._phase = value
+        self._range = self._record_function(f"phase:{value}")
+        self._range.__enter__()
+
+    def close(self) -> None:
+        self.phase = "between steps"
+        self._range.__exit__(None, None, None)
+        self._range = None
+        self._phase = ""
+
+
+def _profiled_peak(prof: Any) -> tuple[int, str]:
+    """The peak of the bytes torch's allocator reported live during ``prof`` (from
+    its start), and the phase range it is in."""
+    events = prof.profiler.kineto_results.events()
+    memory = sorted(
+        (e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    ranges = [
+        (e.start_ns(), e.end_ns(), e.name().removeprefix("phase:"))
+        for e in events
+        if e.name().startswith("phase:")
+    ]
+    current = peak = 0
+    at = 0
+    for event in memory:
+        current += event.nbytes()
+        if current > peak:
+            peak, at = current, event.start_ns()
+    # The innermost range (the latest to start) holding the peak.
+    phase = max(
+        (r for r in ranges if r[0] <= at <= r[1]),
+        default=(0, 0, "?"),
+        key=lambda r: r[0],
+    )[2]
+    return peak, phase
+
+
+def trace_rank(recipe: str, config: str, overrides: list[str], nproc: int, out: Path):
+    """On this rank (``torchrun``, gloo): each mode's step of the estimate on real,
+    randomly initialized tensors, counted three ways (see :func:`trace`)."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
+
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+    from torchtune.training import memory_estimate as me
+
+    if recipe.endswith("_distributed"):
+        dist.init_process_group("gloo")
+        init_device_mesh("cpu", (nproc,))
+    path = me._config_path(config)[0]
+    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
+        ["--config", str(path)]
+    )
+    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
+    seq_len = me._seq_len(cfg, None)[0]
+    record: dict[str, Any] = {}
+    for mode, in_bwd in (("plain", False), ("in_backward", True)):
+        mode_cfg = OmegaConf.merge(
+            cfg, {"optimizer_in_bwd": in_bwd, "gradient_accumulation_steps": 1}
+        )
+        estimator = me._Estimator(mode_cfg, recipe, nproc, seq_len)
+        # 1. The estimate's counting (its tracker), two steps, the second's peak.
+        torch.manual_seed(0)
+        setup = estimator._build(None, in_bwd, count=True)
+        tracker = setup.tracker
+        with me._bnb_patch("cpu"), me._phase_patch(tracker):
+            tracker.track_models(setup.models)
+            with tracker:
+                for _ in range(2):
+                    tracker.start_peak()
+                    estimator._step(setup, tracker, in_bwd)
+                    tracker.finish()
+                    tracker.label_state(setup.optimizer)
+            peak = estimator._peak(setup, tracker, in_bwd)
+        counted = {
+            "peak": peak.total,
+            "phase": peak.phase,
+            "by_category": peak.by_category,
+            "largest": peak.largest,
+        }
+        del setup, tracker, peak
+        gc.collect()
+        # 2. torch's own accounting (the profiler's allocation events) and 3. RSS,
+        # per phase, of the second step of a fresh build.
+        torch.manual_seed(0)
+        setup = estimator.build_real(in_bwd)
+        estimator.step_real(setup, in_bwd)  # the optimizer state
+        state = [
+            v
+            for s in setup.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        alive = {}
+        tensors = [t for m in setup.models for t in (*m.parameters(), *m.buffers())]
+        for t in [*tensors, *state]:
+            for storage in me._storages(t):
+                alive[id(storage)] = storage.nbytes()
+        probe = _PhaseProbe()
+        with me._bnb_patch("cpu"):
+            probe.reset()
+            estimator._step(setup, probe, in_bwd)
+            probe.close()
+            rss_phases = [(p, hwm - probe.start_rss) for p, hwm in probe.rss]
+            probe = _PhaseProbe()
+            with profile(profile_memory=True) as prof:
+                estimator._step(setup, probe, in_bwd)
+                probe.close()
+        profiled, profiled_phase = _profiled_peak(prof)
+        record[mode] = {
+            "counted": counted,
+            "alive_at_start": sum(alive.values()),
+            "profiled_peak": sum(alive.values()) + profiled,
+            "profiled_phase": profiled_phase,
+            "rss_above_start_by_phase": rss_phases,
+        }
+        del setup, state, alive, prof
+        gc.collect()
+    rank = os.environ.get("RANK", "0")
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def trace(args: argparse.Namespace) -> None:
+    """A stored check's step, as the estimate takes it, on real randomly initialized
+    tensors over the check's processes (gloo), counted three ways: by the estimate's
+    own counting (its tracker, on real tensors), by torch's allocator (the
+    profiler's allocation events) and by peak RSS per phase of the step above RSS at
+    its start. Stored under ``traces``."""
+    results = _load()
+    check = results["checks"][args.check]
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"trace_{int(time.time() * 1000)}"
+    script = str(Path(__file__).resolve())
+    rest = [
+        "trace-rank",
+        check["recipe"],
+        check["config"],
+        str(check["nproc"]),
+        str(out),
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(check["nproc"]),
+        script,
+        *rest,
+        "--",
+        *check["overrides"],
+    ]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"trace failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    ranks = [
+        json.loads(Path(f"{out}.rank{r}.json").read_text())
+        for r in range(check["nproc"])
+    ]
+    results.setdefault("traces", {})[args.check] = ranks
+    print(json.dumps(ranks[0], indent=1))
+    _save(results)
+
+
+def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> None:
+    """On one process (gloo, one rank): the plain step of the estimate on real
+    tensors, by torch's allocator, built as the estimate builds it (no FSDP2 on
+    one process) and as the recipes build it (FSDP2 over the one rank)."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
+
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+    from torchtune.training import memory_estimate as me
+
+    dist.init_process_group("gloo")
+    init_device_mesh("cpu", (1,))
+    path = me._config_path(config)[0]
+    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
+        ["--config", str(path)]
+    )
+    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
+    cfg = OmegaConf.merge(cfg, {"optimizer_in_bwd": False})
+    estimator = me._Estimator(cfg, recipe, 1, me._seq_len(cfg, None)[0])
+    build_model = me._Estimator._build_model
+
+    def build_sharded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The estimate shards only over more than one rank; training.
+        # build_sharded_model, without a device mesh, shards over one too.
+        self.nproc = 2
+        try:
+            return build_model(self, *args, **kwargs)
+        finally:
+            self.nproc = 1
+
+    record: dict[str, Any] = {}
+    for name, build in (
+        ("no FSDP2", build_model),
+        ("FSDP2 over 1 rank", build_sharded),
+    ):
+        me._Estimator._build_model = build
+        torch.manual_seed(0)
+        setup = estimator.build_real(False)
+        me._Estimator._build_model = build_model
+        estimator.step_real(setup, False)  # the optimizer state
+        state = [
+            v
+            for s in setup.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        alive = {}
+        tensors = [t for m in setup.models for t in (*m.parameters(), *m.buffers())]
+        for t in [*tensors, *state]:
+            for storage in me._storages(t):
+                alive[id(storage)] = storage.nbytes()
+        probe = _PhaseProbe()
+        with me._bnb_patch("cpu"), profile(profile_memory=True) as prof:
+            estimator._step(setup, probe, False)
+            probe.close()
+        peak, phase = _profiled_peak(prof)
+        record[name] = {"peak": sum(alive.values()) + peak, "phase": phase}
+        del setup, state, alive, prof
+        gc.collect()
+    out.write_text(json.dumps(record))
+
+
+def one_rank(args: argparse.Namespace) -> None:
+    """A stored one-process check of a distributed recipe: its plain step on real
+    tensors, by torch's allocator, without FSDP2 (as the estimate counts it on one
+    process) and with FSDP2 over the one rank (as the recipe runs it). Stored under
+    ``one_rank``."""
+    results = _load()
+    check = results["checks"][args.check]
+    out = Path(args.work_dir) / f"one_rank_{int(time.time() * 1000)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve())
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        script,
+        "one-rank-rank",
+        check["recipe"],
+        check["config"],
+        str(out),
+        "--",
+        *check["overrides"],
+    ]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    record = json.loads(out.read_text())
+    results.setdefault("one_rank", {})[args.check] = record
+    print(args.check, record)
+    _save(results)
+
+
 def _error(estimated: float, measured: float, grads: float) -> str:
     """The estimate's error, relative where something was saved (more than 5% of
     the gradients and more than the few MB two runs' RSS differ by anyway)."""
@@ -672,6 +987,14 @@ def main(argv: list[str] | None = None) -> int:
         recipe, out, sep, *rest = argv[1:]
         run_recipe(recipe, Path(out), rest)
         return 0
+    if argv and argv[0] == "one-rank-rank":
+        recipe, config, out, sep, *rest = argv[1:]
+        one_rank_rank(recipe, config, rest, Path(out))
+        return 0
+    if argv and argv[0] == "trace-rank":
+        recipe, config, nproc, out, sep, *rest = argv[1:]
+        trace_rank(recipe, config, rest, int(nproc), Path(out))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "what",
@@ -681,9 +1004,12 @@ def main(argv: list[str] | None = None) -> int:
             "check-fsdp",
             "check-recipe",
             "re-estimate",
+            "trace",
+            "one-rank",
             "report",
         ),
     )
+    parser.add_argument("--check", help="trace: the stored check's name")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="dpo")
     parser.add_argument("--model", choices=sorted(RECIPE_MODELS), default="tiny")
     parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
@@ -704,6 +1030,10 @@ def main(argv: list[str] | None = None) -> int:
         check_recipe(args)
     elif args.what == "re-estimate":
         re_estimate(args)
+    elif args.what == "trace":
+        trace(args)
+    elif args.what == "one-rank":
+        one_rank(args)
     else:
         _save(_load())
     return 0
