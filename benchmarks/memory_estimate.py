@@ -15,6 +15,7 @@ Subcommands (from the repository root; each adds its part to
     python benchmarks/memory_estimate.py one-rank --check NAME  # a 1-process
                                                    # check's step with and without
                                                    # FSDP2 over its one rank
+    python benchmarks/memory_estimate.py gloo      # gloo's collectives' copies
     python benchmarks/memory_estimate.py report    # the .md from the .json
 
 A measured run is the recipe itself (``tune run``'s recipe file, run with
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import runpy
@@ -481,23 +483,45 @@ def check_recipe(args: argparse.Namespace) -> None:
 
 
 def _check_ppo(args: argparse.Namespace, name: str, work: Path, data: Path) -> None:
-    """PPO's check: its tiny config as it is, with prompts of full length."""
-    from tests.assets.make_ppo_assets import ensure_ppo_assets
+    """PPO's check: its tiny config with prompts of full length, and its tiny models
+    (``tiny``) or random inits of the ``mid`` size (the policy and its reference
+    from one Llama2 checkpoint, which Mistral's builder loads as is; the reward
+    model and the value model's start a classifier of the same size, made as
+    ``tests/assets/make_ppo_assets.py`` makes the tiny one)."""
+    from tests.assets.make_ppo_assets import (
+        build_reward_model,
+        ensure_ppo_assets,
+        write_reward_checkpoint,
+    )
     from tests.recipes.utils import format_override
 
-    if args.model != "tiny":
-        raise SystemExit("PPO's check has its tiny models only")
     recipe, config_file, family_overrides = FAMILIES["ppo"]
     ppo_assets = ensure_ppo_assets()
     prompts = work / "prompts.json"
     records = json.loads(data.read_text())
     prompts.write_text(json.dumps([{"prompt": r["output"]} for r in records]))
-    forced = {
+    forced: dict[str, Any] = {
         "assets_dir": Path(ppo_assets.root).parent,
         "output_dir": work / "out",
         "dataset.data_files": prompts,
         "tokenizer.max_seq_len": args.seq_len,
     }
+    if args.model != "tiny":
+        helpers = _shipped_helpers()
+        section = dict(RECIPE_MODELS[args.model])
+        section["_component_"] = "torchtune.models.mistral.mistral"
+        sizes = {k: v for k, v in section.items() if k != "_component_"}
+        policy, reward = work / "checkpoint", work / "reward_checkpoint"
+        if not (policy / helpers.CHECKPOINT_FILE).exists():
+            helpers.write_checkpoint(section, "cpu", policy)
+        if not (reward / helpers.CHECKPOINT_FILE).exists():
+            write_reward_checkpoint(build_reward_model(sizes), sizes, reward)
+        for key in ("checkpointer", "ref_policy_checkpointer"):
+            forced[f"{key}.checkpoint_dir"] = policy
+        for key in ("value_checkpointer", "reward_checkpointer"):
+            forced[f"{key}.checkpoint_dir"] = reward
+        forced |= {f"policy_model.{k}": v for k, v in sizes.items()}
+        forced |= {f"reward_and_value_model.{k}": v for k, v in sizes.items()}
     _check(
         f"{name}, prompts of {args.seq_len}",
         recipe,
@@ -717,7 +741,7 @@ def trace(args: argparse.Namespace) -> None:
 
 
 def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> None:
-    """On one process (gloo, one rank): the plain step of the estimate on real
+    """On one process (gloo, one rank): each mode's step of the estimate on real
     tensors, by torch's allocator, built as the estimate builds it (no FSDP2 on
     one process) and as the recipes build it (FSDP2 over the one rank)."""
     import torch
@@ -737,8 +761,6 @@ def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> 
         ["--config", str(path)]
     )
     cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
-    cfg = OmegaConf.merge(cfg, {"optimizer_in_bwd": False})
-    estimator = me._Estimator(cfg, recipe, 1, me._seq_len(cfg, None)[0])
     build_model = me._Estimator._build_model
 
     def build_sharded(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -751,15 +773,17 @@ def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> 
             self.nproc = 1
 
     record: dict[str, Any] = {}
-    for name, build in (
-        ("no FSDP2", build_model),
-        ("FSDP2 over 1 rank", build_sharded),
+    builds = (("no FSDP2", build_model), ("FSDP2 over 1 rank", build_sharded))
+    for (mode, in_bwd), (name, build) in itertools.product(
+        (("plain", False), ("in_backward", True)), builds
     ):
+        mode_cfg = OmegaConf.merge(cfg, {"optimizer_in_bwd": in_bwd})
+        estimator = me._Estimator(mode_cfg, recipe, 1, me._seq_len(cfg, None)[0])
         me._Estimator._build_model = build
         torch.manual_seed(0)
-        setup = estimator.build_real(False)
+        setup = estimator.build_real(in_bwd)
         me._Estimator._build_model = build_model
-        estimator.step_real(setup, False)  # the optimizer state
+        estimator.step_real(setup, in_bwd)  # the optimizer state
         state = [
             v
             for s in setup.optimizer.state.values()
@@ -773,17 +797,18 @@ def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> 
                 alive[id(storage)] = storage.nbytes()
         probe = _PhaseProbe()
         with me._bnb_patch("cpu"), profile(profile_memory=True) as prof:
-            estimator._step(setup, probe, False)
+            estimator._step(setup, probe, in_bwd)
             probe.close()
         peak, phase = _profiled_peak(prof)
-        record[name] = {"peak": sum(alive.values()) + peak, "phase": phase}
+        peak = {"peak": sum(alive.values()) + peak, "phase": phase}
+        record.setdefault(mode, {})[name] = peak
         del setup, state, alive, prof
         gc.collect()
     out.write_text(json.dumps(record))
 
 
 def one_rank(args: argparse.Namespace) -> None:
-    """A stored one-process check of a distributed recipe: its plain step on real
+    """A stored one-process check of a distributed recipe: its step on real
     tensors, by torch's allocator, without FSDP2 (as the estimate counts it on one
     process) and with FSDP2 over the one rank (as the recipe runs it). Stored under
     ``one_rank``."""
@@ -815,6 +840,69 @@ def one_rank(args: argparse.Namespace) -> None:
     record = json.loads(out.read_text())
     results.setdefault("one_rank", {})[args.check] = record
     print(args.check, record)
+    _save(results)
+
+
+def gloo_rank(out: Path) -> None:
+    """On this rank (``torchrun``, 2 processes, gloo): the bytes torch's allocator
+    gives the collectives FSDP2 calls beyond their own output, for a 131 MB
+    buffer (the mid model's root unit: embedding and output projection, fp32)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    dist.init_process_group("gloo")
+    full = torch.ones(2 * 16_384_000)
+    shard = torch.empty(full.numel() // dist.get_world_size())
+    record: dict[str, Any] = {"buffer": full.nbytes}
+    calls = {
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, shard),
+    }
+    for name, call in calls.items():
+        with profile(profile_memory=True) as prof:
+            call()
+        events = sorted(
+            (
+                e
+                for e in prof.profiler.kineto_results.events()
+                if e.name() == "[memory]"
+            ),
+            key=lambda e: e.start_ns(),
+        )
+        current = peak = 0
+        for event in events:
+            current += event.nbytes()
+            peak = max(peak, current)
+        record[name] = peak
+    rank = os.environ.get("RANK", "0")
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def gloo(args: argparse.Namespace) -> None:
+    """What gloo's reduce-scatter and all-gather allocate beyond their output (the
+    peak of torch's allocator during the call), on 2 processes. Stored under
+    ``gloo``."""
+    results = _load()
+    out = Path(args.work_dir) / f"gloo_{int(time.time() * 1000)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve())
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        script,
+        "gloo-rank",
+        str(out),
+    ]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    results["gloo"] = json.loads(Path(f"{out}.rank0.json").read_text())
+    print(results["gloo"])
     _save(results)
 
 
@@ -978,7 +1066,88 @@ def markdown(results: dict[str, Any]) -> str:
                     and "metric_logger" not in o
                 ),
             ]
+    lines += _traces_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+def _traces_markdown(results: dict[str, Any]) -> list[str]:
+    """The ``trace``, ``one-rank`` and ``gloo`` sections of the report."""
+    lines: list[str] = []
+    traces = results.get("traces", {})
+    if traces:
+        lines += [
+            "",
+            "## Checks traced on real tensors (`trace`)",
+            "",
+            "The check's step as the estimate takes it, on real randomly initialized "
+            "tensors over the check's processes (gloo), second step: counted by the "
+            "estimate's own counting (its tracker), by torch's allocator (the "
+            "profiler's allocation events, from what is alive at the step's start), "
+            "and by peak RSS above RSS at the step's start, per phase (the "
+            "process's constant is not in it). GB, the largest rank.",
+            "",
+            "| check | mode | estimated (fake tensors) | counted, real tensors "
+            "| torch's allocator | RSS above start, by phase |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, ranks in traces.items():
+            est = results["checks"][name]["estimate"]
+            for mode in ("plain", "in_backward"):
+                rank = max(ranks, key=lambda r: r[mode]["profiled_peak"])[mode]
+                counted = rank["counted"]
+                rss = ", ".join(
+                    f"{phase} {nbytes / GB:.3f}"
+                    for phase, nbytes in rank["rss_above_start_by_phase"]
+                )
+                lines.append(
+                    f"| {name} | {mode.replace('_', '-')} "
+                    f"| {est[mode]['peak']['total'] / GB:.3f} "
+                    f"({est[mode]['peak']['phase']}) "
+                    f"| {counted['peak'] / GB:.3f} ({counted['phase']}) "
+                    f"| {rank['profiled_peak'] / GB:.3f} ({rank['profiled_phase']}) "
+                    f"| {rss} |"
+                )
+    one_rank = results.get("one_rank", {})
+    if one_rank:
+        lines += [
+            "",
+            "## One-process checks with FSDP2 over the one rank (`one-rank`)",
+            "",
+            "The distributed recipes shard their models on one process too "
+            "(`training.build_sharded_model` without a device mesh), which the "
+            "estimate does not: the step on real tensors by torch's "
+            "allocator, GB.",
+            "",
+            "| check | mode | without FSDP2 (as estimated) | FSDP2 over 1 rank (as "
+            "run) | difference | measured peak RSS |",
+            "|---|---|---|---|---:|---:|",
+        ]
+        for name, rec in one_rank.items():
+            # Stored before in-backward was run too: the plain step only.
+            modes = rec if "plain" in rec else {"plain": rec}
+            for mode, builds in modes.items():
+                plain, sharded = builds["no FSDP2"], builds["FSDP2 over 1 rank"]
+                measured = results["checks"][name][f"measured_{mode}"]["peak_rss"]
+                lines.append(
+                    f"| {name} | {mode.replace('_', '-')} "
+                    f"| {plain['peak'] / GB:.3f} ({plain['phase']}) "
+                    f"| {sharded['peak'] / GB:.3f} ({sharded['phase']}) "
+                    f"| {(sharded['peak'] - plain['peak']) / GB:+.3f} "
+                    f"| {measured / GB:.3f} |"
+                )
+    gloo = results.get("gloo")
+    if gloo:
+        lines += [
+            "",
+            "## gloo's collectives (`gloo`)",
+            "",
+            f"Bytes torch's allocator gives a gloo collective beyond its output, 2 "
+            f"processes, a buffer of {gloo['buffer'] / 10**6:.0f} MB: "
+            f"`reduce_scatter_tensor` {gloo['reduce_scatter_tensor'] / 10**6:.0f} MB, "
+            f"`all_gather_into_tensor` {gloo['all_gather_into_tensor'] / 10**6:.0f} "
+            "MB (peak during the call). NCCL works in the buffers it is given.",
+        ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -986,6 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "run-recipe":
         recipe, out, sep, *rest = argv[1:]
         run_recipe(recipe, Path(out), rest)
+        return 0
+    if argv and argv[0] == "gloo-rank":
+        gloo_rank(Path(argv[1]))
         return 0
     if argv and argv[0] == "one-rank-rank":
         recipe, config, out, sep, *rest = argv[1:]
@@ -1006,6 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
             "re-estimate",
             "trace",
             "one-rank",
+            "gloo",
             "report",
         ),
     )
@@ -1034,6 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
         trace(args)
     elif args.what == "one-rank":
         one_rank(args)
+    elif args.what == "gloo":
+        gloo(args)
     else:
         _save(_load())
     return 0
