@@ -743,7 +743,7 @@ def trace(args: argparse.Namespace) -> None:
 def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> None:
     """On one process (gloo, one rank): each mode's step of the estimate on real
     tensors, by torch's allocator, built as the estimate builds it (no FSDP2 on
-    one process) and as the recipes build it (FSDP2 over the one rank)."""
+    one process) and as DPO and QAT build it (FSDP2 over the one rank)."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -810,7 +810,7 @@ def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> 
 def one_rank(args: argparse.Namespace) -> None:
     """A stored one-process check of a distributed recipe: its step on real
     tensors, by torch's allocator, without FSDP2 (as the estimate counts it on one
-    process) and with FSDP2 over the one rank (as the recipe runs it). Stored under
+    process) and with FSDP2 over the one rank (as DPO and QAT run it). Stored under
     ``one_rank``."""
     results = _load()
     check = results["checks"][args.check]
@@ -1113,13 +1113,14 @@ def _traces_markdown(results: dict[str, Any]) -> list[str]:
             "",
             "## One-process checks with FSDP2 over the one rank (`one-rank`)",
             "",
-            "The distributed recipes shard their models on one process too "
-            "(`training.build_sharded_model` without a device mesh), which the "
-            "estimate does not: the step on real tensors by torch's "
-            "allocator, GB.",
+            "DPO and QAT shard their models on one process too "
+            "(`training.build_sharded_model` without a device mesh; early exit "
+            "passes a mesh, whose one-rank `dp` is not sharded over), which the "
+            "estimate does not: the step on real tensors by torch's allocator, "
+            "without FSDP2 and with FSDP2 over the one rank, GB.",
             "",
-            "| check | mode | without FSDP2 (as estimated) | FSDP2 over 1 rank (as "
-            "run) | difference | measured peak RSS |",
+            "| check | mode | without FSDP2 (as estimated) | FSDP2 over 1 rank "
+            "| difference | measured peak RSS |",
             "|---|---|---|---|---:|---:|",
         ]
         for name, rec in one_rank.items():
