@@ -119,8 +119,10 @@ FAMILIES = {
     ),
 }
 
-#: Their models: the tiny configs' own 2-layer Llama2 (140K parameters), and
-#: one of 58M.
+#: Their models: the tiny configs' own 2-layer Llama2 (140K parameters), one of
+#: 58M, and the same with the tiny tokenizer's 512-token vocabulary (25M: QAT's
+#: fake quantization of a 32K-vocabulary output projection keeps its peak in
+#: forward, where in-backward has nothing to free).
 RECIPE_MODELS = {
     "tiny": {
         "_component_": "torchtune.models.llama2.llama2",
@@ -145,6 +147,7 @@ RECIPE_MODELS = {
         "norm_eps": 1e-5,
     },
 }
+RECIPE_MODELS["mid-v512"] = {**RECIPE_MODELS["mid"], "vocab_size": 512}
 
 
 def _shipped_helpers() -> Any:
