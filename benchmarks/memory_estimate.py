@@ -10,6 +10,12 @@ Subcommands (from the repository root; each adds its part to
     python benchmarks/memory_estimate.py check-recipe --family dpo --model tiny \
         --nproc 2                                  # DPO, QAT, early exit, PPO
     python benchmarks/memory_estimate.py re-estimate  # the checks' estimates again
+    python benchmarks/memory_estimate.py trace --check NAME  # a check's step on
+                                                   # real tensors, counted 3 ways
+    python benchmarks/memory_estimate.py one-rank --check NAME  # a 1-process
+                                                   # check's step with and without
+                                                   # FSDP2 over its one rank
+    python benchmarks/memory_estimate.py gloo      # gloo's collectives' copies
     python benchmarks/memory_estimate.py report    # the .md from the .json
 
 A measured run is the recipe itself (``tune run``'s recipe file, run with
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import runpy
@@ -112,8 +119,10 @@ FAMILIES = {
     ),
 }
 
-#: Their models: the tiny configs' own 2-layer Llama2 (140K parameters), and
-#: one of 58M.
+#: Their models: the tiny configs' own 2-layer Llama2 (140K parameters), one of
+#: 58M, and the same with the tiny tokenizer's 512-token vocabulary (25M: QAT's
+#: fake quantization of a 32K-vocabulary output projection keeps its peak in
+#: forward, where in-backward has nothing to free).
 RECIPE_MODELS = {
     "tiny": {
         "_component_": "torchtune.models.llama2.llama2",
@@ -138,6 +147,7 @@ RECIPE_MODELS = {
         "norm_eps": 1e-5,
     },
 }
+RECIPE_MODELS["mid-v512"] = {**RECIPE_MODELS["mid"], "vocab_size": 512}
 
 
 def _shipped_helpers() -> Any:
@@ -476,23 +486,45 @@ def check_recipe(args: argparse.Namespace) -> None:
 
 
 def _check_ppo(args: argparse.Namespace, name: str, work: Path, data: Path) -> None:
-    """PPO's check: its tiny config as it is, with prompts of full length."""
-    from tests.assets.make_ppo_assets import ensure_ppo_assets
+    """PPO's check: its tiny config with prompts of full length, and its tiny models
+    (``tiny``) or random inits of the ``mid`` size (the policy and its reference
+    from one Llama2 checkpoint, which Mistral's builder loads as is; the reward
+    model and the value model's start a classifier of the same size, made as
+    ``tests/assets/make_ppo_assets.py`` makes the tiny one)."""
+    from tests.assets.make_ppo_assets import (
+        build_reward_model,
+        ensure_ppo_assets,
+        write_reward_checkpoint,
+    )
     from tests.recipes.utils import format_override
 
-    if args.model != "tiny":
-        raise SystemExit("PPO's check has its tiny models only")
     recipe, config_file, family_overrides = FAMILIES["ppo"]
     ppo_assets = ensure_ppo_assets()
     prompts = work / "prompts.json"
     records = json.loads(data.read_text())
     prompts.write_text(json.dumps([{"prompt": r["output"]} for r in records]))
-    forced = {
+    forced: dict[str, Any] = {
         "assets_dir": Path(ppo_assets.root).parent,
         "output_dir": work / "out",
         "dataset.data_files": prompts,
         "tokenizer.max_seq_len": args.seq_len,
     }
+    if args.model != "tiny":
+        helpers = _shipped_helpers()
+        section = dict(RECIPE_MODELS[args.model])
+        section["_component_"] = "torchtune.models.mistral.mistral"
+        sizes = {k: v for k, v in section.items() if k != "_component_"}
+        policy, reward = work / "checkpoint", work / "reward_checkpoint"
+        if not (policy / helpers.CHECKPOINT_FILE).exists():
+            helpers.write_checkpoint(section, "cpu", policy)
+        if not (reward / helpers.CHECKPOINT_FILE).exists():
+            write_reward_checkpoint(build_reward_model(sizes), sizes, reward)
+        for key in ("checkpointer", "ref_policy_checkpointer"):
+            forced[f"{key}.checkpoint_dir"] = policy
+        for key in ("value_checkpointer", "reward_checkpointer"):
+            forced[f"{key}.checkpoint_dir"] = reward
+        forced |= {f"policy_model.{k}": v for k, v in sizes.items()}
+        forced |= {f"reward_and_value_model.{k}": v for k, v in sizes.items()}
     _check(
         f"{name}, prompts of {args.seq_len}",
         recipe,
@@ -501,6 +533,380 @@ def _check_ppo(args: argparse.Namespace, name: str, work: Path, data: Path) -> N
         1,
         work,
     )
+
+
+# -- tracing a check's step on real tensors ------------------------------------------
+
+
+class _PhaseProbe:
+    """Where a real step is, for :func:`trace_rank`: at each change of phase, the
+    peak RSS of the phase that ends (``VmHWM``, then reset to the current RSS), and
+    a profiler range named after the phase that starts."""
+
+    def __init__(self) -> None:
+        from torch.profiler import record_function
+
+        self._record_function = record_function
+        self._phase = ""
+        self._range: Any = None
+        self.rss: list[tuple[str, int]] = []
+
+    def reset(self) -> None:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start_rss = _vm("VmRSS")
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if self._phase:
+            self.rss.append((self._phase, _vm("VmHWM")))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+        self._phase = value
+        self._range = self._record_function(f"phase:{value}")
+        self._range.__enter__()
+
+    def close(self) -> None:
+        self.phase = "between steps"
+        self._range.__exit__(None, None, None)
+        self._range = None
+        self._phase = ""
+
+
+def _profiled_peak(prof: Any) -> tuple[int, str]:
+    """The peak of the bytes torch's allocator reported live during ``prof`` (from
+    its start), and the phase range it is in."""
+    events = prof.profiler.kineto_results.events()
+    memory = sorted(
+        (e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    ranges = [
+        (e.start_ns(), e.end_ns(), e.name().removeprefix("phase:"))
+        for e in events
+        if e.name().startswith("phase:")
+    ]
+    current = peak = 0
+    at = 0
+    for event in memory:
+        current += event.nbytes()
+        if current > peak:
+            peak, at = current, event.start_ns()
+    # The innermost range (the latest to start) holding the peak.
+    phase = max(
+        (r for r in ranges if r[0] <= at <= r[1]),
+        default=(0, 0, "?"),
+        key=lambda r: r[0],
+    )[2]
+    return peak, phase
+
+
+def trace_rank(recipe: str, config: str, overrides: list[str], nproc: int, out: Path):
+    """On this rank (``torchrun``, gloo): each mode's step of the estimate on real,
+    randomly initialized tensors, counted three ways (see :func:`trace`)."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
+
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+    from torchtune.training import memory_estimate as me
+
+    if recipe.endswith("_distributed"):
+        dist.init_process_group("gloo")
+        init_device_mesh("cpu", (nproc,))
+    path = me._config_path(config)[0]
+    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
+        ["--config", str(path)]
+    )
+    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
+    seq_len = me._seq_len(cfg, None)[0]
+    record: dict[str, Any] = {}
+    for mode, in_bwd in (("plain", False), ("in_backward", True)):
+        mode_cfg = OmegaConf.merge(
+            cfg, {"optimizer_in_bwd": in_bwd, "gradient_accumulation_steps": 1}
+        )
+        estimator = me._Estimator(mode_cfg, recipe, nproc, seq_len)
+        # 1. The estimate's counting (its tracker), two steps, the second's peak.
+        torch.manual_seed(0)
+        setup = estimator._build(None, in_bwd, count=True)
+        tracker = setup.tracker
+        with me._bnb_patch("cpu"), me._phase_patch(tracker):
+            tracker.track_models(setup.models)
+            with tracker:
+                for _ in range(2):
+                    tracker.start_peak()
+                    estimator._step(setup, tracker, in_bwd)
+                    tracker.finish()
+                    tracker.label_state(setup.optimizer)
+            peak = estimator._peak(setup, tracker, in_bwd)
+        counted = {
+            "peak": peak.total,
+            "phase": peak.phase,
+            "by_category": peak.by_category,
+            "largest": peak.largest,
+        }
+        del setup, tracker, peak
+        gc.collect()
+        # 2. torch's own accounting (the profiler's allocation events) and 3. RSS,
+        # per phase, of the second step of a fresh build.
+        torch.manual_seed(0)
+        setup = estimator.build_real(in_bwd)
+        estimator.step_real(setup, in_bwd)  # the optimizer state
+        state = [
+            v
+            for s in setup.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        alive = {}
+        tensors = [t for m in setup.models for t in (*m.parameters(), *m.buffers())]
+        for t in [*tensors, *state]:
+            for storage in me._storages(t):
+                alive[id(storage)] = storage.nbytes()
+        probe = _PhaseProbe()
+        with me._bnb_patch("cpu"):
+            probe.reset()
+            estimator._step(setup, probe, in_bwd)
+            probe.close()
+            rss_phases = [(p, hwm - probe.start_rss) for p, hwm in probe.rss]
+            probe = _PhaseProbe()
+            with profile(profile_memory=True) as prof:
+                estimator._step(setup, probe, in_bwd)
+                probe.close()
+        profiled, profiled_phase = _profiled_peak(prof)
+        record[mode] = {
+            "counted": counted,
+            "alive_at_start": sum(alive.values()),
+            "profiled_peak": sum(alive.values()) + profiled,
+            "profiled_phase": profiled_phase,
+            "rss_above_start_by_phase": rss_phases,
+        }
+        del setup, state, alive, prof
+        gc.collect()
+    rank = os.environ.get("RANK", "0")
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def trace(args: argparse.Namespace) -> None:
+    """A stored check's step, as the estimate takes it, on real randomly initialized
+    tensors over the check's processes (gloo), counted three ways: by the estimate's
+    own counting (its tracker, on real tensors), by torch's allocator (the
+    profiler's allocation events) and by peak RSS per phase of the step above RSS at
+    its start. Stored under ``traces``."""
+    results = _load()
+    check = results["checks"][args.check]
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"trace_{int(time.time() * 1000)}"
+    script = str(Path(__file__).resolve())
+    rest = [
+        "trace-rank",
+        check["recipe"],
+        check["config"],
+        str(check["nproc"]),
+        str(out),
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(check["nproc"]),
+        script,
+        *rest,
+        "--",
+        *check["overrides"],
+    ]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"trace failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    ranks = [
+        json.loads(Path(f"{out}.rank{r}.json").read_text())
+        for r in range(check["nproc"])
+    ]
+    results.setdefault("traces", {})[args.check] = ranks
+    print(json.dumps(ranks[0], indent=1))
+    _save(results)
+
+
+def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> None:
+    """On one process (gloo, one rank): each mode's step of the estimate on real
+    tensors, by torch's allocator, built as the estimate builds it (no FSDP2 on
+    one process) and as DPO and QAT build it (FSDP2 over the one rank)."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
+
+    from torchtune.config._parse import TuneRecipeArgumentParser
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+    from torchtune.training import memory_estimate as me
+
+    dist.init_process_group("gloo")
+    init_device_mesh("cpu", (1,))
+    path = me._config_path(config)[0]
+    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
+        ["--config", str(path)]
+    )
+    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
+    build_model = me._Estimator._build_model
+
+    def build_sharded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The estimate shards only over more than one rank; training.
+        # build_sharded_model, without a device mesh, shards over one too.
+        self.nproc = 2
+        try:
+            return build_model(self, *args, **kwargs)
+        finally:
+            self.nproc = 1
+
+    record: dict[str, Any] = {}
+    builds = (("no FSDP2", build_model), ("FSDP2 over 1 rank", build_sharded))
+    for (mode, in_bwd), (name, build) in itertools.product(
+        (("plain", False), ("in_backward", True)), builds
+    ):
+        mode_cfg = OmegaConf.merge(cfg, {"optimizer_in_bwd": in_bwd})
+        estimator = me._Estimator(mode_cfg, recipe, 1, me._seq_len(cfg, None)[0])
+        me._Estimator._build_model = build
+        torch.manual_seed(0)
+        setup = estimator.build_real(in_bwd)
+        me._Estimator._build_model = build_model
+        estimator.step_real(setup, in_bwd)  # the optimizer state
+        state = [
+            v
+            for s in setup.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        alive = {}
+        tensors = [t for m in setup.models for t in (*m.parameters(), *m.buffers())]
+        for t in [*tensors, *state]:
+            for storage in me._storages(t):
+                alive[id(storage)] = storage.nbytes()
+        probe = _PhaseProbe()
+        with me._bnb_patch("cpu"), profile(profile_memory=True) as prof:
+            estimator._step(setup, probe, in_bwd)
+            probe.close()
+        peak, phase = _profiled_peak(prof)
+        peak = {"peak": sum(alive.values()) + peak, "phase": phase}
+        record.setdefault(mode, {})[name] = peak
+        del setup, state, alive, prof
+        gc.collect()
+    out.write_text(json.dumps(record))
+
+
+def one_rank(args: argparse.Namespace) -> None:
+    """A stored one-process check of a distributed recipe: its step on real
+    tensors, by torch's allocator, without FSDP2 (as the estimate counts it on one
+    process) and with FSDP2 over the one rank (as DPO and QAT run it). Stored under
+    ``one_rank``."""
+    results = _load()
+    check = results["checks"][args.check]
+    out = Path(args.work_dir) / f"one_rank_{int(time.time() * 1000)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve())
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        script,
+        "one-rank-rank",
+        check["recipe"],
+        check["config"],
+        str(out),
+        "--",
+        *check["overrides"],
+    ]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    record = json.loads(out.read_text())
+    results.setdefault("one_rank", {})[args.check] = record
+    print(args.check, record)
+    _save(results)
+
+
+def gloo_rank(out: Path) -> None:
+    """On this rank (``torchrun``, 2 processes, gloo): the bytes torch's allocator
+    gives the collectives FSDP2 calls beyond their own output, for a 131 MB
+    buffer (the mid model's root unit: embedding and output projection, fp32)."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    dist.init_process_group("gloo")
+    full = torch.ones(2 * 16_384_000)
+    shard = torch.empty(full.numel() // dist.get_world_size())
+    record: dict[str, Any] = {"buffer": full.nbytes}
+    calls = {
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(full, shard),
+    }
+    for name, call in calls.items():
+        with profile(profile_memory=True) as prof:
+            call()
+        events = sorted(
+            (
+                e
+                for e in prof.profiler.kineto_results.events()
+                if e.name() == "[memory]"
+            ),
+            key=lambda e: e.start_ns(),
+        )
+        current = peak = 0
+        for event in events:
+            current += event.nbytes()
+            peak = max(peak, current)
+        record[name] = peak
+    rank = os.environ.get("RANK", "0")
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def gloo(args: argparse.Namespace) -> None:
+    """What gloo's reduce-scatter and all-gather allocate beyond their output (the
+    peak of torch's allocator during the call), on 2 processes. Stored under
+    ``gloo``."""
+    results = _load()
+    out = Path(args.work_dir) / f"gloo_{int(time.time() * 1000)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script = str(Path(__file__).resolve())
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        script,
+        "gloo-rank",
+        str(out),
+    ]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    results["gloo"] = json.loads(Path(f"{out}.rank0.json").read_text())
+    print(results["gloo"])
+    _save(results)
 
 
 def _error(estimated: float, measured: float, grads: float) -> str:
@@ -674,7 +1080,89 @@ def markdown(results: dict[str, Any]) -> str:
                     and "metric_logger" not in o
                 ),
             ]
+    lines += _traces_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+def _traces_markdown(results: dict[str, Any]) -> list[str]:
+    """The ``trace``, ``one-rank`` and ``gloo`` sections of the report."""
+    lines: list[str] = []
+    traces = results.get("traces", {})
+    if traces:
+        lines += [
+            "",
+            "## Checks traced on real tensors (`trace`)",
+            "",
+            "The check's step as the estimate takes it, on real randomly initialized "
+            "tensors over the check's processes (gloo), second step: counted by the "
+            "estimate's own counting (its tracker), by torch's allocator (the "
+            "profiler's allocation events, from what is alive at the step's start), "
+            "and by peak RSS above RSS at the step's start, per phase (the "
+            "process's constant is not in it). GB, the largest rank.",
+            "",
+            "| check | mode | estimated (fake tensors) | counted, real tensors "
+            "| torch's allocator | RSS above start, by phase |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, ranks in traces.items():
+            est = results["checks"][name]["estimate"]
+            for mode in ("plain", "in_backward"):
+                rank = max(ranks, key=lambda r: r[mode]["profiled_peak"])[mode]
+                counted = rank["counted"]
+                rss = ", ".join(
+                    f"{phase} {nbytes / GB:.3f}"
+                    for phase, nbytes in rank["rss_above_start_by_phase"]
+                )
+                lines.append(
+                    f"| {name} | {mode.replace('_', '-')} "
+                    f"| {est[mode]['peak']['total'] / GB:.3f} "
+                    f"({est[mode]['peak']['phase']}) "
+                    f"| {counted['peak'] / GB:.3f} ({counted['phase']}) "
+                    f"| {rank['profiled_peak'] / GB:.3f} ({rank['profiled_phase']}) "
+                    f"| {rss} |"
+                )
+    one_rank = results.get("one_rank", {})
+    if one_rank:
+        lines += [
+            "",
+            "## One-process checks with FSDP2 over the one rank (`one-rank`)",
+            "",
+            "DPO and QAT shard their models on one process too "
+            "(`training.build_sharded_model` without a device mesh; early exit "
+            "passes a mesh, whose one-rank `dp` is not sharded over), which the "
+            "estimate does not: the step on real tensors by torch's allocator, "
+            "without FSDP2 and with FSDP2 over the one rank, GB.",
+            "",
+            "| check | mode | without FSDP2 (as estimated) | FSDP2 over 1 rank "
+            "| difference | measured peak RSS |",
+            "|---|---|---|---|---:|---:|",
+        ]
+        for name, rec in one_rank.items():
+            # Stored before in-backward was run too: the plain step only.
+            modes = rec if "plain" in rec else {"plain": rec}
+            for mode, builds in modes.items():
+                plain, sharded = builds["no FSDP2"], builds["FSDP2 over 1 rank"]
+                measured = results["checks"][name][f"measured_{mode}"]["peak_rss"]
+                lines.append(
+                    f"| {name} | {mode.replace('_', '-')} "
+                    f"| {plain['peak'] / GB:.3f} ({plain['phase']}) "
+                    f"| {sharded['peak'] / GB:.3f} ({sharded['phase']}) "
+                    f"| {(sharded['peak'] - plain['peak']) / GB:+.3f} "
+                    f"| {measured / GB:.3f} |"
+                )
+    gloo = results.get("gloo")
+    if gloo:
+        lines += [
+            "",
+            "## gloo's collectives (`gloo`)",
+            "",
+            f"Bytes torch's allocator gives a gloo collective beyond its output, 2 "
+            f"processes, a buffer of {gloo['buffer'] / 10**6:.0f} MB: "
+            f"`reduce_scatter_tensor` {gloo['reduce_scatter_tensor'] / 10**6:.0f} MB, "
+            f"`all_gather_into_tensor` {gloo['all_gather_into_tensor'] / 10**6:.0f} "
+            "MB (peak during the call). NCCL works in the buffers it is given.",
+        ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -682,6 +1170,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "run-recipe":
         recipe, out, sep, *rest = argv[1:]
         run_recipe(recipe, Path(out), rest)
+        return 0
+    if argv and argv[0] == "gloo-rank":
+        gloo_rank(Path(argv[1]))
+        return 0
+    if argv and argv[0] == "one-rank-rank":
+        recipe, config, out, sep, *rest = argv[1:]
+        one_rank_rank(recipe, config, rest, Path(out))
+        return 0
+    if argv and argv[0] == "trace-rank":
+        recipe, config, nproc, out, sep, *rest = argv[1:]
+        trace_rank(recipe, config, rest, int(nproc), Path(out))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -692,9 +1191,13 @@ def main(argv: list[str] | None = None) -> int:
             "check-fsdp",
             "check-recipe",
             "re-estimate",
+            "trace",
+            "one-rank",
+            "gloo",
             "report",
         ),
     )
+    parser.add_argument("--check", help="trace: the stored check's name")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="dpo")
     parser.add_argument("--model", choices=sorted(RECIPE_MODELS), default="tiny")
     parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
@@ -715,6 +1218,12 @@ def main(argv: list[str] | None = None) -> int:
         check_recipe(args)
     elif args.what == "re-estimate":
         re_estimate(args)
+    elif args.what == "trace":
+        trace(args)
+    elif args.what == "one-rank":
+        one_rank(args)
+    elif args.what == "gloo":
+        gloo(args)
     else:
         _save(_load())
     return 0
