@@ -9,12 +9,10 @@ Subcommands (from the repository root; each adds its part to
     python benchmarks/memory_estimate.py check-fsdp  # 2 CPU processes, FSDP2, gloo
     python benchmarks/memory_estimate.py check-recipe --family dpo --model tiny \
         --nproc 2                                  # DPO, QAT, early exit, PPO
-    python benchmarks/memory_estimate.py re-estimate  # the checks' estimates again
+    python benchmarks/memory_estimate.py re-estimate [--check NAME ...]  # the
+                                                   # checks' estimates again
     python benchmarks/memory_estimate.py trace --check NAME  # a check's step on
                                                    # real tensors, counted 3 ways
-    python benchmarks/memory_estimate.py one-rank --check NAME  # a 1-process
-                                                   # check's step with and without
-                                                   # FSDP2 over its one rank
     python benchmarks/memory_estimate.py gloo      # gloo's collectives' copies
     python benchmarks/memory_estimate.py report    # the .md from the .json
 
@@ -33,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import itertools
 import json
 import os
 import runpy
@@ -341,6 +338,8 @@ def re_estimate(args: argparse.Namespace) -> None:
     measured runs (of the recipes, which the estimate does not change) are kept."""
     results = _load()
     for name, check in results.get("checks", {}).items():
+        if args.check and name not in args.check:
+            continue
         check["estimate"] = run_estimate(
             check["config"], check["overrides"], check["nproc"], check["recipe"]
         )
@@ -703,7 +702,8 @@ def trace(args: argparse.Namespace) -> None:
     profiler's allocation events) and by peak RSS per phase of the step above RSS at
     its start. Stored under ``traces``."""
     results = _load()
-    check = results["checks"][args.check]
+    (name,) = args.check
+    check = results["checks"][name]
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     out = work / f"trace_{int(time.time() * 1000)}"
@@ -738,111 +738,8 @@ def trace(args: argparse.Namespace) -> None:
         json.loads(Path(f"{out}.rank{r}.json").read_text())
         for r in range(check["nproc"])
     ]
-    results.setdefault("traces", {})[args.check] = ranks
+    results.setdefault("traces", {})[name] = ranks
     print(json.dumps(ranks[0], indent=1))
-    _save(results)
-
-
-def one_rank_rank(recipe: str, config: str, overrides: list[str], out: Path) -> None:
-    """On one process (gloo, one rank): each mode's step of the estimate on real
-    tensors, by torch's allocator, built as the estimate builds it (no FSDP2 on
-    one process) and as DPO and QAT build it (FSDP2 over the one rank)."""
-    import torch
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.profiler import profile
-
-    from torchtune.config._parse import TuneRecipeArgumentParser
-    from torchtune.config._utils import _merge_yaml_and_cli_args
-    from torchtune.training import memory_estimate as me
-
-    dist.init_process_group("gloo")
-    init_device_mesh("cpu", (1,))
-    path = me._config_path(config)[0]
-    yaml_args, _ = TuneRecipeArgumentParser(add_help=False).parse_known_args(
-        ["--config", str(path)]
-    )
-    cfg = _merge_yaml_and_cli_args(yaml_args, overrides)
-    build_model = me._Estimator._build_model
-
-    def build_sharded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # The estimate shards only over more than one rank; training.
-        # build_sharded_model, without a device mesh, shards over one too.
-        self.nproc = 2
-        try:
-            return build_model(self, *args, **kwargs)
-        finally:
-            self.nproc = 1
-
-    record: dict[str, Any] = {}
-    builds = (("no FSDP2", build_model), ("FSDP2 over 1 rank", build_sharded))
-    for (mode, in_bwd), (name, build) in itertools.product(
-        (("plain", False), ("in_backward", True)), builds
-    ):
-        mode_cfg = OmegaConf.merge(cfg, {"optimizer_in_bwd": in_bwd})
-        estimator = me._Estimator(mode_cfg, recipe, 1, me._seq_len(cfg, None)[0])
-        me._Estimator._build_model = build
-        torch.manual_seed(0)
-        setup = estimator.build_real(in_bwd)
-        me._Estimator._build_model = build_model
-        estimator.step_real(setup, in_bwd)  # the optimizer state
-        state = [
-            v
-            for s in setup.optimizer.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        ]
-        alive = {}
-        tensors = [t for m in setup.models for t in (*m.parameters(), *m.buffers())]
-        for t in [*tensors, *state]:
-            for storage in me._storages(t):
-                alive[id(storage)] = storage.nbytes()
-        probe = _PhaseProbe()
-        with me._bnb_patch("cpu"), profile(profile_memory=True) as prof:
-            estimator._step(setup, probe, in_bwd)
-            probe.close()
-        peak, phase = _profiled_peak(prof)
-        peak = {"peak": sum(alive.values()) + peak, "phase": phase}
-        record.setdefault(mode, {})[name] = peak
-        del setup, state, alive, prof
-        gc.collect()
-    out.write_text(json.dumps(record))
-
-
-def one_rank(args: argparse.Namespace) -> None:
-    """A stored one-process check of a distributed recipe: its step on real
-    tensors, by torch's allocator, without FSDP2 (as the estimate counts it on one
-    process) and with FSDP2 over the one rank (as DPO and QAT run it). Stored under
-    ``one_rank``."""
-    results = _load()
-    check = results["checks"][args.check]
-    out = Path(args.work_dir) / f"one_rank_{int(time.time() * 1000)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    script = str(Path(__file__).resolve())
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "1",
-        script,
-        "one-rank-rank",
-        check["recipe"],
-        check["config"],
-        str(out),
-        "--",
-        *check["overrides"],
-    ]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    record = json.loads(out.read_text())
-    results.setdefault("one_rank", {})[args.check] = record
-    print(args.check, record)
     _save(results)
 
 
@@ -1085,7 +982,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _traces_markdown(results: dict[str, Any]) -> list[str]:
-    """The ``trace``, ``one-rank`` and ``gloo`` sections of the report."""
+    """The ``trace`` and ``gloo`` sections of the report."""
     lines: list[str] = []
     traces = results.get("traces", {})
     if traces:
@@ -1121,35 +1018,6 @@ def _traces_markdown(results: dict[str, Any]) -> list[str]:
                     f"| {rank['profiled_peak'] / GB:.3f} ({rank['profiled_phase']}) "
                     f"| {rss} |"
                 )
-    one_rank = results.get("one_rank", {})
-    if one_rank:
-        lines += [
-            "",
-            "## One-process checks with FSDP2 over the one rank (`one-rank`)",
-            "",
-            "DPO and QAT shard their models on one process too "
-            "(`training.build_sharded_model` without a device mesh; early exit "
-            "passes a mesh, whose one-rank `dp` is not sharded over), which the "
-            "estimate does not: the step on real tensors by torch's allocator, "
-            "without FSDP2 and with FSDP2 over the one rank, GB.",
-            "",
-            "| check | mode | without FSDP2 (as estimated) | FSDP2 over 1 rank "
-            "| difference | measured peak RSS |",
-            "|---|---|---|---|---:|---:|",
-        ]
-        for name, rec in one_rank.items():
-            # Stored before in-backward was run too: the plain step only.
-            modes = rec if "plain" in rec else {"plain": rec}
-            for mode, builds in modes.items():
-                plain, sharded = builds["no FSDP2"], builds["FSDP2 over 1 rank"]
-                measured = results["checks"][name][f"measured_{mode}"]["peak_rss"]
-                lines.append(
-                    f"| {name} | {mode.replace('_', '-')} "
-                    f"| {plain['peak'] / GB:.3f} ({plain['phase']}) "
-                    f"| {sharded['peak'] / GB:.3f} ({sharded['phase']}) "
-                    f"| {(sharded['peak'] - plain['peak']) / GB:+.3f} "
-                    f"| {measured / GB:.3f} |"
-                )
     gloo = results.get("gloo")
     if gloo:
         lines += [
@@ -1174,10 +1042,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "gloo-rank":
         gloo_rank(Path(argv[1]))
         return 0
-    if argv and argv[0] == "one-rank-rank":
-        recipe, config, out, sep, *rest = argv[1:]
-        one_rank_rank(recipe, config, rest, Path(out))
-        return 0
     if argv and argv[0] == "trace-rank":
         recipe, config, nproc, out, sep, *rest = argv[1:]
         trace_rank(recipe, config, rest, int(nproc), Path(out))
@@ -1192,12 +1056,15 @@ def main(argv: list[str] | None = None) -> int:
             "check-recipe",
             "re-estimate",
             "trace",
-            "one-rank",
             "gloo",
             "report",
         ),
     )
-    parser.add_argument("--check", help="trace: the stored check's name")
+    parser.add_argument(
+        "--check",
+        action="append",
+        help="trace: the stored check's name; re-estimate: only these (repeatable)",
+    )
     parser.add_argument("--family", choices=sorted(FAMILIES), default="dpo")
     parser.add_argument("--model", choices=sorted(RECIPE_MODELS), default="tiny")
     parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun)")
@@ -1220,8 +1087,6 @@ def main(argv: list[str] | None = None) -> int:
         re_estimate(args)
     elif args.what == "trace":
         trace(args)
-    elif args.what == "one-rank":
-        one_rank(args)
     elif args.what == "gloo":
         gloo(args)
     else:
