@@ -107,6 +107,10 @@ FAMILIES = {
         "tiny_early_exit_distributed.yaml",
         ["layer_dropout=null"],
     ),
+    # The adapter over the base model below (lora_llama2 with the config's LoRA
+    # settings): rank 4 on q, v, output projections and the MLP.
+    "lora": ("lora_finetune_single_device", "tiny_lora_single_device.yaml", []),
+    "lora-distributed": ("lora_finetune_distributed", "tiny_lora_distributed.yaml", []),
     # Its four models are the tiny checkpoints of tests/assets/make_ppo_assets.py
     # (tiny only); 16 prompts: 2 steps of the config's 8.
     "ppo": (
@@ -200,6 +204,22 @@ def run_recipe(recipe: str, out: Path, argv: list[str]) -> None:
     runpy.run_path(str(path), run_name="__main__")
 
 
+def _run(command: list[str], what: str) -> None:
+    """Run ``command`` from the repository root with glibc's mmap threshold fixed at
+    64 KiB: glibc then maps every allocation of 64 KiB or more on its own and unmaps
+    it when freed, so that RSS follows the tensors alive (with the default, growing
+    threshold it keeps freed blocks of up to 32 MiB). Raises with its output if it
+    fails."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+
+
 def measure(
     recipe: str, config: str, overrides: list[str], nproc: int, work: Path
 ) -> dict[str, Any]:
@@ -225,17 +245,7 @@ def measure(
     else:
         command = [sys.executable, script, *args]
     start = time.perf_counter()
-    # A fixed mmap threshold: glibc maps every allocation of 64 KiB or more on its
-    # own and unmaps it when freed, so that RSS follows the tensors alive (with the
-    # default, growing threshold it keeps freed blocks of up to 32 MiB).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"measured run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
+    _run(command, "measured run")
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nproc)]
     return {
         "ranks": ranks,
@@ -471,6 +481,8 @@ def check_recipe(args: argparse.Namespace) -> None:
         "enable_activation_checkpointing": args.ac,
         **{f"model.{k}": v for k, v in section.items()},
     }
+    if args.family.startswith("lora"):
+        forced["model._component_"] = "torchtune.models.llama2.lora_llama2"
     if args.family == "dpo":
         forced["ref_checkpointer.checkpoint_dir"] = ckpt
     overrides = [format_override(k, v) for k, v in forced.items()]
@@ -726,14 +738,7 @@ def trace(args: argparse.Namespace) -> None:
         "--",
         *check["overrides"],
     ]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, env=env
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"trace failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
+    _run(command, "trace")
     ranks = [
         json.loads(Path(f"{out}.rank{r}.json").read_text())
         for r in range(check["nproc"])
@@ -798,9 +803,7 @@ def gloo(args: argparse.Namespace) -> None:
         "gloo-rank",
         str(out),
     ]
-    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    _run(command, "gloo")
     results["gloo"] = json.loads(Path(f"{out}.rank0.json").read_text())
     print(results["gloo"])
     _save(results)
