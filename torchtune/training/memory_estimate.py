@@ -755,8 +755,8 @@ class _Estimator:
         first), under ``fake_mode``."""
         cfg, name = self.cfg, self.recipe
         weights = partial(self._state_dict, fake_mode)
-        real_ranges = contextlib.nullcontext() if fake_mode is None else _RealValues()
-        with fake_mode or contextlib.nullcontext(), real_ranges:
+        real_values = contextlib.nullcontext() if fake_mode is None else _RealValues()
+        with fake_mode or contextlib.nullcontext(), real_values:
             if name == "ppo_full_finetune_single_device":
                 policy, value = cfg.policy_model, cfg.reward_and_value_model
                 build = recipe._setup_model
