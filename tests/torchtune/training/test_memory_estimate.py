@@ -475,9 +475,8 @@ def test_dpo_counts_the_frozen_reference_beside_the_policy():
     assert est.in_backward.peak.total <= est.plain.peak.total
 
 
-def test_ppo_counts_its_four_models_and_trains_two():
-    cfg = OmegaConf.load("tests/recipes/configs/tiny_ppo_single_device.yaml")
-    est = me.estimate(cfg, recipe="ppo_full_finetune_single_device")
+def test_ppo_counts_its_four_models_and_trains_two(recipe_estimates):
+    cfg, est = recipe_estimates["ppo_full_finetune_single_device"]
     # Policy and value model train; their frozen twins (reference, reward) do not.
     assert est.params == 2 * est.trainable_params
     assert est.plain.peak.by_category["parameters"] == est.param_bytes
