@@ -1,6 +1,7 @@
 """What several test files need: the bitwise tolerance, a tiny model and the training
 loop every recipe runs, a model's weights, a folder's files, and state of a recipe's
-own for the checkpoint manager to save (:class:`WeightAverage`).
+own for the checkpoint manager to save (:class:`WeightAverage`), and a process group
+of this process alone (:func:`one_process_group`).
 
 Two kinds of "snapshot", named apart: :func:`weights_of` (a model's parameters, to
 compare trainings) and :func:`snapshot_files` (every file and folder under a path,
@@ -12,12 +13,15 @@ in ``tests/recipes/utils.py``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 BITWISE = {"rtol": 0, "atol": 0}
@@ -115,3 +119,22 @@ class WeightAverage:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.average = {k: v.clone() for k, v in state_dict["average"].items()}
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """A gloo process group of this process alone, for FSDP2 and torchtune's
+    distributed helpers on one process; destroyed on exit. A collective that waits
+    longer than a minute fails instead of hanging the suite."""
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

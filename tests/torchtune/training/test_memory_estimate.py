@@ -17,10 +17,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import profile
 
+from tests.helpers import one_process_group
 from torchtune.training import memory_estimate as me
 
 RECIPE = "full_finetune_single_device"
@@ -77,19 +77,9 @@ def measure_real_step(
 ) -> tuple[int, int, dict[str, int]]:
     """The second training step of ``cfg`` on real tensors: bytes alive at its start,
     its peak, and what the first step left (parameter, gradient and state bytes)."""
+    # The distributed recipes shard their models with FSDP2 even on one process.
     with one_process_group() if me.RECIPES[recipe] else contextlib.nullcontext():
         return _measure_real_step(cfg, in_backward, seq_len, recipe)
-
-
-@contextlib.contextmanager
-def one_process_group():
-    """A gloo group of this process alone: the distributed recipes shard their
-    models with FSDP2 even on one process."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _measure_real_step(

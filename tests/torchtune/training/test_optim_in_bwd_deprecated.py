@@ -17,12 +17,10 @@ import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from datetime import timedelta
 
 import bitsandbytes.optim as bnb
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 from torch.testing import assert_close
 
+from tests import helpers
 from tests.helpers import BITWISE, batch, loss_fn, make_model, train, weights_of
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
@@ -405,15 +404,8 @@ def test_bitsandbytes_8bit_per_parameter_optimizers_resume_through_the_wrapper()
 @pytest.fixture
 def one_process_group():
     """A gloo process group of one process, for torchtune's distributed helpers."""
-    dist.init_process_group(
-        "gloo",
-        rank=0,
-        world_size=1,
-        store=dist.HashStore(),
-        timeout=timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
+    with helpers.one_process_group():
+        yield
 
 
 @pytest.mark.parametrize("style", ["single_device", "distributed"])

@@ -27,7 +27,6 @@ from typing import Any
 import bitsandbytes.optim as bnb
 import pytest
 import torch
-import torch.distributed as dist
 import torchao.optim as ao
 from omegaconf import OmegaConf
 from torch import nn
@@ -43,7 +42,15 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 from torch.testing import assert_close
 
-from tests.helpers import BITWISE, batch, loss_fn, make_model, train, weights_of
+from tests.helpers import (
+    BITWISE,
+    batch,
+    loss_fn,
+    make_model,
+    one_process_group,
+    train,
+    weights_of,
+)
 from tests.torchtune.distributed_launcher import DistributedRun
 from tests.torchtune.training.optimizer_in_backward_scenarios import (
     ADAMW,
@@ -121,12 +128,8 @@ def two_groups(model: nn.Module) -> list[dict]:
 @pytest.fixture
 def gloo_world_of_one() -> Iterator[DeviceMesh]:
     """A one-process gloo group and a 1-D mesh over it, torn down after the test."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_process_group():
         yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
 
 
 # -- the plain optimizer's face ---------------------------------------------------------

@@ -41,7 +41,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 from omegaconf import DictConfig, OmegaConf
@@ -52,7 +51,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from tests.helpers import BITWISE, WeightAverage, make_model, snapshot_files
+from tests.helpers import (
+    BITWISE,
+    WeightAverage,
+    make_model,
+    one_process_group,
+    snapshot_files,
+)
 from tests.recipes.utils import held_by_another_process, step_state
 from tests.torchtune.distributed_launcher import (
     DistributedRun,
@@ -519,12 +524,8 @@ def test_the_newest_checkpoint_is_the_newest_save_or_the_one_resumed(
 @pytest.fixture
 def gloo_world_of_one() -> Iterator[None]:
     """A one-process gloo group, torn down after the test."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded_model(state: dict[str, Any]) -> nn.Module:
